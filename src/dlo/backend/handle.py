@@ -1,0 +1,146 @@
+"""The object `dlo.enable()` returns: statistics, trace export and ordered teardown."""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dlo.config import OffloadConfig
+from dlo.errors import EnableError
+from dlo.hotpath.runtime import StreamingRuntime
+from dlo.observe.stats import OffloadStats
+from dlo.observe.trace import write_chrome_trace
+from dlo.planning.offload_plan import OffloadPlan
+
+# Every module under dlo (roots and blocks) -> its handle. The only state dlo keeps about
+# user modules; nothing is attached to them besides hooks.
+_MANAGED: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
+
+
+def refuse_if_managed(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if sub in _MANAGED:
+            where = f"its submodule {name!r}" if name else "it"
+            raise EnableError(
+                f"{type(module).__name__} is already under dlo ({where}); call handle.disable() "
+                "before enabling it again"
+            )
+
+
+class HandleState(enum.Enum):
+    """ENABLED: hooks installed, streamed weights in host buffers and slots.
+    DISABLED: a plain module again (terminal; enable() again makes a new handle)."""
+
+    ENABLED = "enabled"
+    DISABLED = "disabled"
+
+
+class OffloadHandle:
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        config: OffloadConfig,
+        plan: OffloadPlan,
+        runtime: StreamingRuntime,
+        hooks: Sequence[RemovableHandle],
+        managed: Sequence[nn.Module],
+        resident_blocks: int,
+        device_weight_bytes: int,
+        setup_s: float,
+    ) -> None:
+        self.module = module
+        self.device = device
+        self.config = config
+        self.plan = plan
+        self.state = HandleState.ENABLED
+        self._runtime = runtime
+        self._ledger = runtime.ledger
+        self._hooks = list(hooks)
+        self._managed = list(managed)
+        self._resident_blocks = resident_blocks
+        self._device_weight_bytes = device_weight_bytes
+        self._setup_s = setup_s
+        self._final_stats: OffloadStats | None = None
+        for sub in self._managed:
+            _MANAGED[sub] = self
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    def stats(self) -> OffloadStats:
+        """Counters since enable(). Synchronizes the device to settle pending copy timings."""
+        if self._final_stats is not None:
+            return self._final_stats
+        runtime = self._runtime
+        runtime.transfer.synchronize()
+        ledger = runtime.ledger
+        ledger.settle()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = self._device_weight_bytes
+        return OffloadStats(
+            streamed_blocks=len(runtime.blocks),
+            resident_blocks=self._resident_blocks,
+            bytes_streamed=ledger.bytes_streamed,
+            copies=ledger.copies,
+            copy_s=ledger.copy_s,
+            h2d_gbps=ledger.bytes_streamed / ledger.copy_s / 1e9 if ledger.copy_s > 0 else 0.0,
+            exposed_copy_s=ledger.exposed_copy_s,
+            demand_loads=runtime.planner.demand_loads,
+            peak_device_bytes=peak,
+            device_weight_bytes=self._device_weight_bytes,
+            slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
+            host_bytes=sum(block.host.nbytes for block in runtime.blocks),
+            pinned=any(block.host.pinned for block in runtime.blocks),
+            setup_s=self._setup_s,
+        )
+
+    def export_trace(self, path: str | Path) -> int:
+        """Write the copy/compute timeline as Chrome/Perfetto JSON; returns the event count.
+        Needs OffloadConfig(record_timeline=True)."""
+        if not self.config.record_timeline:
+            raise EnableError("export_trace needs OffloadConfig(record_timeline=True) at enable()")
+        self.stats()
+        return write_chrome_trace(path, self._ledger.timeline)
+
+    def disable(self) -> OffloadStats:
+        """Return the module to a plain state; idempotent. Streamed blocks get ordinary CPU
+        tensors (their host copies, unpinned); everything else stays on the device.
+
+        Order: synchronize the device, unpin host memory, remove hooks, repoint tensors,
+        free the slots. Returns the final statistics."""
+        if self.state is HandleState.DISABLED:
+            assert self._final_stats is not None
+            return self._final_stats
+        final = self.stats()
+        runtime = self._runtime
+        unpin_errors = []
+        for block in runtime.blocks:
+            try:
+                block.host.unpin()
+            except EnableError as err:  # the bytes stay valid: the views below keep them alive
+                unpin_errors.append(f"{block.name}: {err}")
+        for hook in self._hooks:
+            hook.remove()
+        for block in runtime.blocks:
+            block.point_at(block.host_views())
+        for sub in self._managed:
+            _MANAGED.pop(sub, None)
+        self._hooks.clear()
+        self._final_stats = final
+        self.state = HandleState.DISABLED
+        self._runtime = None  # type: ignore[assignment]  # drops slots, views and events
+        if unpin_errors:
+            raise EnableError("disable() could not unpin host buffers: " + "; ".join(unpin_errors))
+        return final

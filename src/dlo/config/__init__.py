@@ -1,0 +1,3 @@
+from dlo.config.offload_config import OffloadConfig
+
+__all__ = ["OffloadConfig"]

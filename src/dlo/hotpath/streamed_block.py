@@ -1,0 +1,53 @@
+"""One streamed block: its live tensors, where they sit in the flat layout, its host copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dlo.errors import StreamingError
+from dlo.host.pinned_buffer import HostBuffer
+from dlo.planning.block_layout import BlockLayout, view_placement
+
+
+@dataclass(frozen=True)
+class Binding:
+    """`owner._parameters[key]` (or `_buffers`) must stay `tensor` while dlo streams it."""
+
+    owner: nn.Module
+    key: str
+    is_parameter: bool
+    tensor: torch.Tensor
+
+    def is_intact(self) -> bool:
+        table = self.owner._parameters if self.is_parameter else self.owner._buffers
+        return table.get(self.key) is self.tensor
+
+
+@dataclass(frozen=True)
+class StreamedBlock:
+    name: str
+    layout: BlockLayout
+    tensors: tuple[torch.Tensor, ...]  # unique live tensors, in layout order
+    bindings: tuple[Binding, ...]  # every (owner, key) that holds one of them
+    host: HostBuffer
+    placeholders: tuple[torch.Tensor, ...]
+
+    def host_views(self) -> tuple[torch.Tensor, ...]:
+        return tuple(view_placement(self.host.tensor, p) for p in self.layout.placements)
+
+    def point_at(self, views: tuple[torch.Tensor, ...]) -> None:
+        for tensor, view in zip(self.tensors, views):
+            tensor.data = view
+
+    def check_intact(self) -> None:
+        for binding in self.bindings:
+            if not binding.is_intact():
+                kind = "parameter" if binding.is_parameter else "buffer"
+                raise StreamingError(
+                    f"{kind} {binding.key!r} of streamed block {self.name!r} was replaced after dlo.enable(); "
+                    "dlo streams the tensors it packed. Call handle.disable() before changing weights, "
+                    "then dlo.enable() again."
+                )

@@ -1,0 +1,37 @@
+"""What `handle.stats()` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """Counters since `enable()`.
+
+    bytes_streamed / copies: block copies into device slots (prefetched or on demand).
+    copy_s: summed duration of those copies; h2d_gbps = bytes_streamed / copy_s / 1e9.
+    exposed_copy_s: time the compute stream waited for a block that had not landed yet,
+        i.e. copy time not hidden behind compute (on "cpu" every copy is exposed).
+    demand_loads: copies issued when a block started without having been prefetched (the
+        first block of the first call, and every time the call order changed).
+    peak_device_bytes: CUDA: torch.cuda.max_memory_allocated since enable. CPU: the weight
+        bytes dlo keeps on the device (no allocator to ask).
+    device_weight_bytes: non-streamed parts + resident blocks + slots.
+    host_bytes: host copies of the streamed blocks; pinned: whether they are page-locked.
+    """
+
+    streamed_blocks: int
+    resident_blocks: int
+    bytes_streamed: int
+    copies: int
+    copy_s: float
+    h2d_gbps: float
+    exposed_copy_s: float
+    demand_loads: int
+    peak_device_bytes: int
+    device_weight_bytes: int
+    slot_bytes: int
+    host_bytes: int
+    pinned: bool
+    setup_s: float

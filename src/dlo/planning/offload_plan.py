@@ -1,0 +1,148 @@
+"""Which blocks of a module stream: declared plans for known diffusers transformers, and
+auto-discovery of repeated blocks for any other module."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from dlo.errors import DiscoveryError
+
+logger = logging.getLogger(__name__)
+
+_DOUBLE_THEN_SINGLE = ("transformer_blocks", "single_transformer_blocks")
+
+# Class name -> block lists in execution order. Matched along the MRO, so subclasses inherit.
+DECLARED_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
+    "WanTransformer3DModel": ("blocks",),
+    "SkyReelsV2Transformer3DModel": ("blocks",),
+    "FluxTransformer2DModel": _DOUBLE_THEN_SINGLE,
+    "Flux2Transformer2DModel": _DOUBLE_THEN_SINGLE,
+    "ChromaTransformer2DModel": _DOUBLE_THEN_SINGLE,
+    "HunyuanVideoTransformer3DModel": _DOUBLE_THEN_SINGLE,
+    "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
+    "SD3Transformer2DModel": ("transformer_blocks",),
+    "QwenImageTransformer2DModel": ("transformer_blocks",),
+    "LTXVideoTransformer3DModel": ("transformer_blocks",),
+    "LTX2VideoTransformer3DModel": ("transformer_blocks",),
+    "CogVideoXTransformer3DModel": ("transformer_blocks",),
+    "MochiTransformer3DModel": ("transformer_blocks",),
+    "CosmosTransformer3DModel": ("transformer_blocks",),
+    "SanaTransformer2DModel": ("transformer_blocks",),
+    "HiDreamImageTransformer2DModel": ("double_stream_blocks", "single_stream_blocks"),
+    "AuraFlowTransformer2DModel": ("joint_transformer_blocks", "single_transformer_blocks"),
+}
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The blocks to stream, as dotted paths of `nn.ModuleList`s in execution order.
+
+    resident_eligible: the lists whose blocks `resident_layers` may keep on the device
+        (None: all of them). source: "declared", "auto" or "user", for reports.
+    """
+
+    block_lists: tuple[str, ...]
+    resident_eligible: tuple[str, ...] | None = None
+    source: str = "user"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_lists, str) or not self.block_lists:
+            raise DiscoveryError(
+                f"OffloadPlan.block_lists must be a non-empty tuple of dotted paths, got {self.block_lists!r}"
+            )
+        if len(set(self.block_lists)) != len(self.block_lists):
+            raise DiscoveryError(f"OffloadPlan.block_lists names a list twice: {self.block_lists!r}")
+        for outer in self.block_lists:
+            for inner in self.block_lists:
+                if inner.startswith(outer + "."):
+                    raise DiscoveryError(f"OffloadPlan.block_lists: {inner!r} lies inside {outer!r}; name one of them")
+        unknown = set(self.resident_eligible or ()) - set(self.block_lists)
+        if unknown:
+            raise DiscoveryError(
+                f"OffloadPlan.resident_eligible names {sorted(unknown)} which are not in block_lists {self.block_lists!r}"
+            )
+
+    def is_resident_eligible(self, list_path: str) -> bool:
+        return self.resident_eligible is None or list_path in self.resident_eligible
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One streamable block: its dotted name in the root module and the list it belongs to."""
+
+    name: str
+    list_path: str
+    module: nn.Module
+
+
+def _declared_lists(module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    for cls in type(module).__mro__:
+        if cls.__name__ in DECLARED_BLOCK_LISTS:
+            return cls.__name__, DECLARED_BLOCK_LISTS[cls.__name__]
+    return None
+
+
+def _is_block_list(candidate: nn.Module) -> bool:
+    children = list(candidate.children()) if isinstance(candidate, nn.ModuleList) else []
+    return (
+        len(children) >= 2
+        and len({type(child) for child in children}) == 1
+        and all(any(True for _ in child.parameters()) for child in children)
+    )
+
+
+def _auto_lists(module: nn.Module) -> tuple[str, ...]:
+    found: list[str] = []
+    for name, candidate in module.named_modules():
+        if name and _is_block_list(candidate) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return tuple(found)
+
+
+def discover(module: nn.Module) -> OffloadPlan:
+    """The plan dlo would use for `module`: its declared plan, else auto-discovered lists."""
+    declared = _declared_lists(module)
+    if declared is not None:
+        class_name, lists = declared
+        present = tuple(p for p in lists if isinstance(_get(module, p), nn.ModuleList))
+        if present == lists:
+            return OffloadPlan(block_lists=lists, source="declared")
+        logger.warning(
+            "dlo: %s no longer has the declared block lists %s (found %s); auto-discovering instead",
+            class_name, lists, present,
+        )
+    lists = _auto_lists(module)
+    if not lists:
+        raise DiscoveryError(
+            f"dlo found nothing to stream in {type(module).__name__}: it has no declared plan and no "
+            "nn.ModuleList of two or more modules of one class with parameters. "
+            "Pass plan=dlo.OffloadPlan(block_lists=('path.to.blocks',)) naming the list of blocks."
+        )
+    return OffloadPlan(block_lists=lists, source="auto")
+
+
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def resolve_blocks(module: nn.Module, plan: OffloadPlan) -> list[BlockRef]:
+    """The plan's blocks in execution order (list by list, index by index)."""
+    blocks: list[BlockRef] = []
+    for path in plan.block_lists:
+        block_list = _get(module, path)
+        if not isinstance(block_list, nn.ModuleList):
+            found = "nothing" if block_list is None else type(block_list).__name__
+            raise DiscoveryError(
+                f"OffloadPlan names block list {path!r} but {type(module).__name__} has {found} there; "
+                "block_lists must name nn.ModuleList attributes (see `dlo inspect`)"
+            )
+        blocks.extend(BlockRef(f"{path}.{i}", path, block) for i, block in enumerate(block_list))
+    if not blocks:
+        raise DiscoveryError(f"the block lists {plan.block_lists!r} of {type(module).__name__} are all empty")
+    return blocks

@@ -1,0 +1,131 @@
+"""Which device slot holds which streamed block, and what to copy next. Pure Python.
+
+Blocks are the integers 0..num_blocks-1 in static execution order; slots are 0..num_slots-1.
+The planner never touches tensors: the hot path asks it what to do and executes the answer,
+so the schedule is testable with integers alone.
+
+[Note: slot ownership]
+A slot holds at most one block; the table below is the truth about which. A slot is
+*active* from `begin(block)` to `end(block)`, and an active slot is never chosen for a
+copy: its block's kernels may still read it. A copy into a slot is ordered after the slot's
+last use by the hot path's "free" event, and a block's first use after its copy by the
+"ready" event, so the table may change as soon as the copy is enqueued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlo.errors import StreamingError
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy `block` into `slot`."""
+
+    block: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class BlockStart:
+    """What the hot path does when `block` starts: copy it now if `demand` (it was not
+    prefetched), run it from `slot`, then issue the `prefetch` loads."""
+
+    slot: int
+    demand: Load | None
+    prefetch: tuple[Load, ...]
+
+
+class SlotPlanner:
+    """Ring prefetch over a learned execution order.
+
+    The next block is predicted from the transitions seen so far, starting with the static
+    order wrapping to block 0 for the next call. A call that skips or repeats blocks updates
+    the prediction; a block that was not predicted is loaded on demand, never served from a
+    stale slot. With N slots, up to N - 1 predicted blocks are copied ahead.
+    """
+
+    def __init__(self, num_blocks: int, num_slots: int) -> None:
+        if num_blocks < 0 or num_slots < 2:
+            raise ValueError(f"need num_blocks >= 0 and num_slots >= 2, got {num_blocks}, {num_slots}")
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        self._successor = [(i + 1) % num_blocks for i in range(num_blocks)]
+        self._block_in_slot: list[int | None] = [None] * num_slots
+        self._active = [False] * num_slots
+        self._last_use = [0] * num_slots
+        self._clock = 0
+        self._previous: int | None = None
+        self.demand_loads = 0
+
+    def slot_of(self, block: int) -> int | None:
+        for slot, held in enumerate(self._block_in_slot):
+            if held == block:
+                return slot
+        return None
+
+    def begin(self, block: int) -> BlockStart:
+        if self._previous is not None:
+            self._successor[self._previous] = block
+        self._previous = block
+
+        slot = self.slot_of(block)
+        demand = None
+        if slot is not None and self._active[slot]:
+            raise StreamingError(f"streamed block {block} was entered again while it is still running")
+        if slot is None:
+            slot = self._victim(keep=())
+            if slot is None:
+                raise StreamingError(
+                    f"all {self.num_slots} slots hold running blocks; raise OffloadConfig.num_slots "
+                    "above the number of streamed blocks that run nested inside each other"
+                )
+            demand = self._assign(block, slot)
+            self.demand_loads += 1
+        self._active[slot] = True
+        self._touch(slot)
+        return BlockStart(slot, demand, self._prefetch_after(block))
+
+    def end(self, block: int) -> int | None:
+        """Mark `block` finished; returns its slot, or None if it was not running."""
+        slot = self.slot_of(block)
+        if slot is None or not self._active[slot]:
+            return None
+        self._active[slot] = False
+        self._touch(slot)
+        return slot
+
+    def _prefetch_after(self, block: int) -> tuple[Load, ...]:
+        loads: list[Load] = []
+        wanted = [block]
+        nxt = self._successor[block]
+        while len(wanted) < self.num_slots and nxt not in wanted:
+            wanted.append(nxt)
+            if self.slot_of(nxt) is None:
+                slot = self._victim(keep=wanted)
+                if slot is None:
+                    break
+                loads.append(self._assign(nxt, slot))
+            nxt = self._successor[nxt]
+        return tuple(loads)
+
+    def _victim(self, keep: list[int] | tuple[int, ...]) -> int | None:
+        """An empty slot, else the least recently used one that is idle and not kept."""
+        free = [
+            slot
+            for slot in range(self.num_slots)
+            if not self._active[slot] and self._block_in_slot[slot] not in keep
+        ]
+        if not free:
+            return None
+        return min(free, key=lambda slot: (self._block_in_slot[slot] is not None, self._last_use[slot]))
+
+    def _assign(self, block: int, slot: int) -> Load:
+        self._block_in_slot[slot] = block
+        self._touch(slot)
+        return Load(block, slot)
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self._last_use[slot] = self._clock
