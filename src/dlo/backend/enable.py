@@ -4,7 +4,6 @@ allocate slots and install the hooks."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +21,7 @@ from dlo.hotpath.transfer import make_transfer
 from dlo.observe.ledger import TransferLedger
 from dlo.planning.block_layout import TensorSpec, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
+from dlo.planning.tensor_walk import owned_tensors, unique_tensors
 
 
 @dataclass(frozen=True)
@@ -30,25 +30,6 @@ class _BlockTensors:
     specs: tuple[TensorSpec, ...]
     tensors: tuple[torch.Tensor, ...]
     bindings: tuple[Binding, ...]
-
-
-def _owned_tensors(module: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Module, str, bool, torch.Tensor]]:
-    """(qualified name, owner, key, is_parameter, tensor) for every tensor slot under `module`,
-    not descending into modules whose id is in `skip`."""
-
-    def walk(prefix: str, mod: nn.Module, seen: set[int]) -> Iterator:
-        if id(mod) in skip or id(mod) in seen:
-            return
-        seen.add(id(mod))
-        for is_parameter, table in ((True, mod._parameters), (False, mod._buffers)):
-            for key, tensor in table.items():
-                if tensor is not None:
-                    yield f"{prefix}{key}", mod, key, is_parameter, tensor
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                yield from walk(f"{prefix}{child_name}.", child, seen)
-
-    yield from walk("", module, set())
 
 
 def _check_streamable(name: str, tensor: torch.Tensor) -> None:
@@ -65,13 +46,14 @@ def _collect(ref: BlockRef) -> _BlockTensors:
     specs: list[TensorSpec] = []
     tensors: list[torch.Tensor] = []
     bindings: list[Binding] = []
-    for name, owner, key, is_parameter, tensor in _owned_tensors(ref.module, skip=set()):
+    for owned in owned_tensors(ref.module):
+        tensor = owned.tensor
         if id(tensor) not in index:
-            _check_streamable(f"{ref.name}.{name}", tensor)
+            _check_streamable(f"{ref.name}.{owned.name}", tensor)
             index[id(tensor)] = len(tensors)
             tensors.append(tensor)
-            specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
-        bindings.append(Binding(owner, key, is_parameter, tensor))
+            specs.append(TensorSpec(owned.name, tuple(tensor.shape), tensor.dtype))
+        bindings.append(Binding(owned.owner, owned.key, owned.is_parameter, tensor))
     return _BlockTensors(ref, tuple(specs), tuple(tensors), tuple(bindings))
 
 
@@ -152,15 +134,12 @@ def enable(
 
     started = time.perf_counter()
     streamed_tensors = [_collect(ref) for ref in streamed_refs]
-    skip = {id(sub) for ref in streamed_refs for sub in ref.module.modules()}
-    rest: dict[int, str] = {}
-    rest_tensors: list[torch.Tensor] = []
-    for name, _owner, _key, _is_param, tensor in _owned_tensors(module, skip):
-        if id(tensor) not in rest:
-            _check_streamable(name, tensor)
-            rest[id(tensor)] = name
-            rest_tensors.append(tensor)
-    _refuse_shared(streamed_tensors, rest)
+    skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
+    rest = unique_tensors(module, skip)
+    for owned in rest.values():
+        _check_streamable(owned.name, owned.tensor)
+    _refuse_shared(streamed_tensors, {key: owned.name for key, owned in rest.items()})
+    rest_tensors = [owned.tensor for owned in rest.values()]
 
     pin = config.pin_memory and device.type == "cuda"
     placeholder: dict[torch.dtype, torch.Tensor] = {}
@@ -176,7 +155,7 @@ def enable(
             device_weight_bytes = _place_rest(rest_tensors, device)
             transfer = make_transfer(device)
             slot_bytes = max((b.layout.nbytes for b in packed), default=0)
-            slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)] if packed else []
+            slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
             ledger = TransferLedger(transfer, config.record_timeline)
             runtime = StreamingRuntime(packed, slots, transfer, ledger)
     except BaseException:

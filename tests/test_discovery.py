@@ -1,0 +1,103 @@
+import pytest
+import torch
+from torch import nn
+
+import dlo
+from dlo.planning.offload_plan import DECLARED_BLOCK_LISTS, resolve_blocks
+
+diffusers = pytest.importorskip("diffusers")
+
+# Arguments some classes need beyond their defaults to be built at all.
+_EXTRA_ARGS = {
+    "HiDreamImageTransformer2DModel": dict(patch_size=2, caption_channels=[4096, 4096], llama_layers=list(range(48))),
+}
+
+
+@pytest.mark.parametrize("class_name", sorted(DECLARED_BLOCK_LISTS))
+def test_declared_plan_matches_the_real_class(class_name):
+    cls = getattr(diffusers, class_name, None)
+    if cls is None:
+        pytest.skip(f"{class_name} is not in diffusers {diffusers.__version__}")
+    with torch.device("meta"):  # full-size default config, no memory
+        model = cls(**_EXTRA_ARGS.get(class_name, {}))
+    plan = dlo.discover(model)
+    assert plan.source == "declared"
+    assert plan.block_lists == DECLARED_BLOCK_LISTS[class_name]
+    blocks = resolve_blocks(model, plan)
+    # Every block is (or wraps, as HiDreamBlock does) a class diffusers itself treats as a
+    # repeated block.
+    hint = set(getattr(cls, "_repeated_blocks", None) or ()) | set(getattr(cls, "_no_split_modules", None) or ())
+    for block in blocks:
+        names = {type(block.module).__name__} | {type(c).__name__ for c in block.module.children()}
+        assert names & hint, block.name
+    assert len(blocks) == sum(len(model.get_submodule(p)) for p in plan.block_lists)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.stages = nn.ModuleList([_Block(), _Block(), _Block()])
+        self.heads = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])  # mixed classes: not blocks
+        self.norms = nn.ModuleList([nn.ReLU(), nn.ReLU()])  # no parameters: not blocks
+        self.single = nn.ModuleList([_Block()])  # one module: not a repeated block
+
+
+def test_auto_discovery_finds_repeated_same_class_blocks_only():
+    plan = dlo.discover(_Custom())
+    assert plan == dlo.OffloadPlan(block_lists=("stages",), source="auto")
+
+
+def test_auto_discovery_does_not_descend_into_found_lists():
+    outer = nn.Module()
+    inner = nn.ModuleList([_Block(), _Block()])
+    outer.layers = nn.ModuleList([nn.Sequential(inner), nn.Sequential(nn.Linear(2, 2))])
+    outer.layers = nn.ModuleList([_Custom(), _Custom()])
+    assert dlo.discover(outer).block_lists == ("layers",)
+
+
+def test_module_with_nothing_to_stream_says_what_was_looked_for():
+    with pytest.raises(dlo.DiscoveryError, match="no declared plan and no nn.ModuleList of two or more"):
+        dlo.discover(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+
+
+def test_declared_class_whose_lists_moved_falls_back_to_auto(caplog):
+    class WanTransformer3DModel(nn.Module):  # same name, different structure
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_Block(), _Block()])
+
+    plan = dlo.discover(WanTransformer3DModel())
+    assert plan.block_lists == ("layers",) and plan.source == "auto"
+    assert "no longer has the declared block lists" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(block_lists=()), "non-empty tuple"),
+        (dict(block_lists="stages"), "non-empty tuple"),
+        (dict(block_lists=("a", "a")), "names a list twice"),
+        (dict(block_lists=("a", "a.b")), "lies inside"),
+        (dict(block_lists=("a",), resident_eligible=("b",)), "not in block_lists"),
+    ],
+)
+def test_invalid_plans_are_rejected(kwargs, message):
+    with pytest.raises(dlo.DiscoveryError, match=message):
+        dlo.OffloadPlan(**kwargs)
+
+
+def test_plan_naming_a_missing_list_is_an_error():
+    with pytest.raises(dlo.DiscoveryError, match="has nothing there"):
+        dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("missing",)))
+
+
+def test_plan_naming_a_non_list_is_an_error():
+    with pytest.raises(dlo.DiscoveryError, match="has Linear there"):
+        dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("embed",)))

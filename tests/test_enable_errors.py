@@ -1,0 +1,166 @@
+"""Bad input to enable() and misuse of an enabled module: each a named error, nothing lost."""
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+
+
+class Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("gpu", "is not a device"),
+        ("cuda:x", "is not a device"),
+        (3.5, "is not a device"),
+        ("meta", "'meta' is not supported"),
+        ("mps", "'mps' is not supported"),
+    ],
+)
+def test_wrong_device_strings(device, message):
+    with pytest.raises(dlo.ConfigError, match=message):
+        dlo.enable(Stack(), device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_says_so():
+    with pytest.raises(dlo.ConfigError, match="no usable CUDA device"):
+        dlo.enable(Stack(), "cuda")
+
+
+def test_config_and_plan_types_are_checked():
+    with pytest.raises(dlo.ConfigError, match="config must be a dlo.OffloadConfig"):
+        dlo.enable(Stack(), "cpu", config={"num_slots": 2})
+    with pytest.raises(dlo.ConfigError, match="plan must be a dlo.OffloadPlan"):
+        dlo.enable(Stack(), "cpu", plan=("blocks",))
+
+
+def test_resident_layers_beyond_the_blocks():
+    with pytest.raises(dlo.ConfigError, match="resident_layers=4 but Stack has 3 blocks"):
+        dlo.enable(Stack(), "cpu", dlo.OffloadConfig(resident_layers=4))
+
+
+def test_resident_layers_outside_eligible_lists():
+    model = Stack()
+    model.extra = nn.ModuleList([Block(), Block()])
+    plan = dlo.OffloadPlan(block_lists=("extra", "blocks"), resident_eligible=("blocks",))
+    with pytest.raises(dlo.ConfigError, match="would keep 'extra.0' resident"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=1), plan=plan)
+
+
+def test_enabling_an_enabled_module_again():
+    model = Stack()
+    with dlo.enable(model, "cpu"):
+        with pytest.raises(dlo.EnableError, match="already under dlo"):
+            dlo.enable(model, "cpu")
+        wrapper = nn.Module()
+        wrapper.inner = model
+        with pytest.raises(dlo.EnableError, match="its submodule 'inner'"):
+            dlo.enable(wrapper, "cpu", plan=dlo.OffloadPlan(block_lists=("inner.blocks",)))
+    with dlo.enable(model, "cpu"):  # fine once disabled
+        pass
+
+
+def test_replaced_parameter_after_enable_is_detected():
+    model = Stack()
+    with dlo.enable(model, "cpu"):
+        model.blocks[1].linear.weight = nn.Parameter(torch.zeros(8, 8))
+        with torch.inference_mode(), pytest.raises(dlo.StreamingError, match=r"'weight' of streamed block 'blocks.1'"):
+            model(torch.ones(1, 8))
+
+
+def test_replaced_buffer_after_enable_is_detected():
+    model = Stack()
+    model.blocks[0].register_buffer("scale", torch.ones(8))
+    with dlo.enable(model, "cpu"):
+        model.blocks[0].scale = torch.zeros(8)
+        with torch.inference_mode(), pytest.raises(dlo.StreamingError, match="buffer 'scale'"):
+            model(torch.ones(1, 8))
+
+
+def test_calls_with_autograd_enabled_are_refused():
+    model = Stack()
+    with dlo.enable(model, "cpu"):
+        with pytest.raises(dlo.StreamingError, match="inference only"):
+            model(torch.ones(1, 8))
+        with torch.no_grad():  # the failed call left the slots usable
+            model(torch.ones(1, 8))
+
+
+def test_meta_weights_are_refused_before_anything_changes():
+    with torch.device("meta"):
+        model = Stack()
+    with pytest.raises(dlo.EnableError, match="meta device"):
+        dlo.enable(model, "cpu")
+
+
+def test_weights_tied_across_blocks_are_refused_and_untouched():
+    model = Stack()
+    model.blocks[2].linear.weight = model.blocks[0].linear.weight
+    before = model.blocks[0].linear.weight.detach().clone()
+    with pytest.raises(dlo.EnableError, match="blocks.2.linear.weight is the same tensor as 'blocks.0.linear.weight'"):
+        dlo.enable(model, "cpu")
+    assert torch.equal(model.blocks[0].linear.weight, before)
+    dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=3)).disable()  # resident: fine
+
+
+def test_weight_shared_with_a_non_streamed_part_is_refused():
+    model = Stack()
+    model.inp.weight = model.blocks[1].linear.weight
+    with pytest.raises(dlo.EnableError, match="same tensor as 'inp.weight'"):
+        dlo.enable(model, "cpu")
+
+
+def test_weights_tied_inside_one_block_stream_once():
+    model = Stack()
+    block = model.blocks[1]
+    block.twin = nn.Linear(8, 8)
+    block.twin.weight = block.linear.weight
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with dlo.enable(model, "cpu"), torch.no_grad():
+        assert torch.equal(model(x), expected)
+        assert model.blocks[1].twin.weight is model.blocks[1].linear.weight
+
+
+def test_tensor_subclasses_are_refused():
+    class Tagged(torch.Tensor):
+        pass
+
+    model = Stack()
+    model.blocks[0].register_buffer("tag", torch.ones(2).as_subclass(Tagged))
+    with pytest.raises(dlo.EnableError, match="plain dense tensors"):
+        dlo.enable(model, "cpu")
+
+
+def test_generic_module_streams_bit_identically():
+    model = Stack(depth=5)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=3)), torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)

@@ -1,0 +1,86 @@
+"""The schedule alone, with integers: which slot each block runs from and what is copied."""
+
+import pytest
+
+from dlo.errors import StreamingError
+from dlo.planning.slot_planner import BlockStart, Load, SlotPlanner
+
+
+def run(planner, order):
+    starts = []
+    for block in order:
+        starts.append(planner.begin(block))
+        planner.end(block)
+    return starts
+
+
+def test_two_slots_ring_prefetches_next_block_and_wraps():
+    planner = SlotPlanner(num_blocks=3, num_slots=2)
+    assert run(planner, [0, 1, 2]) == [
+        BlockStart(slot=0, demand=Load(0, 0), prefetch=(Load(1, 1),)),
+        BlockStart(slot=1, demand=None, prefetch=(Load(2, 0),)),
+        # the ring wraps: block 0 of the next call goes into the slot block 1 used
+        BlockStart(slot=0, demand=None, prefetch=(Load(0, 1),)),
+    ]
+    assert run(planner, [0, 1, 2]) == [
+        BlockStart(slot=1, demand=None, prefetch=(Load(1, 0),)),
+        BlockStart(slot=0, demand=None, prefetch=(Load(2, 1),)),
+        BlockStart(slot=1, demand=None, prefetch=(Load(0, 0),)),
+    ]
+    assert planner.demand_loads == 1
+
+
+def test_three_slots_copy_two_blocks_ahead():
+    planner = SlotPlanner(num_blocks=4, num_slots=3)
+    starts = run(planner, [0, 1, 2, 3])
+    assert starts[0] == BlockStart(0, Load(0, 0), (Load(1, 1), Load(2, 2)))
+    assert starts[1] == BlockStart(1, None, (Load(3, 0),))
+    assert starts[2] == BlockStart(2, None, (Load(0, 1),))
+    assert starts[3] == BlockStart(0, None, (Load(1, 2),))
+
+
+def test_fewer_blocks_than_slots_stay_loaded():
+    planner = SlotPlanner(num_blocks=2, num_slots=3)
+    run(planner, [0, 1])
+    assert run(planner, [0, 1, 0, 1]) == [BlockStart(0, None, ()), BlockStart(1, None, ())] * 2
+
+
+def test_skipped_block_is_learned_and_never_served_stale():
+    planner = SlotPlanner(num_blocks=4, num_slots=2)
+    run(planner, [0, 1, 2, 3])
+    # Block 1 prefetched block 2, but this call skips 2: block 3 was not predicted.
+    starts = run(planner, [0, 1, 3])
+    assert starts[2].demand is not None and starts[2].demand.block == 3
+    # The next call predicts 1 -> 3 and copies nothing on demand.
+    starts = run(planner, [0, 1, 3])
+    assert [s.demand for s in starts] == [None, None, None]
+    assert starts[1].prefetch == (Load(3, starts[0].slot),)
+
+
+def test_block_called_twice_in_a_row_is_not_copied_again():
+    planner = SlotPlanner(num_blocks=3, num_slots=2)
+    run(planner, [0, 1, 2])
+    starts = run(planner, [0, 0, 1, 2])
+    assert starts[1].demand is None and starts[1].slot == starts[0].slot
+
+
+def test_running_slot_is_never_evicted():
+    planner = SlotPlanner(num_blocks=3, num_slots=2)
+    outer = planner.begin(0)
+    inner = planner.begin(2)  # nested: block 2 runs inside block 0
+    assert inner.slot != outer.slot
+    assert all(load.slot != outer.slot for load in inner.prefetch)
+    with pytest.raises(StreamingError, match="num_slots"):
+        planner.begin(1)
+
+
+def test_reentering_a_running_block_is_an_error():
+    planner = SlotPlanner(num_blocks=2, num_slots=2)
+    planner.begin(0)
+    with pytest.raises(StreamingError, match="entered again"):
+        planner.begin(0)
+
+
+def test_end_of_a_block_that_never_started_is_ignored():
+    planner = SlotPlanner(num_blocks=2, num_slots=2)
+    assert planner.end(1) is None
