@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlo.errors import ConfigError
 
@@ -22,23 +22,28 @@ def _require_bool(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """How dlo streams a module's blocks.
+    """How dlo streams a module's blocks. Each field's `help` metadata is its documentation
+    (the CLI flags are generated from it, one flag per field)."""
 
-    num_slots: rotating device buffers, each sized for the largest streamed block. Two
-        overlap one copy with one block's compute; more let copies run further ahead
-        (num_slots - 1 blocks) at the cost of one block of device memory each.
-    resident_layers: the first N blocks in execution order stay on the device and are
-        never streamed (trade device memory for transfer time).
-    pin_memory: page-lock the host copy of the streamed blocks so copies run at link rate
-        and asynchronously. Ignored on device "cpu".
-    record_timeline: keep a per-block record of copy and compute intervals, exportable
-        with `handle.export_trace(path)` (Chrome / Perfetto JSON).
-    """
-
-    num_slots: int = 2
-    resident_layers: int = 0
-    pin_memory: bool = True
-    record_timeline: bool = False
+    num_slots: int = field(
+        default=2,
+        metadata={
+            "help": "rotating device buffers, each the size of the largest streamed block; 2 overlap one "
+            "copy with one block's compute, N copy N-1 blocks ahead"
+        },
+    )
+    resident_layers: int = field(
+        default=0,
+        metadata={"help": "keep the first N blocks (execution order) on the device, never streamed"},
+    )
+    pin_memory: bool = field(
+        default=True,
+        metadata={"help": "page-lock the host copy of streamed blocks for async copies at link rate (cuda only)"},
+    )
+    record_timeline: bool = field(
+        default=False,
+        metadata={"help": "record per-block copy/compute intervals for handle.export_trace()"},
+    )
 
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)

@@ -49,13 +49,16 @@ def _timestep(g: torch.Generator, device: torch.device, scale: float = 1000.0) -
     return (torch.rand(1, generator=g) * scale).to(device)
 
 
-def _wan_inputs(g, dtype, device):
-    return dict(
-        hidden_states=_rand(g, dtype, device, 1, 4, 2, 8, 8),
-        timestep=_timestep(g, device),
-        encoder_hidden_states=_rand(g, dtype, device, 1, 12, 32),
-        return_dict=False,
-    )
+def _wan_inputs(latent: tuple[int, ...], text: tuple[int, ...]):
+    def make(g, dtype, device):
+        return dict(
+            hidden_states=_rand(g, dtype, device, *latent),
+            timestep=_timestep(g, device),
+            encoder_hidden_states=_rand(g, dtype, device, *text),
+            return_dict=False,
+        )
+
+    return make
 
 
 def _flux_ids(height: int, width: int, text: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +161,17 @@ TINY_MODELS: dict[str, TinyModel] = {
                 patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
                 out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=4, rope_max_seq_len=32,
             ),
-            _wan_inputs,
+            _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 32)),
+        ),
+        # The `dlo demo` default: big enough that copies and compute are visible in the table.
+        TinyModel(
+            "wan-demo",
+            "WanTransformer3DModel",
+            dict(
+                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16,
+                out_channels=16, text_dim=256, freq_dim=64, ffn_dim=1024, num_layers=8, rope_max_seq_len=64,
+            ),
+            _wan_inputs(latent=(1, 16, 4, 16, 16), text=(1, 32, 256)),
         ),
         TinyModel(
             "flux",

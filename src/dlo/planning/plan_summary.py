@@ -1,0 +1,72 @@
+"""Sizes of a plan's blocks and of what stays resident, from shapes alone (works on meta)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from dlo.config import OffloadConfig
+from dlo.planning.block_layout import TensorSpec, plan_block_layout
+from dlo.planning.offload_plan import OffloadPlan, resolve_blocks
+from dlo.planning.tensor_walk import unique_tensors
+
+
+@dataclass(frozen=True)
+class BlockSize:
+    name: str
+    class_name: str
+    nbytes: int  # aligned layout size: what one slot must hold
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    class_name: str
+    plan: OffloadPlan
+    blocks: tuple[BlockSize, ...]  # execution order
+    resident_blocks: int
+    non_block_bytes: int  # embeddings, norms, heads: always on the device
+    num_slots: int
+
+    @property
+    def streamed(self) -> tuple[BlockSize, ...]:
+        return self.blocks[self.resident_blocks :]
+
+    @property
+    def largest_block(self) -> BlockSize | None:
+        return max(self.streamed, key=lambda b: b.nbytes, default=None)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(b.nbytes for b in self.streamed)
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Non-block parts + resident blocks + slots: the weights dlo keeps on the device."""
+        slot = self.largest_block.nbytes if self.largest_block else 0
+        resident = sum(b.nbytes for b in self.blocks[: self.resident_blocks])
+        return self.non_block_bytes + resident + self.num_slots * slot
+
+    @property
+    def total_bytes(self) -> int:
+        return self.non_block_bytes + sum(b.nbytes for b in self.blocks)
+
+
+def _layout_bytes(module: nn.Module) -> int:
+    specs = [TensorSpec(o.name, tuple(o.tensor.shape), o.tensor.dtype) for o in unique_tensors(module).values()]
+    return plan_block_layout(specs).nbytes
+
+
+def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None = None) -> PlanSummary:
+    config = config or OffloadConfig()
+    refs = resolve_blocks(module, plan)
+    in_blocks = frozenset(id(sub) for ref in refs for sub in ref.module.modules())
+    rest = unique_tensors(module, in_blocks).values()
+    return PlanSummary(
+        class_name=type(module).__name__,
+        plan=plan,
+        blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module)) for r in refs),
+        resident_blocks=min(config.resident_layers, len(refs)),
+        non_block_bytes=sum(o.tensor.numel() * o.tensor.element_size() for o in rest),
+        num_slots=config.num_slots,
+    )

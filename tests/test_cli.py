@@ -1,0 +1,74 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dlo.cli.main import main
+
+
+def test_demo_console_script_reports_bit_identical(tmp_path):
+    trace = tmp_path / "trace.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "dlo.cli.main", "demo", "--device", "cpu", "--steps", "3", "--trace", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "outputs: bit-identical over 3 steps" in done.stdout
+    for row in ("time per step", "device weight memory", "bytes streamed per step", "H2D rate"):
+        assert row in done.stdout
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("model", ["flux", "sd3"])
+def test_demo_with_options(model, capsys):
+    assert main(["demo", "--model", model, "--device", "cpu", "--steps", "2", "--num-slots", "3", "--resident-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical" in out and "(+1 resident)" in out
+
+
+def test_invalid_config_flag_is_a_clear_error(capsys):
+    assert main(["demo", "--device", "cpu", "--num-slots", "1"]) == 2
+    assert "OffloadConfig.num_slots must be >= 2" in capsys.readouterr().err
+
+
+def test_bad_device_is_a_clear_error(capsys):
+    assert main(["demo", "--device", "xla"]) == 2
+    assert "'xla' is not supported" in capsys.readouterr().err
+    assert main(["demo", "--device", "tpu"]) == 2
+    assert "device='tpu' is not a device" in capsys.readouterr().err
+
+
+def test_inspect_a_diffusers_class_at_full_size(capsys):
+    assert main(["inspect", "WanTransformer3DModel", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "WanTransformer3DModel: 40 blocks" in out and "plan: declared" in out
+    assert "670.23 MiB" in out  # one Wan-14B block in bf16, 512-byte aligned tensors
+
+
+def test_inspect_a_model_directory(tmp_path, capsys):
+    from dlo.models.tiny import TINY_MODELS
+
+    TINY_MODELS["flux"].build().save_pretrained(tmp_path / "transformer")
+    (tmp_path / "model_index.json").write_text("{}")
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "FluxTransformer2DModel: 5 blocks" in out
+    assert "transformer_blocks" in out and "single_transformer_blocks" in out
+
+
+def test_inspect_unknown_target(tmp_path, capsys):
+    assert main(["inspect", "NoSuchModel"]) == 2
+    assert "neither a directory" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not a diffusers model directory" in capsys.readouterr().err
+
+
+def test_help_lists_every_config_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--num-slots", "--resident-layers", "--pin-memory", "--no-pin-memory", "--record-timeline"):
+        assert flag in out
