@@ -1,8 +1,9 @@
 """Forward time of one transformer three ways: resident, streamed by dlo, diffusers group offloading.
 
-For each shape (SPEC §9) the model is built on the CPU in bf16 with random weights drawn from
-one seed (nothing is downloaded) and run on one device in three variants, one at a time, each
-freed before the next so that every peak belongs to one variant:
+For each shape (SPEC §9) the model is built on the CPU in bf16 (the modules the class keeps in
+fp32 on load stay fp32, as from_pretrained(torch_dtype=torch.bfloat16) leaves them) with random
+weights drawn from one seed (nothing is downloaded), and run on one device in three variants, one
+at a time, each freed before the next so that every peak belongs to one variant:
 
   resident   the whole model moved to the device: the compute-only reference.
   dlo        dlo.enable(model, device, dlo.OffloadConfig()) on the CPU model: the blocks
@@ -384,6 +385,10 @@ def _num(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _gib(nbytes: int | None) -> str:
+    return _num(None if nbytes is None else nbytes / GIB, ".2f")
+
+
 def _verdict(row: Row) -> str:
     if row.equal_to_resident is None:
         return "reference"
@@ -395,8 +400,8 @@ def _verdict(row: Row) -> str:
 def describe(row: Row) -> str:
     return (
         f"{row.shape}/{row.variant}: setup {row.setup_s:.2f} s | forward median {row.median_s:.4f} s, "
-        f"min {row.min_s:.4f} s | peak {_num(row.peak_hbm_bytes and row.peak_hbm_bytes / GIB, '.2f')} GiB | "
-        f"H2D {row.h2d_bytes_per_forward / GB:.3f} GB/forward at {_num(row.h2d_gbps, '.1f')} GB/s, "
+        f"min {row.min_s:.4f} s | peak {_gib(row.peak_hbm_bytes)} GiB | "
+        f"H2D {row.h2d_bytes_per_forward / GB:.3g} GB/forward at {_num(row.h2d_gbps, '.1f')} GB/s, "
         f"exposed {_num(row.exposed_copy_s_per_forward, '.4f')} s/forward | {row.x_floor:.2f}x floor | "
         f"output vs resident: {_verdict(row)}"
     )
@@ -409,10 +414,9 @@ def markdown_table(rows: list[Row]) -> str:
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
-        peak = None if r.peak_hbm_bytes is None else r.peak_hbm_bytes / GIB
         cells = [
-            r.shape, r.variant, f"{r.setup_s:.2f}", f"{r.median_s:.4f}", f"{r.min_s:.4f}", _num(peak, ".2f"),
-            f"{r.h2d_bytes_per_forward / GB:.3f}", _num(r.h2d_gbps, ".1f"), _num(r.exposed_copy_s_per_forward, ".4f"),
+            r.shape, r.variant, f"{r.setup_s:.2f}", f"{r.median_s:.4f}", f"{r.min_s:.4f}", _gib(r.peak_hbm_bytes),
+            f"{r.h2d_bytes_per_forward / GB:.3g}", _num(r.h2d_gbps, ".1f"), _num(r.exposed_copy_s_per_forward, ".4f"),
             f"{r.floor_s:.4f}", f"{r.x_floor:.2f}", _verdict(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -164,3 +164,23 @@ def test_generic_module_streams_bit_identically():
     with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=3)), torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x), expected)
+
+
+def test_failure_midway_through_packing_loses_nothing():
+    """Block 0 is packed (its weights moved to a host buffer) before block 1's host buffer
+    cannot be allocated: enable() fails and block 0 gets its weights back."""
+    model = Stack()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    # A zero-stride view of one float that claims 2**48 elements: 1 PiB, more than any
+    # address space, so the host allocation fails on every machine.
+    model.blocks[1].register_buffer("huge", torch.zeros(1).expand(2**48), persistent=False)
+    with pytest.raises(dlo.EnableError, match=r"block 'blocks.1': cannot allocate \d+ bytes of host memory"):
+        dlo.enable(model, "cpu")
+    assert model.blocks[0].linear.weight.numel() == 64
+    del model.blocks[1].huge
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with dlo.enable(model, "cpu"), torch.no_grad():
+        assert torch.equal(model(x), expected)

@@ -74,7 +74,10 @@ def _refuse_shared(streamed: list[_BlockTensors], rest: dict[int, str]) -> None:
 def _pack(block: _BlockTensors, pin: bool, placeholder: dict[torch.dtype, torch.Tensor]) -> StreamedBlock:
     """Copy the block into a new host buffer and release its original storage."""
     layout = plan_block_layout(block.specs)
-    host = HostBuffer(layout.nbytes, pin)
+    try:
+        host = HostBuffer(layout.nbytes, pin)
+    except EnableError as err:
+        raise EnableError(f"block {block.ref.name!r}: {err}") from None
     for tensor, placement in zip(block.tensors, layout.placements):
         view_placement(host.tensor, placement).copy_(tensor)
     streamed = StreamedBlock(

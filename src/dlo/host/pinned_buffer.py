@@ -15,6 +15,10 @@ from dlo.planning.block_layout import ALIGNMENT, align_up
 PAGE = 4096
 
 
+def _driver():  # the CUDA runtime; tests substitute a fake driver here
+    return torch.cuda.cudart()
+
+
 def aligned_empty(nbytes: int, device: torch.device, alignment: int = ALIGNMENT) -> torch.Tensor:
     """A flat uint8 tensor of `nbytes` whose first byte sits at a multiple of `alignment`."""
     # See [Note: 512-byte alignment]
@@ -32,9 +36,13 @@ class HostBuffer:
         self._locked_bytes = align_up(nbytes, PAGE) if pin and nbytes else 0
         # Page-aligned start and a page-multiple span, so registration covers whole pages
         # that belong to this buffer alone.
-        self.tensor = aligned_empty(max(nbytes, self._locked_bytes), torch.device("cpu"), PAGE)[:nbytes]
+        try:
+            self.tensor = aligned_empty(max(nbytes, self._locked_bytes), torch.device("cpu"), PAGE)[:nbytes]
+        except RuntimeError as err:  # the CPU allocator's out-of-memory
+            self._locked_bytes = 0
+            raise EnableError(f"cannot allocate {nbytes} bytes of host memory: {err}") from None
         if self._locked_bytes:
-            cudart = torch.cuda.cudart()
+            cudart = _driver()
             err = cudart.cudaHostRegister(self.tensor.data_ptr(), self._locked_bytes, 0)
             if err != cudart.cudaError.success:
                 self._locked_bytes = 0
@@ -50,7 +58,7 @@ class HostBuffer:
 
     def unpin(self) -> None:
         if self._locked_bytes:
-            cudart = torch.cuda.cudart()
+            cudart = _driver()
             err = cudart.cudaHostUnregister(self.tensor.data_ptr())
             self._locked_bytes = 0
             if err != cudart.cudaError.success:
