@@ -276,7 +276,8 @@ class DiffusersGroupOffload:
             record_stream=True,
         )
         self.model = model
-        # Every group, the unmatched one included, is onloaded once per forward.
+        # block_level onloads every group once per forward: each block, and the unmatched group
+        # holding every other tensor. So the whole model crosses the link each forward.
         self._bytes_per_forward = tensor_bytes(model)
 
     def start_window(self) -> None:
