@@ -307,7 +307,10 @@ class Measured:
     output: torch.Tensor  # of the last timed forward, on the CPU
 
 
-def timed_forwards(model: nn.Module, inputs: Inputs, device: torch.device, iters: int) -> tuple[list[float], torch.Tensor]:
+def timed_forwards(
+    model: nn.Module, inputs: Inputs, device: torch.device, iters: int
+) -> tuple[list[float], torch.Tensor]:
+    """Seconds of each forward, and the last output."""
     seconds = []
     for _ in range(iters):
         synchronize(device)
@@ -364,6 +367,7 @@ class Row:
 def make_row(shape: str, variant: str, run: Measured, reference: torch.Tensor, floor_s: float) -> Row:
     median = statistics.median(run.forward_s)
     is_reference = variant == "resident"
+    max_abs_diff = (run.output.float() - reference.float()).abs().max().item()
     return Row(
         shape=shape,
         variant=variant,
@@ -378,7 +382,7 @@ def make_row(shape: str, variant: str, run: Measured, reference: torch.Tensor, f
         floor_s=floor_s,
         x_floor=median / floor_s,
         equal_to_resident=None if is_reference else torch.equal(run.output, reference),
-        max_abs_diff_vs_resident=None if is_reference else (run.output.float() - reference.float()).abs().max().item(),
+        max_abs_diff_vs_resident=None if is_reference else max_abs_diff,
     )
 
 
@@ -429,7 +433,8 @@ def run_shape(shape: Shape, variants: list[str], device: torch.device, args: arg
     for variant in variants:
         run = runs[variant] = measure(shape, variant, device, args)
         release(device)
-        print(f"{shape.name}/{variant}: setup {run.setup_s:.2f} s, median {statistics.median(run.forward_s):.4f} s", flush=True)
+        median = statistics.median(run.forward_s)
+        print(f"{shape.name}/{variant}: setup {run.setup_s:.2f} s, median {median:.4f} s", flush=True)
     floor_s = max(statistics.median(runs["resident"].forward_s), block_bytes(shape) / (args.link_gbps * GB))
     rows = [make_row(shape.name, v, run, runs["resident"].output, floor_s) for v, run in runs.items()]
     for row in rows:
@@ -442,7 +447,9 @@ def environment(device: torch.device) -> dict[str, str]:
     return {"device": name, "torch": torch.__version__, "diffusers": diffusers.__version__, "dlo": dlo.__version__}
 
 
-def write_report(path: Path, args: argparse.Namespace, device: torch.device, rows: list[Row], notes: list[str]) -> None:
+def write_report(
+    path: Path, args: argparse.Namespace, device: torch.device, rows: list[Row], notes: list[str]
+) -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "environment": environment(device),
@@ -472,7 +479,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--link-gbps", type=float, default=55.3,
         help="host->device link rate in GB/s for the floor (default: 55.3, pinned H2D on the H200, SPEC §9)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1 (default: 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1 (default: 0)"
+    )
     out = os.environ.get("OUT")
     parser.add_argument(
         "--json", type=Path, default=Path(out) / "bench_streaming.json" if out else None,
