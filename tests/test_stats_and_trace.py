@@ -20,7 +20,10 @@ def test_stats_count_every_copy(tiny_pair):
     assert stats.copy_s > 0 and stats.h2d_gbps > 0
     assert stats.exposed_copy_s == pytest.approx(stats.copy_s)  # on cpu nothing overlaps
     assert stats.host_bytes > 0 and not stats.pinned
-    assert handle.stats() == stats  # frozen after disable
+    final = handle.stats()
+    assert final is handle.stats()  # frozen after disable
+    assert (final.copies, final.bytes_streamed) == (stats.copies, stats.bytes_streamed)
+    assert final.host_memory is not None and final.host_memory.pss > 0
 
 
 def test_trace_export_has_copy_and_compute_intervals(tiny_pair, tmp_path):

@@ -1,5 +1,5 @@
-"""`dlo.enable()`: pack streamed blocks into host buffers, place the rest on the device,
-allocate slots and install the hooks."""
+"""`dlo.enable()`: bind streamed blocks to their host source (a packed private buffer or the
+checkpoint mapping), place the rest on the device, allocate slots and install the hooks."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ from dlo.backend.device import resolve_device
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
+from dlo.host.block_sources import BlockSource, MappedSource, PackedSource
+from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.runtime import StreamingRuntime
+from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.hotpath.transfer import make_transfer
+from dlo.hotpath.transfer import CudaTransfer, make_transfer
 from dlo.observe.ledger import TransferLedger
 from dlo.planning.block_layout import TensorSpec, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
@@ -34,7 +38,10 @@ class _BlockTensors:
 
 def _check_streamable(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
-        raise EnableError(f"{name!r} is on the meta device (weights not loaded); load the model before dlo.enable()")
+        raise EnableError(
+            f"{name!r} is on the meta device (weights not loaded). Load the model before dlo.enable(); a model "
+            "from dlo.load_transformer needs plan=<the HostWeightPlan it returned>"
+        )
     if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided or tensor.is_quantized:
         raise EnableError(
             f"{name!r} is a {type(tensor).__name__} ({tensor.layout}); dlo streams plain dense tensors only"
@@ -71,56 +78,109 @@ def _refuse_shared(streamed: list[_BlockTensors], rest: dict[int, str]) -> None:
             owner_of[id(tensor)] = f"{block.ref.name}.{spec.name}"
 
 
-def _pack(block: _BlockTensors, pin: bool, placeholder: dict[torch.dtype, torch.Tensor]) -> StreamedBlock:
-    """Copy the block into a new host buffer and release its original storage."""
+def _bind_planned(
+    module: nn.Module, weights: HostWeights, device: torch.device
+) -> tuple[dict[int, TensorSource], list[torch.Tensor]]:
+    """Replace the plan's meta tensors with stand-ins of the runtime shape and dtype (one
+    element, broadcast) so they can be repointed. Returns id(stand-in) -> its source, and the
+    stand-ins. A stand-in's value is never used: streamed ones are repointed to slots, the
+    others get their bytes from the mapping in _place_rest (or in the rollback)."""
+    sources: dict[int, TensorSource] = {}
+    stand_in: dict[int, torch.Tensor] = {}  # id(meta tensor) -> stand-in: tied tensors stay tied
+    for owned in owned_tensors(module):
+        source = weights.bindings.get(owned.name)
+        if source is None:
+            continue
+        if id(owned.tensor) not in stand_in:
+            data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
+            new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
+            stand_in[id(owned.tensor)] = new
+            sources[id(new)] = source
+        table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
+        table[owned.key] = stand_in[id(owned.tensor)]
+    missing = set(weights.bindings) - {o.name for o in owned_tensors(module) if id(o.tensor) in sources}
+    if missing:
+        raise EnableError(f"the HostWeightPlan names tensors this module does not have: {sorted(missing)[:5]}")
+    return sources, list(stand_in.values())
+
+
+def _bind_block(
+    block: _BlockTensors,
+    weights: HostWeights | None,
+    planned: dict[int, TensorSource],
+    pin: bool,
+    placeholder: dict[torch.dtype, torch.Tensor],
+) -> StreamedBlock:
+    """Give the block its host source and release its original storage."""
     layout = plan_block_layout(block.specs)
-    try:
-        host = HostBuffer(layout.nbytes, pin)
-    except EnableError as err:
-        raise EnableError(f"block {block.ref.name!r}: {err}") from None
-    for tensor, placement in zip(block.tensors, layout.placements):
-        view_placement(host.tensor, placement).copy_(tensor)
+    source: BlockSource
+    if weights is not None and any(id(t) in planned for t in block.tensors):
+        source = MappedSource(weights.checkpoint, tuple(planned.get(id(t), t) for t in block.tensors))
+    else:
+        try:
+            host = HostBuffer(layout.nbytes, pin)
+        except EnableError as err:
+            raise EnableError(f"block {block.ref.name!r}: {err}") from None
+        for tensor, placement in zip(block.tensors, layout.placements):
+            view_placement(host.tensor, placement).copy_(tensor)
+        source = PackedSource(host)
     streamed = StreamedBlock(
         name=block.ref.name,
         layout=layout,
         tensors=block.tensors,
         bindings=block.bindings,
-        host=host,
+        source=source,
         placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
     )
     streamed.point_at(streamed.placeholders)
     return streamed
 
 
-def _place_rest(tensors: list[torch.Tensor], device: torch.device) -> int:
+def _place_rest(
+    tensors: list[torch.Tensor], device: torch.device, weights: HostWeights | None, planned: dict[int, TensorSource]
+) -> int:
     """Move non-streamed tensors to `device` in place (ties survive: one tensor object each).
-    On "cpu" they are copied too: mmap'd or oddly aligned storage becomes an ordinary allocation."""
+    On "cpu" they are copied too: mmap'd or oddly aligned storage becomes an ordinary
+    allocation. Planned tensors of resident blocks are read from the mapping."""
     for tensor in tensors:
-        tensor.data = tensor.data.to(device) if device.type != "cpu" else tensor.data.clone()
+        source = planned.get(id(tensor))
+        if source is not None and weights is not None:
+            tensor.data = source.materialize(weights.checkpoint).to(device)
+        else:
+            tensor.data = tensor.data.to(device) if device.type != "cpu" else tensor.data.clone()
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _resolve_plans(module: nn.Module, plan: object) -> tuple[OffloadPlan, HostWeightPlan | None]:
+    if plan is None:
+        return discover(module), None
+    if isinstance(plan, OffloadPlan):
+        return plan, None
+    if isinstance(plan, HostWeightPlan):
+        return plan.offload_plan, plan
+    raise ConfigError(f"plan must be a dlo.OffloadPlan, a dlo.HostWeightPlan or None, got {type(plan).__name__}")
 
 
 def enable(
     module: nn.Module,
     device: str | torch.device,
     config: OffloadConfig | None = None,
-    plan: OffloadPlan | None = None,
+    plan: OffloadPlan | HostWeightPlan | None = None,
 ) -> OffloadHandle:
     """Stream the blocks of `module` to `device`; returns the handle that undoes it.
 
     Non-streamed parts and the first `config.resident_layers` blocks move to `device`; the
-    other blocks are packed into (pinned) host memory and copied into rotating device slots
+    other blocks are packed into (pinned) host memory, or read from the checkpoint mapping of
+    a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device slots
     just before they run. Call the model under torch.inference_mode() or torch.no_grad().
     """
     config = OffloadConfig() if config is None else config
     if not isinstance(config, OffloadConfig):
         raise ConfigError(f"config must be a dlo.OffloadConfig, got {type(config).__name__}")
-    if plan is not None and not isinstance(plan, OffloadPlan):
-        raise ConfigError(f"plan must be a dlo.OffloadPlan or None, got {type(plan).__name__}")
+    offload_plan, host_plan = _resolve_plans(module, plan)
     device = resolve_device(device)
     refuse_if_managed(module)
-    plan = discover(module) if plan is None else plan
-    refs = resolve_blocks(module, plan)
+    refs = resolve_blocks(module, offload_plan)
 
     resident_count = config.resident_layers
     if resident_count > len(refs):
@@ -128,14 +188,24 @@ def enable(
             f"OffloadConfig.resident_layers={resident_count} but {type(module).__name__} has {len(refs)} blocks"
         )
     for ref in refs[:resident_count]:
-        if not plan.is_resident_eligible(ref.list_path):
+        if not offload_plan.is_resident_eligible(ref.list_path):
             raise ConfigError(
                 f"OffloadConfig.resident_layers={resident_count} would keep {ref.name!r} resident, but the plan "
-                f"allows resident blocks only in {plan.resident_eligible!r}"
+                f"allows resident blocks only in {offload_plan.resident_eligible!r}"
             )
     streamed_refs = refs[resident_count:]
 
     started = time.perf_counter()
+    weights = None
+    if host_plan is not None:
+        weights = host_plan.take()  # See [Note: plan hand-off]
+        if weights is None:
+            raise EnableError(
+                "this HostWeightPlan was already taken by an earlier dlo.enable(); a plan is consumed once. "
+                "Load the model again with dlo.load_transformer"
+            )
+    planned, stand_ins = _bind_planned(module, weights, device) if weights is not None else ({}, [])
+
     streamed_tensors = [_collect(ref) for ref in streamed_refs]
     skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
     rest = unique_tensors(module, skip)
@@ -150,22 +220,35 @@ def enable(
         for tensor in block.tensors:
             placeholder.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
 
-    packed: list[StreamedBlock] = []
+    bound: list[StreamedBlock] = []
+    stager = None
     try:
         with torch.no_grad():
             for block in streamed_tensors:
-                packed.append(_pack(block, pin, placeholder))
-            device_weight_bytes = _place_rest(rest_tensors, device)
+                bound.append(_bind_block(block, weights, planned, pin, placeholder))
+            device_weight_bytes = _place_rest(rest_tensors, device, weights, planned)
             transfer = make_transfer(device)
-            slot_bytes = max((b.layout.nbytes for b in packed), default=0)
+            slot_bytes = max((b.layout.nbytes for b in bound), default=0)
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
+            mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
+            if mapped and isinstance(transfer, CudaTransfer):
+                stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads())
             ledger = TransferLedger(transfer, config.record_timeline)
-            runtime = StreamingRuntime(packed, slots, transfer, ledger)
+            runtime = StreamingRuntime(bound, slots, transfer, ledger, stager)
     except BaseException:
-        # Nothing is lost: every packed block gets its host copy back as its tensors.
-        for block in packed:
-            block.point_at(block.host_views())
-            block.host.unpin()
+        # Nothing is lost: every bound block gets its weights back as ordinary tensors, and
+        # no stand-in of a planned tensor survives with an undefined value.
+        for block in bound:
+            block.restore()
+            block.source.release()
+        in_bound = {id(t) for block in bound for t in block.tensors}
+        for tensor in stand_ins:
+            if id(tensor) not in in_bound and weights is not None:
+                tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
+        if stager is not None:
+            stager.close()
+        if weights is not None:
+            weights.checkpoint.close()
         raise
 
     hooks = []
@@ -178,13 +261,14 @@ def enable(
         module=module,
         device=device,
         config=config,
-        plan=plan,
+        plan=offload_plan,
         runtime=runtime,
         hooks=hooks,
         managed=[module, *(ref.module for ref in refs)],
         resident_blocks=resident_count,
         device_weight_bytes=device_weight_bytes + slot_bytes * len(slots),
         setup_s=time.perf_counter() - started,
+        checkpoint=weights.checkpoint if weights is not None else None,
     )
 
 

@@ -13,6 +13,8 @@ from torch.utils.hooks import RemovableHandle
 
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.observe.stats import OffloadStats
 from dlo.observe.trace import write_chrome_trace
@@ -54,6 +56,7 @@ class OffloadHandle:
         resident_blocks: int,
         device_weight_bytes: int,
         setup_s: float,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -67,6 +70,7 @@ class OffloadHandle:
         self._resident_blocks = resident_blocks
         self._device_weight_bytes = device_weight_bytes
         self._setup_s = setup_s
+        self._checkpoint = checkpoint
         self._final_stats: OffloadStats | None = None
         for sub in self._managed:
             _MANAGED[sub] = self
@@ -82,6 +86,7 @@ class OffloadHandle:
         if self._final_stats is not None:
             return self._final_stats
         runtime = self._runtime
+        runtime.drain()
         runtime.transfer.synchronize()
         ledger = runtime.ledger
         ledger.settle()
@@ -101,9 +106,13 @@ class OffloadHandle:
             peak_device_bytes=peak,
             device_weight_bytes=self._device_weight_bytes,
             slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
-            host_bytes=sum(block.host.nbytes for block in runtime.blocks),
-            pinned=any(block.host.pinned for block in runtime.blocks),
+            host_bytes=sum(block.source.host_bytes for block in runtime.blocks),
+            pinned=any(block.source.pinned for block in runtime.blocks),
+            mapped_bytes=self._checkpoint.nbytes if self._checkpoint is not None else 0,
+            staging_bytes=runtime.stager.staging_bytes if runtime.stager is not None else 0,
+            pack_s=runtime.pack_s,
             setup_s=self._setup_s,
+            host_memory=read_smaps_rollup(),
         )
 
     def export_trace(self, path: str | Path) -> int:
@@ -116,25 +125,32 @@ class OffloadHandle:
 
     def disable(self) -> OffloadStats:
         """Return the module to a plain state; idempotent. Streamed blocks get ordinary CPU
-        tensors (their host copies, unpinned); everything else stays on the device.
+        tensors (their packed host copies, unpinned, or private copies of the mapped
+        checkpoint tensors); everything else stays on the device.
 
-        Order: synchronize the device, unpin host memory, remove hooks, repoint tensors,
-        free the slots. Returns the final statistics."""
+        Order: synchronize the device (stats() does), unpin host memory, remove hooks,
+        repoint tensors, close the checkpoint mapping, free the slots. Destroy process groups
+        only after this returned. Returns the final statistics."""
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats
         final = self.stats()
         runtime = self._runtime
         unpin_errors = []
-        for block in runtime.blocks:
+        for release in [block.source.release for block in runtime.blocks] + (
+            [runtime.stager.close] if runtime.stager is not None else []
+        ):
             try:
-                block.host.unpin()
-            except EnableError as err:  # the bytes stay valid: the views below keep them alive
-                unpin_errors.append(f"{block.name}: {err}")
+                release()
+            except EnableError as err:  # the bytes stay valid: the tensors below keep them alive
+                unpin_errors.append(str(err))
         for hook in self._hooks:
             hook.remove()
-        for block in runtime.blocks:
-            block.point_at(block.host_views())
+        with torch.no_grad():
+            for block in runtime.blocks:
+                block.restore()
+        if self._checkpoint is not None:
+            self._checkpoint.close()
         for sub in self._managed:
             _MANAGED.pop(sub, None)
         self._hooks.clear()

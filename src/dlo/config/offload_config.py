@@ -44,9 +44,22 @@ class OffloadConfig:
         default=False,
         metadata={"help": "record per-block copy/compute intervals for handle.export_trace()"},
     )
+    checkpoint_mmap: bool = field(
+        default=True,
+        metadata={
+            "help": "dlo.load_transformer streams blocks straight from the read-only checkpoint mapping "
+            "(shared page cache) when the checkpoint can stand in for the runtime tensors"
+        },
+    )
+    pack_threads: int = field(
+        default=0,
+        metadata={"help": "host threads packing mapped blocks into pinned staging buffers (0: half the cores, at most 8)"},
+    )
 
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)
         _require_int("resident_layers", self.resident_layers, minimum=0)
         _require_bool("pin_memory", self.pin_memory)
         _require_bool("record_timeline", self.record_timeline)
+        _require_bool("checkpoint_mmap", self.checkpoint_mmap)
+        _require_int("pack_threads", self.pack_threads, minimum=0)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from dlo.errors import StreamingError
-from dlo.host.pinned_buffer import HostBuffer
-from dlo.planning.block_layout import BlockLayout, view_placement
+from dlo.host.block_sources import BlockSource
+from dlo.planning.block_layout import BlockLayout
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,12 @@ class StreamedBlock:
     layout: BlockLayout
     tensors: tuple[torch.Tensor, ...]  # unique live tensors, in layout order
     bindings: tuple[Binding, ...]  # every (owner, key) that holds one of them
-    host: HostBuffer
+    source: BlockSource
     placeholders: tuple[torch.Tensor, ...]
 
-    def host_views(self) -> tuple[torch.Tensor, ...]:
-        return tuple(view_placement(self.host.tensor, p) for p in self.layout.placements)
+    def restore(self) -> None:
+        """Give the block ordinary CPU tensors again (disable(), or a failed enable())."""
+        self.point_at(self.source.restored(self.layout))
 
     def point_at(self, views: tuple[torch.Tensor, ...]) -> None:
         for tensor, view in zip(self.tensors, views):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlo.host.memory_accounting import HostMemory
+
 
 @dataclass(frozen=True)
 class OffloadStats:
@@ -18,7 +20,12 @@ class OffloadStats:
     peak_device_bytes: CUDA: torch.cuda.max_memory_allocated since enable. CPU: the weight
         bytes dlo keeps on the device (no allocator to ask).
     device_weight_bytes: non-streamed parts + resident blocks + slots.
-    host_bytes: host copies of the streamed blocks; pinned: whether they are page-locked.
+    host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
+    mapped_bytes: checkpoint bytes streamed from a read-only mapping (shared page cache);
+        staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
+        spent packing them (in background threads, overlapping copies and compute).
+    host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
+        when stats() was called; None where /proc is not available.
     """
 
     streamed_blocks: int
@@ -34,4 +41,8 @@ class OffloadStats:
     slot_bytes: int
     host_bytes: int
     pinned: bool
+    mapped_bytes: int
+    staging_bytes: int
+    pack_s: float
     setup_s: float
+    host_memory: HostMemory | None

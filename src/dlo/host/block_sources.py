@@ -1,0 +1,76 @@
+"""Where a streamed block's bytes come from: a private packed host buffer, or the checkpoint
+mapping (packed into a staging buffer on every load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.tensor_source import CopyTask, TensorSource
+from dlo.planning.block_layout import BlockLayout, view_placement
+
+
+@dataclass(frozen=True)
+class PackedSource:
+    """The block already laid out in one host buffer: a load is a single copy."""
+
+    host: HostBuffer
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.host.pinned
+
+    def restored(self, layout: BlockLayout) -> tuple[torch.Tensor, ...]:
+        """The tensors to give back on disable(): views of the host buffer (no copy)."""
+        return tuple(view_placement(self.host.tensor, p) for p in layout.placements)
+
+    def release(self) -> None:
+        self.host.unpin()
+
+
+@dataclass(frozen=True)
+class MappedSource:
+    """The block's tensors in the read-only checkpoint mapping: a load packs them (with the
+    loader's adapters) into a buffer laid out like the slot, then copies that. Tensors the
+    checkpoint does not hold (non-persistent buffers such as RoPE tables) are private
+    tensors, packed the same way."""
+
+    checkpoint: Checkpoint
+    sources: tuple[TensorSource | torch.Tensor, ...]  # one per layout placement
+
+    pinned = False
+
+    @property
+    def host_bytes(self) -> int:
+        """Private bytes only: the mapped ones are shared page cache."""
+        return sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
+
+    def copy_tasks(self, layout: BlockLayout, buffer: torch.Tensor) -> list[CopyTask]:
+        tasks: list[CopyTask] = []
+        for source, placement in zip(self.sources, layout.placements):
+            target = view_placement(buffer, placement)
+            if isinstance(source, torch.Tensor):
+                tasks.append(CopyTask(target, source))
+            else:
+                tasks.extend(source.copy_tasks(self.checkpoint, target))
+        return tasks
+
+    def restored(self, layout: BlockLayout) -> tuple[torch.Tensor, ...]:
+        """Private copies: the mapping is read-only and closes with the handle."""
+        return tuple(
+            source if isinstance(source, torch.Tensor) else source.materialize(self.checkpoint)
+            for source in self.sources
+        )
+
+    def release(self) -> None:
+        pass
+
+
+BlockSource = PackedSource | MappedSource

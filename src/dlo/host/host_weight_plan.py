@@ -1,0 +1,70 @@
+"""The loader's hand-off to the backend: which runtime tensors come from which host bytes.
+
+[Note: plan hand-off]
+A `HostWeightPlan` means the loader *skipped* materializing the planned tensors: they are
+meta tensors in the model until `dlo.enable(..., plan=plan)` takes the plan and binds them to
+the checkpoint mapping. The plan is taken exactly once (`take()` returns None afterwards),
+so two backends can never share or re-consume one mapping. A model whose plan is never
+consumed has no weights for those tensors, and every use fails loudly (meta tensors);
+nothing ever runs on uninitialized memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.tensor_source import TensorSource
+from dlo.planning.offload_plan import OffloadPlan
+
+
+@dataclass(frozen=True)
+class HostWeights:
+    """What `take()` hands over: the open mapping and a source for every planned tensor."""
+
+    checkpoint: Checkpoint
+    bindings: Mapping[str, TensorSource]  # runtime name (state_dict key) -> source
+
+
+class HostWeightPlan:
+    """backing: "checkpoint_mmap". source_prefixes: the runtime name prefixes the plan covers
+    (the block lists). requires_backend: True when the model cannot run without the backend
+    consuming this plan."""
+
+    def __init__(
+        self,
+        backing: str,
+        offload_plan: OffloadPlan,
+        checkpoint: Checkpoint,
+        bindings: Mapping[str, TensorSource],
+    ) -> None:
+        self.backing = backing
+        self.offload_plan = offload_plan
+        self.source_prefixes = tuple(f"{path}." for path in offload_plan.block_lists)
+        self.requires_backend = True
+        self.bindings = dict(bindings)
+        self._weights: HostWeights | None = HostWeights(checkpoint, self.bindings)
+
+    @property
+    def taken(self) -> bool:
+        return self._weights is None
+
+    def adapter_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        weights = self._weights
+        if weights is None:
+            return counts
+        for source in self.bindings.values():
+            for step in source.adapters(weights.checkpoint):
+                counts[step] = counts.get(step, 0) + 1
+        return counts
+
+    def take(self) -> HostWeights | None:
+        """The mapping and bindings, the first time; None ever after. See [Note: plan hand-off]"""
+        weights, self._weights = self._weights, None
+        return weights
+
+    def __repr__(self) -> str:
+        state = "taken" if self.taken else "pending"
+        return f"HostWeightPlan({self.backing}, {len(self.bindings)} tensors, {state})"

@@ -1,0 +1,174 @@
+"""Read-only, validated, memory-mapped safetensors files.
+
+The header is untrusted input. It is parsed the way safetensors' own Rust core validates it:
+a size cap, checked sizes, every tensor's byte count equal to numel x itemsize, offsets
+sorted, contiguous and covering the data section exactly. Each violation is one named
+`CheckpointError` kind. Tensors are views into a shared read-only mapping, so processes that
+map the same file share its page-cache pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import mmap
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dlo.errors import DloError
+
+HEADER_SIZE_CAP = 100 * 2**20  # the Rust core's limit
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointErrorKind(enum.Enum):
+    TRUNCATED = "truncated"  # shorter than its 8-byte length prefix or its header
+    HEADER_TOO_LARGE = "header_too_large"  # header length above the cap or the file
+    HEADER_INVALID = "header_invalid"  # not UTF-8 JSON of the expected structure
+    UNKNOWN_DTYPE = "unknown_dtype"
+    SIZE_MISMATCH = "size_mismatch"  # a tensor's byte range does not match dtype x shape
+    OFFSETS_INVALID = "offsets_invalid"  # overlapping, gaps, out of range, not covering the data
+    MISSING_SHARD = "missing_shard"  # the index names a file that is not there
+    DUPLICATE_KEY = "duplicate_key"  # one tensor name in two shards
+    INDEX_INVALID = "index_invalid"  # *.safetensors.index.json unreadable or inconsistent
+    NO_CHECKPOINT = "no_checkpoint"  # no safetensors weights in the directory
+
+
+class CheckpointError(DloError):
+    def __init__(self, kind: CheckpointErrorKind, path: Path | str, detail: str) -> None:
+        super().__init__(f"{path}: {kind.value}: {detail}")
+        self.kind = kind
+        self.path = Path(path)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _fail(kind: CheckpointErrorKind, path: Path, detail: str) -> CheckpointError:
+    return CheckpointError(kind, path, detail)
+
+
+def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Validate the header bytes (`prefix` = the first 8 + N bytes of the file)."""
+    kinds = CheckpointErrorKind
+    if file_size < 8 or len(prefix) < 8:
+        raise _fail(kinds.TRUNCATED, path, f"{file_size} bytes, less than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix[:8])
+    if header_len > HEADER_SIZE_CAP:
+        raise _fail(kinds.HEADER_TOO_LARGE, path, f"header length {header_len} exceeds the cap {HEADER_SIZE_CAP}")
+    if 8 + header_len > file_size:
+        raise _fail(kinds.HEADER_TOO_LARGE, path, f"header length {header_len} runs past the end of the {file_size}-byte file")
+    try:
+        header = json.loads(prefix[8 : 8 + header_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _fail(kinds.HEADER_INVALID, path, f"header is not UTF-8 JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise _fail(kinds.HEADER_INVALID, path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail(kinds.HEADER_INVALID, path, "__metadata__ must map strings to strings")
+
+    data_start = 8 + header_len
+    entries: list[TensorEntry] = []
+    for key, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: expected dtype, shape and data_offsets")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: shape {shape!r} is not a list of sizes")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+        ):
+            raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: data_offsets {offsets!r} is not two offsets")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise _fail(kinds.UNKNOWN_DTYPE, path, f"{key!r}: dtype {info['dtype']!r}")
+        begin, end = offsets
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if end < begin or end - begin != numel * dtype.itemsize:
+            raise _fail(
+                kinds.SIZE_MISMATCH,
+                path,
+                f"{key!r}: {info['dtype']} {shape} needs {numel * dtype.itemsize} bytes, data_offsets give {end - begin}",
+            )
+        entries.append(TensorEntry(key, dtype, tuple(shape), data_start + begin, data_start + end))
+
+    cursor = data_start
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.begin != cursor:
+            what = "overlaps the previous tensor" if entry.begin < cursor else "leaves a gap"
+            raise _fail(kinds.OFFSETS_INVALID, path, f"{entry.key!r} at {entry.begin - data_start} {what}")
+        cursor = entry.end
+    if cursor != file_size:
+        raise _fail(
+            kinds.OFFSETS_INVALID, path, f"tensors cover {cursor - data_start} data bytes, the file holds {file_size - data_start}"
+        )
+    return {e.key: e for e in entries}, metadata
+
+
+class SafetensorsFile:
+    """One validated file, mapped read-only and shared (MAP_SHARED, PROT_READ)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            head = handle.read(8)
+            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            prefix = head + handle.read(min(header_len, HEADER_SIZE_CAP + 1, max(size - 8, 0)))
+            self.entries, self.metadata = parse_header(self.path, prefix, size)
+            self.size = size
+            # Empty files cannot be mapped; a valid header makes the file at least 8 bytes.
+            self._map = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            # torch warns that the buffer is read-only: dlo only ever reads these views.
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, key: str) -> torch.Tensor:
+        """The tensor `key` as a zero-copy view of the mapping. Never write to it."""
+        entry = self.entries[key]
+        raw = self._bytes[entry.begin : entry.end]
+        return raw.view(entry.dtype).view(entry.shape)
+
+    def close(self) -> None:
+        """Unmap. Views taken earlier must not be used afterwards."""
+        self._bytes = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:
+            # A view still exports the buffer; the mapping lives until the views are gone.
+            pass

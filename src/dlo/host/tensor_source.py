@@ -1,0 +1,73 @@
+"""How one runtime tensor is produced from checkpoint tensors while a block is packed.
+
+The loader declares every non-identity step here (SPEC §5.1): a dtype cast (e.g. an fp32
+checkpoint streamed as bf16) and a fused projection made by concatenating separate
+checkpoint tensors along dim 0 (q, k, v -> qkv). Nothing else may transform weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlo.host.checkpoint import Checkpoint
+
+# Copies are split into pieces of about this size so several threads share a large tensor.
+CHUNK_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class CopyTask:
+    """Copy `source` into `target` (same shape; dtype may differ: a cast)."""
+
+    target: torch.Tensor
+    source: torch.Tensor
+
+    def run(self) -> None:
+        self.target.copy_(self.source)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    keys: tuple[str, ...]  # checkpoint tensors, concatenated along dim 0 when more than one
+    shape: tuple[int, ...]  # runtime shape
+    dtype: torch.dtype  # runtime dtype
+
+    def adapters(self, checkpoint: Checkpoint) -> tuple[str, ...]:
+        steps = []
+        if len(self.keys) > 1:
+            steps.append("concat")
+        if any(checkpoint.tensors[key].entry.dtype != self.dtype for key in self.keys):
+            steps.append("cast")
+        return tuple(steps)
+
+    def copy_tasks(self, checkpoint: Checkpoint, target: torch.Tensor) -> list[CopyTask]:
+        """Tasks that fill `target` (a view shaped and typed like the runtime tensor)."""
+        tasks = []
+        row = 0
+        for key in self.keys:
+            source = checkpoint.view(key)
+            rows = source.shape[0] if source.dim() else 1
+            part = target[row : row + rows] if len(self.keys) > 1 else target
+            tasks.extend(_chunks(part, source))
+            row += rows
+        return tasks
+
+    def materialize(self, checkpoint: Checkpoint) -> torch.Tensor:
+        """An ordinary (private, writable) CPU tensor holding this source's value."""
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        for task in self.copy_tasks(checkpoint, tensor):
+            task.run()
+        return tensor
+
+
+def _chunks(target: torch.Tensor, source: torch.Tensor) -> list[CopyTask]:
+    nbytes = source.numel() * source.element_size()
+    if source.dim() == 0 or nbytes <= CHUNK_BYTES or source.shape[0] < 2:
+        return [CopyTask(target, source)]
+    rows_per_chunk = max(1, source.shape[0] * CHUNK_BYTES // nbytes)
+    return [
+        CopyTask(target[start : start + rows_per_chunk], source[start : start + rows_per_chunk])
+        for start in range(0, source.shape[0], rows_per_chunk)
+    ]

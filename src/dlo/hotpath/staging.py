@@ -1,0 +1,84 @@
+"""Packing mapped blocks into pinned staging buffers, off the main thread.
+
+[Note: staged loads]
+A block streamed from a checkpoint mapping takes three steps: pack (host threads copy the
+tensors from page cache into a pinned staging buffer, applying the loader's adapters), H2D
+(the copy stream), compute. One packing thread runs load jobs in submission order, fanning
+each block's copies out to a pool, so packing block k+1 overlaps the H2D of block k and the
+compute of block k-1. Two staging buffers alternate; before packing into one, the job waits
+(in the packing thread, never the main thread) for the event recorded after the last H2D out
+of it. The main thread waits for a load's job only when the block is about to run: the job
+records the slot's "ready" event, and waiting on an event before it is recorded would wait
+for nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.tensor_source import CopyTask
+from dlo.hotpath.transfer import CudaTransfer, DeviceSlot
+
+
+@dataclass(frozen=True)
+class StagedCopy:
+    """A finished load job: the H2D marks and the host time spent packing."""
+
+    start: Any
+    end: Any
+    pack_s: float
+
+
+def default_pack_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class Stager:
+    def __init__(self, transfer: CudaTransfer, nbytes: int, threads: int) -> None:
+        self._transfer = transfer
+        self._buffers = [HostBuffer(nbytes, pin=True) for _ in range(2)]
+        self._drained = [torch.cuda.Event() for _ in self._buffers]
+        self._turn = 0
+        self._sequencer = ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
+        self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="dlo-pack")
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers)
+
+    def submit(
+        self, nbytes: int, tasks_for: Callable[[torch.Tensor], list[CopyTask]], slot: DeviceSlot
+    ) -> Future[StagedCopy]:
+        # See [Note: staged loads]
+        turn = self._turn
+        self._turn ^= 1
+        return self._sequencer.submit(self._load, turn, nbytes, tasks_for, slot)
+
+    def _load(
+        self, turn: int, nbytes: int, tasks_for: Callable[[torch.Tensor], list[CopyTask]], slot: DeviceSlot
+    ) -> StagedCopy:
+        staging = self._buffers[turn].tensor
+        with torch.cuda.device(self._transfer.device):
+            self._drained[turn].synchronize()
+            started = time.perf_counter()
+            for done in self._copiers.map(CopyTask.run, tasks_for(staging)):
+                pass
+            pack_s = time.perf_counter() - started
+            start, end = self._transfer.copy_into(slot, staging[:nbytes])
+            self._drained[turn].record(self._transfer.copy_stream)
+        return StagedCopy(start, end, pack_s)
+
+    def close(self) -> None:
+        """Finish queued jobs and unpin the staging buffers (after the device is synchronized)."""
+        self._sequencer.shutdown(wait=True)
+        self._copiers.shutdown(wait=True)
+        for buffer in self._buffers:
+            buffer.unpin()
