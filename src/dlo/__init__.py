@@ -6,23 +6,35 @@ before they run, overlapping copies with compute.
 
 from dlo.backend.enable import enable
 from dlo.backend.handle import HandleState, OffloadHandle
-from dlo.config import OffloadConfig
+from dlo.config import OffloadConfig, Topology
+from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.loader import load_transformer
+from dlo.host.memory_accounting import HostMemory, process_tree_memory, read_smaps_rollup
+from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.errors import ConfigError, DiscoveryError, DloError, EnableError, StreamingError
 from dlo.observe.stats import OffloadStats
 from dlo.planning.offload_plan import OffloadPlan, discover
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointErrorKind",
     "ConfigError",
     "DiscoveryError",
     "DloError",
     "EnableError",
     "HandleState",
+    "HostMemory",
+    "HostWeightPlan",
     "OffloadConfig",
     "OffloadHandle",
     "OffloadPlan",
     "OffloadStats",
     "StreamingError",
+    "Topology",
     "discover",
     "enable",
+    "load_transformer",
+    "process_tree_memory",
+    "read_smaps_rollup",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dlo.errors import ConfigError
+from dlo.host.checkpoint import find_transformer_dir
 from dlo.models.tiny import TINY_MODELS
 
 
@@ -22,20 +23,11 @@ def _diffusers_class(name: str) -> type[nn.Module]:
     return cls
 
 
-def _model_dir(path: Path) -> Path:
-    """A transformer directory, or the `transformer/` folder of a pipeline directory."""
-    if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
-        return path / "transformer"
-    if (path / "config.json").is_file():
-        return path
-    raise ConfigError(f"{path} has no config.json (nor transformer/config.json): not a diffusers model directory")
-
-
 def build_on_meta(target: str) -> nn.Module:
     """The module `target` names, with meta tensors (shapes and dtypes only, no memory)."""
     path = Path(target).expanduser()
     if path.is_dir():
-        directory = _model_dir(path)
+        directory = find_transformer_dir(path)
         config = json.loads((directory / "config.json").read_text())
         class_name = config.get("_class_name")
         if not class_name:

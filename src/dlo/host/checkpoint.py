@@ -14,6 +14,18 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
 
 
+def find_transformer_dir(path: str | Path) -> Path:
+    """A transformer directory, or the `transformer/` folder of a pipeline directory."""
+    path = Path(path).expanduser()
+    if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    if (path / "config.json").is_file():
+        return path
+    raise CheckpointError(
+        CheckpointErrorKind.NO_CHECKPOINT, path, "no config.json (nor transformer/config.json): not a diffusers model directory"
+    )
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     """Where one checkpoint tensor lives."""

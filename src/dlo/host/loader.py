@@ -1,0 +1,153 @@
+"""`dlo.load_transformer`: load a diffusers transformer directory, streaming its blocks
+straight from the checkpoint mapping when the preflight proves that is exact."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlo.config import OffloadConfig, Topology
+from dlo.errors import ConfigError
+from dlo.host.checkpoint import Checkpoint, find_transformer_dir
+from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.preflight import Fallback, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.tensor_source import TensorSource
+from dlo.planning.offload_plan import discover
+from dlo.planning.tensor_walk import owned_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def _model_class(class_name: str | None, directory: Path) -> type[nn.Module]:
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None) if class_name else None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ConfigError(f"{directory / 'config.json'}: _class_name {class_name!r} is not a diffusers model class")
+    return cls
+
+
+def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
+    if topology.tp_size > 1:
+        return Fallback("unsupported_tp", f"tensor parallel size {topology.tp_size}: checkpoint tensors are not TP slices")
+    if topology.hsdp:
+        return Fallback("unsupported_hsdp", "HSDP shards weights across replicas")
+    if model_config.get("quantization_config"):
+        return Fallback("unsupported_online_quantization", "config.json has a quantization_config")
+    return None
+
+
+def _runtime_dtype_rule(cls: type[nn.Module], torch_dtype: torch.dtype | None):
+    """The dtype the ordinary loader gives a tensor: the checkpoint's when torch_dtype is
+    None, else torch_dtype for floats, except the class's fp32-kept modules in half precision."""
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+
+    def runtime_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if torch_dtype is None or not checkpoint_dtype.is_floating_point:
+            return checkpoint_dtype
+        if torch_dtype in (torch.float16, torch.bfloat16) and any(m in name.split(".") for m in keep):
+            return torch.float32
+        return torch_dtype
+
+    return runtime_dtype
+
+
+def _skeleton(cls: type[nn.Module], model_config: dict, fuse_qkv: bool) -> nn.Module:
+    """The model with meta parameters and real buffers (RoPE tables and other
+    non-persistent buffers are computed by the constructor and must survive)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(model_config)
+        if fuse_qkv:
+            model.fuse_qkv_projections()
+    return model
+
+
+def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, TensorSource]) -> None:
+    """Copy the non-planned tensors out of the mapping into ordinary tensors (tied ones once)."""
+    made: dict[int, torch.Tensor] = {}
+    for owned in list(owned_tensors(model)):
+        source = sources.get(owned.name)
+        if source is None:
+            continue
+        if id(owned.tensor) not in made:
+            value = source.materialize(checkpoint)
+            made[id(owned.tensor)] = nn.Parameter(value, owned.tensor.requires_grad) if owned.is_parameter else value
+        table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
+        table[owned.key] = made[id(owned.tensor)]
+
+
+def _checkpoint_float_dtype(directory: Path) -> torch.dtype | None:
+    """The most common floating dtype among the checkpoint's tensors."""
+    checkpoint = Checkpoint(directory)
+    try:
+        counts = Counter(s.entry.dtype for s in checkpoint.tensors.values() if s.entry.dtype.is_floating_point)
+    finally:
+        checkpoint.close()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def load_transformer(
+    model_dir: str | Path,
+    config: OffloadConfig | None = None,
+    torch_dtype: torch.dtype | None = None,
+    *,
+    fuse_qkv: bool = False,
+    topology: Topology | None = None,
+) -> tuple[nn.Module, HostWeightPlan | None]:
+    """Load a diffusers transformer (a model directory or a pipeline's `transformer/`).
+
+    Returns `(model, plan)`. With a plan, the block tensors were NOT loaded: they stream
+    from the read-only checkpoint mapping once `dlo.enable(model, device, config, plan=plan)`
+    consumes the plan, and processes mapping the same files share one copy in the page
+    cache. `plan` is None when the preflight could not prove the checkpoint stands in for
+    the runtime tensors (the fallback code is logged) or `config.checkpoint_mmap` is False:
+    the model was then loaded the ordinary way.
+
+    torch_dtype=None keeps each tensor's checkpoint dtype; another dtype is applied while
+    packing (an adapter). fuse_qkv=True runs diffusers' fuse_qkv_projections(): the fused
+    q/k/v projections are concatenated from the checkpoint's separate tensors.
+    """
+    config = OffloadConfig() if config is None else config
+    topology = Topology() if topology is None else topology
+    directory = find_transformer_dir(model_dir)
+    model_config = json.loads((directory / "config.json").read_text())
+    cls = _model_class(model_config.get("_class_name"), directory)
+
+    if config.checkpoint_mmap:
+        fallback = _topology_fallback(topology, model_config)
+        if fallback is None:
+            checkpoint = Checkpoint(directory)
+            try:
+                skeleton = _skeleton(cls, model_config, fuse_qkv)
+                offload_plan = discover(skeleton)
+                sources = plan_checkpoint_sources(
+                    skeleton, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(skeleton)
+                )
+                if not isinstance(sources, Fallback):
+                    _materialize(skeleton, checkpoint, sources.rest)
+                    return skeleton.eval(), HostWeightPlan("checkpoint_mmap", offload_plan, checkpoint, sources.planned)
+            except BaseException:
+                checkpoint.close()
+                raise
+            checkpoint.close()
+            fallback = sources
+        logger.warning(
+            "dlo: checkpoint mmap fallback %s: %s; loading %s the ordinary way",
+            fallback.code,
+            fallback.reason,
+            directory,
+            extra={"dlo_fallback": fallback.code},
+        )
+
+    dtype = torch_dtype if torch_dtype is not None else _checkpoint_float_dtype(directory)
+    model = cls.from_pretrained(directory, torch_dtype=dtype)
+    if fuse_qkv:
+        model.fuse_qkv_projections()
+    return model.eval(), None
