@@ -89,10 +89,13 @@ def _source_for(
         )
     if not fits:
         return f"{name}: runtime shape {list(shape)} but checkpoint has {[list(e.shape) for e in entries]}"
-    dtype = runtime_dtype(name, entries[0].dtype)
-    if dtype != entries[0].dtype and not (dtype.is_floating_point and entries[0].dtype.is_floating_point):
-        return f"{name}: {entries[0].dtype} in the checkpoint, {dtype} at runtime (only float casts are adapters)"
-    return TensorSource(keys, shape, dtype)
+    stored = entries[0].dtype
+    # Floats may be cast (an adapter); anything else must match the module's own dtype.
+    if tensor.dtype.is_floating_point != stored.is_floating_point or (
+        not stored.is_floating_point and stored != tensor.dtype
+    ):
+        return f"{name}: {stored} in the checkpoint, {tensor.dtype} in the module (only float casts are adapters)"
+    return TensorSource(keys, shape, runtime_dtype(name, stored))
 
 
 def plan_checkpoint_sources(

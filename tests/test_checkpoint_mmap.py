@@ -1,0 +1,156 @@
+"""Streaming straight from checkpoint mappings is bit-identical to ordinary loading (SPEC §5.1)."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def save(tmp_path, name, shard=None, dtype=torch.float32):
+    directory = tmp_path / name
+    kwargs = {"max_shard_size": shard} if shard else {}
+    TINY_MODELS[name].build(seed=2, dtype=dtype).save_pretrained(directory, **kwargs)
+    return directory
+
+
+def ordinary(directory, name, dtype, fuse_qkv=False):
+    """diffusers' own loader, every tensor then copied into an ordinary allocation (its mmap'd
+    views can sit at odd offsets, which changes CPU kernels' last bits)."""
+    model = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory, torch_dtype=dtype).eval()
+    if fuse_qkv:
+        model.fuse_qkv_projections()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+def run(model, name, dtype, seeds=(1, 2, 3)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed, dtype))[0] for seed in seeds]
+
+
+@pytest.mark.parametrize("name", ["wan", "flux", "sd3", "qwenimage", "ltx"])
+@pytest.mark.parametrize("shard", [None, "100KB"], ids=["single-file", "sharded"])
+@pytest.mark.parametrize("torch_dtype", [None, torch.bfloat16], ids=["as-saved", "cast-to-bf16"])
+def test_mapped_streaming_matches_ordinary_load(tmp_path, name, shard, torch_dtype):
+    directory = save(tmp_path, name, shard)
+    runtime_dtype = torch_dtype or torch.float32
+    expected = run(ordinary(directory, name, runtime_dtype), name, runtime_dtype)
+    model, plan = dlo.load_transformer(directory, torch_dtype=torch_dtype)
+    assert plan is not None and plan.backing == "checkpoint_mmap"
+    # The checkpoint is fp32: every tensor streamed as bf16 is a cast (Wan keeps its norms fp32).
+    casts = sum(source.dtype == torch.bfloat16 for source in plan.bindings.values())
+    assert plan.adapter_counts() == ({} if torch_dtype is None else {"cast": casts})
+    assert torch_dtype is None or casts > 0
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(model, name, runtime_dtype)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.host_bytes == 0  # no private copy of any block
+    assert stats.mapped_bytes == sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def test_fused_qkv_adapter_matches_ordinary_fusion(tmp_path):
+    directory = save(tmp_path, "flux", "100KB")
+    expected = run(ordinary(directory, "flux", torch.float32, fuse_qkv=True), "flux", torch.float32)
+    model, plan = dlo.load_transformer(directory, fuse_qkv=True)
+    # 2 double blocks fuse to_qkv and to_added_qkv, 3 single blocks to_qkv; weight + bias each
+    assert plan.adapter_counts() == {"concat": (2 * 2 + 3) * 2}
+    assert "transformer_blocks.0.attn.to_qkv.weight" in plan.bindings
+    with dlo.enable(model, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "flux", torch.float32)))
+
+
+def test_bf16_checkpoint_with_fp32_kept_modules_streams_as_saved(tmp_path):
+    """Wan keeps norms and the time embedder in fp32: a bf16 checkpoint mixes dtypes, and
+    torch_dtype=None streams each tensor in its checkpoint dtype, like from_pretrained(bf16)."""
+    directory = save(tmp_path, "wan", "100KB")
+    model_bf16 = diffusers.WanTransformer3DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
+    model_bf16.save_pretrained(tmp_path / "bf16")
+    expected = run(ordinary(tmp_path / "bf16", "wan", torch.bfloat16), "wan", torch.bfloat16)
+    model, plan = dlo.load_transformer(tmp_path / "bf16")
+    assert plan.adapter_counts() == {}
+    assert {s.dtype for s in plan.bindings.values()} == {torch.bfloat16, torch.float32}
+    with dlo.enable(model, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "wan", torch.bfloat16)))
+
+
+def test_resident_layers_come_from_the_mapping(tmp_path):
+    directory = save(tmp_path, "sd3")
+    expected = run(ordinary(directory, "sd3", torch.float32), "sd3", torch.float32)
+    model, plan = dlo.load_transformer(directory)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=2, num_slots=3), plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "sd3", torch.float32)))
+        assert handle.stats().resident_blocks == 2
+
+
+def test_non_persistent_buffers_survive_loading(tmp_path):
+    directory = save(tmp_path, "wan")
+    reference = ordinary(directory, "wan", torch.float32)
+    model, plan = dlo.load_transformer(directory)
+    persistent = set(reference.state_dict())
+    non_persistent = {n: b for n, b in reference.named_buffers() if n not in persistent}
+    assert non_persistent  # Wan's RoPE tables
+    loaded = dict(model.named_buffers())
+    assert all(torch.equal(loaded[n], b) for n, b in non_persistent.items())
+
+
+def test_blocks_are_not_loaded_until_the_plan_is_consumed(tmp_path):
+    directory = save(tmp_path, "flux")
+    model, plan = dlo.load_transformer(directory)
+    assert all(p.device.type == "meta" for p in model.transformer_blocks.parameters())
+    assert all(p.device.type == "cpu" for p in model.proj_out.parameters())
+    assert plan.requires_backend and plan.source_prefixes == ("transformer_blocks.", "single_transformer_blocks.")
+    with pytest.raises(dlo.EnableError, match="needs plan=<the HostWeightPlan it returned>"):
+        dlo.enable(model, "cpu")  # without the plan: a hard error, never uninitialized weights
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):  # the bare model cannot run either
+        run(model, "flux", torch.float32, seeds=(1,))
+
+
+def test_a_plan_is_taken_once(tmp_path):
+    directory = save(tmp_path, "flux")
+    model, plan = dlo.load_transformer(directory)
+    assert not plan.taken
+    handle = dlo.enable(model, "cpu", plan=plan)
+    assert plan.taken and plan.take() is None
+    handle.disable()
+    with pytest.raises(dlo.EnableError, match="already taken"):
+        dlo.enable(model, "cpu", plan=plan)
+
+
+def test_disable_leaves_private_copies_and_closes_the_mapping(tmp_path):
+    directory = save(tmp_path, "flux", "100KB")
+    expected = run(ordinary(directory, "flux", torch.float32), "flux", torch.float32, seeds=(4,))
+    model, plan = dlo.load_transformer(directory)
+    checkpoint = plan._weights.checkpoint  # observed only: the mapping the handle must close
+    handle = dlo.enable(model, "cpu", plan=plan)
+    run(model, "flux", torch.float32, seeds=(4,))
+    handle.disable()
+    assert all(shard._map.closed for shard in checkpoint.files)
+    weight = model.transformer_blocks[0].attn.to_q.weight
+    weight.add_(0)  # writable: a private copy, not the read-only mapping
+    assert torch.equal(run(model, "flux", torch.float32, seeds=(4,))[0], expected[0])
+    with dlo.enable(model, "cpu"):  # plain module again: the ordinary packed path works
+        assert torch.equal(run(model, "flux", torch.float32, seeds=(4,))[0], expected[0])
+
+
+def test_checkpoint_mmap_off_loads_the_ordinary_way_without_fallback_log(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    with caplog.at_level(logging.WARNING):
+        model, plan = dlo.load_transformer(directory, dlo.OffloadConfig(checkpoint_mmap=False))
+    assert plan is None and not caplog.records
+    assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
+
+
+def test_pipeline_directory_loads_its_transformer(tmp_path):
+    save(tmp_path / "pipe", "wan").rename(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    model, plan = dlo.load_transformer(tmp_path / "pipe")
+    assert type(model).__name__ == "WanTransformer3DModel" and plan is not None

@@ -1,0 +1,257 @@
+"""Processes that stream the same checkpoint share its pages through the page cache
+(SPEC §5.1); processes that load it the ordinary way each hold a private copy.
+
+Every number here comes from real spawned processes reading /proc/<pid>/smaps_rollup: no
+mocks. The model is a WanTransformer3DModel with random weights, big enough (~211 MB) that
+the checkpoint dominates interpreter and allocator noise.
+
+Model sizes for `WAN` below (float32, 4 bytes a parameter), inner = 8 heads x 64 = 512:
+  one block = self-attn q,k,v,out (4 x (512*512 + 512)) + cross-attn q,k,v,out (same)
+              + q/k RMSNorm weights (4 x 512) + cross-attn norm (2 x 512)
+              + ffn (512*2048 + 2048 + 2048*512 + 512) + scale_shift_table (6 x 512)
+            = 4_207_104 parameters = 16.83 MB
+  12 blocks = 201.9 MB; non-block parts (patch embed, condition embedder with its
+  512 -> 6*512 time projection, proj_out, scale_shift_table) = 8.74 MB
+  model     = 210.7 MB (the RoPE tables are non-persistent buffers, a few KB, not saved).
+The test recomputes these from the built model; the comments are what they come to.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import dlo
+from dlo.models.tiny import TinyModel, _wan_inputs
+
+pytest.importorskip("diffusers")
+if dlo.read_smaps_rollup() is None:  # pragma: no cover - non-Linux
+    pytest.skip("needs /proc/<pid>/smaps_rollup", allow_module_level=True)
+
+WAN = TinyModel(
+    "wan-page-sharing",
+    "WanTransformer3DModel",
+    dict(
+        patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=4,
+        text_dim=64, freq_dim=64, ffn_dim=2048, num_layers=12, rope_max_seq_len=32,
+    ),
+    # 2 x 4 x 4 = 32 latent tokens and 12 text tokens: the forward costs milliseconds.
+    _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 64)),
+)
+
+MB = 1e6
+# A broken worker must fail the test, never hang it. Generous next to the few seconds a
+# worker takes (spawn + imports + load + one forward), even with 4 workers on 2 cores.
+BARRIER_TIMEOUT_S = 90.0
+RESULTS_TIMEOUT_S = 110.0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    directory: Path
+    file_bytes: int  # summed sizes of the safetensors shards (tensor bytes + headers)
+    model_bytes: int  # parameters + persistent buffers of the model, float32
+    block_bytes: int  # the largest block
+    non_block_bytes: int
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Checkpoint:
+    directory = tmp_path_factory.mktemp("wan_page_sharing")
+    model = WAN.build(seed=0)
+    model.save_pretrained(directory, max_shard_size="50MB")
+    state = model.state_dict()
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    block_bytes = max(sum(p.numel() * p.element_size() for p in block.state_dict().values()) for block in model.blocks)
+    block_total = sum(sum(p.numel() * p.element_size() for p in b.state_dict().values()) for b in model.blocks)
+    del model, state
+    shards = sorted(directory.glob("*.safetensors"))
+    assert len(shards) > 1, "the checkpoint should be sharded"
+    return Checkpoint(
+        directory=directory,
+        file_bytes=sum(p.stat().st_size for p in shards),
+        model_bytes=model_bytes,
+        block_bytes=block_bytes,
+        non_block_bytes=model_bytes - block_total,
+    )
+
+
+def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results) -> None:
+    """Load, enable on cpu, run one forward; report smaps_rollup before loading and after
+    the forward, measured while every worker holds its mapping."""
+    try:
+        # Everything imported and the inputs built before the first measurement, so the
+        # deltas are the load, enable and forward only.
+        from diffusers import WanTransformer3DModel  # noqa: F401  (diffusers imports lazily)
+
+        torch.set_num_threads(1)  # up to 4 workers on 2 cores
+        inputs = WAN.inputs(seed=rank)
+        # Every worker has mapped torch's libraries before anyone takes a baseline: a late
+        # starter would otherwise lower the others' share of those pages between their two
+        # measurements.
+        barrier.wait(BARRIER_TIMEOUT_S)
+        before = dlo.read_smaps_rollup()
+        barrier.wait(BARRIER_TIMEOUT_S)
+
+        config = dlo.OffloadConfig(checkpoint_mmap=mmap)
+        model, plan = dlo.load_transformer(directory, config=config)
+        handle = dlo.enable(model, "cpu", config, plan=plan)
+        with torch.inference_mode():
+            output = model(**inputs)[0]
+        stats = handle.stats()
+
+        barrier.wait(BARRIER_TIMEOUT_S)  # everyone loaded and ran: all mappings are live
+        after = dlo.read_smaps_rollup()
+        barrier.wait(BARRIER_TIMEOUT_S)  # nobody unmaps (exits) before everyone measured
+        results.put(
+            dict(
+                rank=rank,
+                plan=plan is not None,
+                before=before,
+                after=after,
+                mapped_bytes=stats.mapped_bytes,
+                host_bytes=stats.host_bytes,
+                slot_bytes=stats.slot_bytes,
+                finite=bool(torch.isfinite(output).all()),
+            )
+        )
+    except BaseException:
+        barrier.abort()  # the others fail fast instead of waiting out the timeout
+        results.put(dict(rank=rank, error=traceback.format_exc()))
+
+
+@dataclass(frozen=True)
+class Delta:
+    rank: int
+    private_dirty: int
+    pss_file: int
+    pss: int
+    rss: int
+
+
+def _run_workers(directory: Path, workers: int, mmap: bool) -> tuple[list[dict], list[Delta]]:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(workers)
+    results = ctx.Queue()
+    processes = [
+        ctx.Process(target=_sharing_worker, args=(rank, str(directory), mmap, barrier, results), daemon=True)
+        for rank in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    reports: list[dict] = []
+    try:
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S
+        while len(reports) < workers and time.monotonic() < deadline:
+            try:
+                reports.append(results.get(timeout=1.0))
+            except queue.Empty:
+                dead = [p for p in processes if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    # A worker died without reporting (killed, segfault): stop waiting.
+                    codes = {p.pid: p.exitcode for p in dead}
+                    pytest.fail(f"workers died without reporting: exit codes {codes}; got {reports}")
+        errors = [r["error"] for r in reports if "error" in r]
+        assert not errors, "worker failed:\n" + "\n".join(errors)
+        assert len(reports) == workers, f"only {len(reports)} of {workers} workers reported in {RESULTS_TIMEOUT_S}s"
+        for process in processes:
+            process.join(timeout=30)
+            assert process.exitcode == 0, f"worker pid {process.pid} exit code {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    reports.sort(key=lambda r: r["rank"])
+    deltas = [
+        Delta(
+            rank=r["rank"],
+            private_dirty=r["after"].private_dirty - r["before"].private_dirty,
+            pss_file=r["after"].pss_file - r["before"].pss_file,
+            pss=r["after"].pss - r["before"].pss,
+            rss=r["after"].rss - r["before"].rss,
+        )
+        for r in reports
+    ]
+    return reports, deltas
+
+
+def _print_table(title: str, ckpt: Checkpoint, reports: list[dict], deltas: list[Delta]) -> None:
+    print(f"\n{title}: model {ckpt.model_bytes / MB:.1f} MB, files {ckpt.file_bytes / MB:.1f} MB")
+    print("  rank  plan  d.Private_Dirty  d.Pss_File    d.Pss    d.Rss  mapped_bytes  host_bytes (MB)")
+    for report, delta in zip(reports, deltas):
+        print(
+            f"  {delta.rank:4d}  {str(report['plan']):>5}  {delta.private_dirty / MB:15.1f}"
+            f"  {delta.pss_file / MB:10.1f}  {delta.pss / MB:7.1f}  {delta.rss / MB:7.1f}"
+            f"  {report['mapped_bytes'] / MB:12.1f}  {report['host_bytes'] / MB:10.1f}"
+        )
+    summed_dirty = sum(d.private_dirty for d in deltas) / MB
+    summed_pss_file = sum(d.pss_file for d in deltas) / MB
+    print(f"   sum        {summed_dirty:15.1f}  {summed_pss_file:10.1f}")
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_mmap_workers_share_one_copy_of_the_checkpoint(checkpoint, workers):
+    reports, deltas = _run_workers(checkpoint.directory, workers, mmap=True)
+    _print_table(f"checkpoint_mmap=True, {workers} workers", checkpoint, reports, deltas)
+
+    for report in reports:
+        assert report["plan"], f"worker {report['rank']} fell back to the ordinary loader (no HostWeightPlan)"
+        assert report["finite"]
+        assert report["mapped_bytes"] == checkpoint.file_bytes
+        # Wan blocks have no non-persistent buffers: nothing of a streamed block is private.
+        assert report["host_bytes"] == 0
+
+    # Pss charges a page mapped by N processes 1/N to each, so summed over the workers a
+    # shared page counts once: sum(d.Pss_File) ~= the checkpoint pages every worker touched
+    # (all of them: the forward reads every block, the loader copies the non-block parts)
+    # = file_bytes, not workers x file_bytes. The parent never maps the files. Slack for
+    # torch's library pages touched during the forward (also split by Pss) and the header.
+    summed_pss_file = sum(d.pss_file for d in deltas)
+    assert 0.6 * checkpoint.file_bytes < summed_pss_file < 1.4 * checkpoint.file_bytes, (
+        f"summed Pss_File growth {summed_pss_file / MB:.1f} MB for {checkpoint.file_bytes / MB:.1f} MB of files"
+    )
+
+    # What a worker writes itself (Private_Dirty) is not the weights:
+    #   slots      = num_slots (2) x largest block            = 2 x 16.83 = 33.7 MB
+    #   non-block  = materialized from the mapping, then cloned by enable() on cpu; the
+    #                freed first copy may stay in malloc's heap: <= 2 x 8.74  = 17.5 MB
+    #   noise      = python objects of the model, forward activations (32 tokens), torch's
+    #                per-thread state: ~6-15 MB (measured totals ~52-57 MB), allow 50 MB
+    #   bound      = 33.7 + 17.5 + 50 = 101 MB < 0.5 x model (105 MB)
+    # A private copy would be >= model_bytes (211 MB) instead.
+    slots = 2 * checkpoint.block_bytes
+    bound = slots + 2 * checkpoint.non_block_bytes + 50 * MB
+    assert bound < 0.5 * checkpoint.model_bytes
+    for report, delta in zip(reports, deltas):
+        assert report["slot_bytes"] >= slots
+        assert delta.private_dirty < bound, (
+            f"worker {delta.rank}: Private_Dirty grew {delta.private_dirty / MB:.1f} MB, "
+            f"bound {bound / MB:.1f} MB (model {checkpoint.model_bytes / MB:.1f} MB)"
+        )
+
+
+def test_private_load_gives_every_worker_its_own_copy(checkpoint):
+    """The contrast: with checkpoint_mmap=False each process packs its own host copy of
+    every block (and an ordinary copy of the rest), so Private_Dirty grows by at least the
+    model in every worker: 2 workers hold 2 copies."""
+    reports, deltas = _run_workers(checkpoint.directory, 2, mmap=False)
+    _print_table("checkpoint_mmap=False, 2 workers", checkpoint, reports, deltas)
+
+    for report, delta in zip(reports, deltas):
+        assert not report["plan"]
+        assert report["finite"]
+        assert report["mapped_bytes"] == 0
+        # host copies of the 12 blocks: 201.9 MB plus 512-byte alignment padding per tensor.
+        assert report["host_bytes"] >= checkpoint.model_bytes - checkpoint.non_block_bytes
+        assert delta.private_dirty >= 0.9 * checkpoint.model_bytes, (
+            f"worker {delta.rank}: Private_Dirty grew only {delta.private_dirty / MB:.1f} MB "
+            f"for a {checkpoint.model_bytes / MB:.1f} MB model"
+        )
