@@ -54,7 +54,7 @@ RESULTS_TIMEOUT_S = 110.0
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class SavedCheckpoint:
     directory: Path
     file_bytes: int  # summed sizes of the safetensors shards (tensor bytes + headers)
     model_bytes: int  # parameters + persistent buffers of the model, float32
@@ -63,7 +63,7 @@ class Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Checkpoint:
+def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     directory = tmp_path_factory.mktemp("wan_page_sharing")
     model = WAN.build(seed=0)
     model.save_pretrained(directory, max_shard_size="50MB")
@@ -74,7 +74,7 @@ def checkpoint(tmp_path_factory) -> Checkpoint:
     del model, state
     shards = sorted(directory.glob("*.safetensors"))
     assert len(shards) > 1, "the checkpoint should be sharded"
-    return Checkpoint(
+    return SavedCheckpoint(
         directory=directory,
         file_bytes=sum(p.stat().st_size for p in shards),
         model_bytes=model_bytes,
@@ -183,7 +183,7 @@ def _run_workers(directory: Path, workers: int, mmap: bool) -> tuple[list[dict],
     return reports, deltas
 
 
-def _print_table(title: str, ckpt: Checkpoint, reports: list[dict], deltas: list[Delta]) -> None:
+def _print_table(title: str, ckpt: SavedCheckpoint, reports: list[dict], deltas: list[Delta]) -> None:
     print(f"\n{title}: model {ckpt.model_bytes / MB:.1f} MB, files {ckpt.file_bytes / MB:.1f} MB")
     print("  rank  plan  d.Private_Dirty  d.Pss_File    d.Pss    d.Rss  mapped_bytes  host_bytes (MB)")
     for report, delta in zip(reports, deltas):

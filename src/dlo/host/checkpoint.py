@@ -34,25 +34,39 @@ class SourceTensor:
     entry: TensorEntry
 
 
-def _shard_names(directory: Path) -> list[str]:
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """The index's key -> shard map; None for a single-file checkpoint."""
     index_path = directory / INDEX_NAME
     if not index_path.is_file():
         if (directory / WEIGHTS_NAME).is_file():
-            return [WEIGHTS_NAME]
+            return None
         raise CheckpointError(
             CheckpointErrorKind.NO_CHECKPOINT, directory, f"neither {WEIGHTS_NAME} nor {INDEX_NAME} is there"
         )
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, f"no readable weight_map ({err})") from None
+    if not weight_map:
+        raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, "weight_map is empty")
     for name in names:
         if not isinstance(name, str) or Path(name).name != name:
             raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, f"shard {name!r} is not a file name")
         if not (directory / name).is_file():
             raise CheckpointError(CheckpointErrorKind.MISSING_SHARD, index_path, f"names {name!r}, which is missing")
-    return names
+    return weight_map
+
+
+def _check_index(index_path: Path, weight_map: dict[str, str], tensors: dict[str, SourceTensor]) -> None:
+    """The index must say exactly where every tensor is."""
+    for key, name in weight_map.items():
+        if key not in tensors or tensors[key].file.path.name != name:
+            where = tensors[key].file.path.name if key in tensors else "no shard"
+            raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, f"puts {key!r} in {name!r}, it is in {where}")
+    unlisted = sorted(set(tensors) - set(weight_map))
+    if unlisted:
+        raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, f"does not list {unlisted[0]!r}")
 
 
 class Checkpoint:
@@ -63,7 +77,8 @@ class Checkpoint:
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, SourceTensor] = {}
         try:
-            for name in _shard_names(self.directory):
+            weight_map = _weight_map(self.directory)
+            for name in sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]:
                 shard = SafetensorsFile(self.directory / name)
                 self.files.append(shard)
                 for key, entry in shard.entries.items():
@@ -74,6 +89,8 @@ class Checkpoint:
                             f"{key!r} is also in {self.tensors[key].file.path.name}",
                         )
                     self.tensors[key] = SourceTensor(shard, entry)
+            if weight_map is not None:
+                _check_index(self.directory / INDEX_NAME, weight_map, self.tensors)
         except BaseException:
             self.close()
             raise

@@ -78,6 +78,9 @@ def _source_for(
     if missing:
         return f"{name}: checkpoint has no {missing[0]!r}"
     entries = [checkpoint.tensors[k].entry for k in keys]
+    misaligned = [e.key for e in entries if not e.aligned]
+    if misaligned:
+        return f"{name}: {misaligned[0]!r} is not aligned to its element size in the file (cannot be viewed in place)"
     if len({e.dtype for e in entries}) != 1:
         return f"{name}: fused parts have different dtypes"
     shape = tuple(tensor.shape)

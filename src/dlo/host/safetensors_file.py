@@ -47,6 +47,7 @@ class CheckpointErrorKind(enum.Enum):
     UNKNOWN_DTYPE = "unknown_dtype"
     SIZE_MISMATCH = "size_mismatch"  # a tensor's byte range does not match dtype x shape
     OFFSETS_INVALID = "offsets_invalid"  # overlapping, gaps, out of range, not covering the data
+    MISALIGNED = "misaligned"  # a tensor's file offset is not a multiple of its element size
     MISSING_SHARD = "missing_shard"  # the index names a file that is not there
     DUPLICATE_KEY = "duplicate_key"  # one tensor name in two shards
     INDEX_INVALID = "index_invalid"  # *.safetensors.index.json unreadable or inconsistent
@@ -72,9 +73,33 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def aligned(self) -> bool:
+        """Whether a typed view can start here. The format allows any offset; safetensors'
+        own writer aligns, other writers may not."""
+        return self.begin % self.dtype.itemsize == 0
+
 
 def _fail(kind: CheckpointErrorKind, path: Path, detail: str) -> CheckpointError:
     return CheckpointError(kind, path, detail)
+
+
+def _brief(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _checked_nbytes(shape: list[int], itemsize: int, limit: int) -> int | None:
+    """numel x itemsize, or None once it exceeds `limit` (checked arithmetic: a crafted shape
+    cannot build numbers larger than the file)."""
+    if 0 in shape:
+        return 0
+    nbytes = itemsize
+    for dim in shape:
+        nbytes *= dim
+        if nbytes > limit:
+            return None
+    return nbytes
 
 
 def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -89,8 +114,8 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
         raise _fail(kinds.HEADER_TOO_LARGE, path, f"header length {header_len} runs past the end of the {file_size}-byte file")
     try:
         header = json.loads(prefix[8 : 8 + header_len].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _fail(kinds.HEADER_INVALID, path, f"header is not UTF-8 JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, absurd nesting or numbers
+        raise _fail(kinds.HEADER_INVALID, path, f"header is not UTF-8 JSON ({str(err)[:200]})") from None
     if not isinstance(header, dict):
         raise _fail(kinds.HEADER_INVALID, path, "header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -104,7 +129,7 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
             raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: expected dtype, shape and data_offsets")
         shape, offsets = info["shape"], info["data_offsets"]
         if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: shape {shape!r} is not a list of sizes")
+            raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: shape {_brief(shape)} is not a list of sizes")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
@@ -115,14 +140,13 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
         if dtype is None:
             raise _fail(kinds.UNKNOWN_DTYPE, path, f"{key!r}: dtype {info['dtype']!r}")
         begin, end = offsets
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if end < begin or end - begin != numel * dtype.itemsize:
+        nbytes = _checked_nbytes(shape, dtype.itemsize, limit=file_size)
+        if end < begin or nbytes is None or end - begin != nbytes:
+            needs = "more bytes than the file holds" if nbytes is None else f"{nbytes} bytes"
             raise _fail(
                 kinds.SIZE_MISMATCH,
                 path,
-                f"{key!r}: {info['dtype']} {shape} needs {numel * dtype.itemsize} bytes, data_offsets give {end - begin}",
+                f"{key!r}: {info['dtype']} {_brief(shape)} needs {needs}, data_offsets give {end - begin}",
             )
         entries.append(TensorEntry(key, dtype, tuple(shape), data_start + begin, data_start + end))
 
@@ -161,6 +185,10 @@ class SafetensorsFile:
     def view(self, key: str) -> torch.Tensor:
         """The tensor `key` as a zero-copy view of the mapping. Never write to it."""
         entry = self.entries[key]
+        if not entry.aligned:
+            raise CheckpointError(
+                CheckpointErrorKind.MISALIGNED, self.path, f"{key!r} starts at byte {entry.begin}, not a multiple of {entry.dtype.itemsize}"
+            )
         raw = self._bytes[entry.begin : entry.end]
         return raw.view(entry.dtype).view(entry.shape)
 

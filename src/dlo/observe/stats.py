@@ -21,7 +21,8 @@ class OffloadStats:
         bytes dlo keeps on the device (no allocator to ask).
     device_weight_bytes: non-streamed parts + resident blocks + slots.
     host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
-    mapped_bytes: checkpoint bytes streamed from a read-only mapping (shared page cache);
+    mapped_bytes: size of the read-only checkpoint mapping blocks stream from (shared page
+        cache, not private memory);
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
         spent packing them (in background threads, overlapping copies and compute).
     host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
