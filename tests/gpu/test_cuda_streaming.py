@@ -53,7 +53,7 @@ def page_locked(tensor):
 def test_host_buffers_are_page_locked_while_enabled_and_released_by_disable():
     _, streamed, entry = pair("wan", torch.float32)
     handle = dlo.enable(streamed, "cuda")
-    assert all(page_locked(block.host.tensor) for block in handle._runtime.blocks)
+    assert all(page_locked(block.source.host.tensor) for block in handle._runtime.blocks)
     outputs(streamed, entry, [1], torch.float32)
     handle.disable()
     weight = streamed.blocks[0].attn1.to_q.weight

@@ -53,7 +53,10 @@ class OffloadConfig:
     )
     pack_threads: int = field(
         default=0,
-        metadata={"help": "host threads packing mapped blocks into pinned staging buffers (0: half the cores, at most 8)"},
+        metadata={
+            "help": "host threads packing mapped blocks into pinned staging buffers (0: every core this "
+            "process may use; with several processes per node give each its share)"
+        },
     )
 
     def __post_init__(self) -> None:
