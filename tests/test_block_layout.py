@@ -32,3 +32,15 @@ def test_views_have_shape_dtype_and_aligned_addresses():
 def test_aligned_empty_starts_aligned_for_several_sizes():
     for nbytes in (1, 511, 512, 4097):
         assert aligned_empty(nbytes, torch.device("cpu")).data_ptr() % ALIGNMENT == 0
+
+
+def test_copy_tasks_are_balanced_across_threads():
+    from dlo.host.tensor_source import CopyTask, balanced_batches
+
+    sizes = [80, 10, 10, 30, 30, 40]  # bytes: 200 in all
+    tasks = [CopyTask(torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)) for n in sizes]
+    batches = balanced_batches(tasks, 3)
+    loads = sorted(sum(t.source.numel() for t in batch) for batch in batches)
+    assert loads == [60, 60, 80]  # 80 | 40+10+10 | 30+30
+    assert sorted(id(t) for b in batches for t in b) == sorted(id(t) for t in tasks)
+    assert len(balanced_batches(tasks[:2], 8)) == 2

@@ -35,6 +35,24 @@ class CopyTask:
             self.target.copy_(self.source)
 
 
+def balanced_batches(tasks: list[CopyTask], count: int) -> list[list[CopyTask]]:
+    """`tasks` split into at most `count` batches of about equal bytes (largest first, each
+    to the lightest batch). One batch per thread keeps per-task Python overhead and GIL
+    hand-offs off the copy path: a block has ~100 tensors, many of them tiny."""
+    batches: list[list[CopyTask]] = [[] for _ in range(max(1, min(count, len(tasks))))]
+    loads = [0] * len(batches)
+    for task in sorted(tasks, key=lambda t: t.source.numel() * t.source.element_size(), reverse=True):
+        lightest = loads.index(min(loads))
+        batches[lightest].append(task)
+        loads[lightest] += task.source.numel() * task.source.element_size()
+    return batches
+
+
+def run_batch(batch: list[CopyTask]) -> None:
+    for task in batch:
+        task.run()
+
+
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import CopyTask
+from dlo.host.tensor_source import CopyTask, balanced_batches, run_batch
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot
 
 
@@ -51,6 +51,7 @@ class Stager:
         self._drained = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
         self._sequencer = ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
+        self._threads = threads
         self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="dlo-pack")
 
     @property
@@ -72,7 +73,7 @@ class Stager:
         with torch.cuda.device(self._transfer.device):
             self._drained[turn].synchronize()
             started = time.perf_counter()
-            for done in self._copiers.map(CopyTask.run, tasks_for(staging)):
+            for _ in self._copiers.map(run_batch, balanced_batches(tasks_for(staging), self._threads)):
                 pass
             pack_s = time.perf_counter() - started
             start, end = self._transfer.copy_into(slot, staging[:nbytes])
