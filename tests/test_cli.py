@@ -72,3 +72,32 @@ def test_help_lists_every_config_field(capsys):
     out = capsys.readouterr().out
     for flag in ("--num-slots", "--resident-layers", "--pin-memory", "--no-pin-memory", "--record-timeline"):
         assert flag in out
+
+
+def test_demo_from_a_temporary_checkpoint(capsys):
+    assert main(["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--from-checkpoint"]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical" in out and "checkpoint mapping" in out and "shared read-only" in out
+
+
+def test_demo_writes_then_reuses_a_checkpoint_dir(tmp_path, capsys):
+    directory = tmp_path / "ckpt"
+    for _ in range(2):  # first call writes the checkpoint, second maps the existing one
+        assert main(["demo", "--model", "wan", "--device", "cpu", "--steps", "2", "--from-checkpoint", str(directory)]) == 0
+        assert "bit-identical" in capsys.readouterr().out
+    assert main(["demo", "--model", "flux", "--device", "cpu", "--from-checkpoint", str(directory)]) == 2
+    assert "holds a WanTransformer3DModel checkpoint" in capsys.readouterr().err
+
+
+def test_inspect_reports_the_checkpoint_preflight(tmp_path, capsys):
+    from dlo.models.tiny import TINY_MODELS
+
+    TINY_MODELS["sd3"].build().save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path), "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint mmap:      yes" in out and "cast" in out
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "no, falls back to the ordinary loader (unsupported_online_quantization" in capsys.readouterr().out

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -69,6 +72,29 @@ def _denoise(model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype,
     return Trajectory(outputs, step_s, 0)
 
 
+def _from_checkpoint(
+    entry: TinyModel, directory: Path, dtype: torch.dtype, config: dlo.OffloadConfig
+) -> tuple[nn.Module, nn.Module, dlo.HostWeightPlan | None]:
+    """(resident reference, model to stream, its plan), both loaded from `directory`. An
+    empty or missing directory first gets the built-in model's sharded checkpoint."""
+    if not directory.is_dir() or not any(directory.iterdir()):
+        entry.build(seed=0, dtype=dtype).save_pretrained(directory, max_shard_size="16MB")
+    saved = json.loads((dlo.host.checkpoint.find_transformer_dir(directory) / "config.json").read_text())
+    if saved.get("_class_name") != entry.class_name or any(saved.get(k) != v for k, v in entry.config.items() if not isinstance(v, tuple)):
+        raise dlo.ConfigError(
+            f"--from-checkpoint {directory} holds a {saved.get('_class_name')} checkpoint that is not the built-in "
+            f"{entry.name!r} model; dlo demo makes inputs for its built-in models only (use `dlo inspect` for others)"
+        )
+    import diffusers
+
+    reference = getattr(diffusers, entry.class_name).from_pretrained(directory, torch_dtype=dtype).eval()
+    with torch.no_grad():  # ordinary allocations, as a user's resident model would have
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.clone()
+    streamed, plan = dlo.load_transformer(directory, config, torch_dtype=dtype)
+    return reference, streamed, plan
+
+
 def run_demo(
     model_name: str,
     device: torch.device,
@@ -76,10 +102,15 @@ def run_demo(
     steps: int,
     dtype: torch.dtype,
     trace_path: str | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> DemoResult:
     entry = TINY_MODELS[model_name]
-    reference = entry.build(seed=0, dtype=dtype)
-    streamed = copy.deepcopy(reference)
+    plan = None
+    if checkpoint_dir is not None:
+        reference, streamed, plan = _from_checkpoint(entry, checkpoint_dir, dtype, config)
+    else:
+        reference = entry.build(seed=0, dtype=dtype)
+        streamed = copy.deepcopy(reference)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*reference.parameters(), *reference.buffers()])
 
     if device.type == "cuda":
@@ -91,7 +122,7 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    with dlo.enable(streamed, device, config) as handle:
+    with dlo.enable(streamed, device, config, plan=plan) as handle:
         run = _denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
         if trace_path:
@@ -106,6 +137,12 @@ def run_demo(
         streamed=Trajectory(run.outputs, run.step_s, stats.peak_device_bytes),
         stats=stats,
     )
+
+
+def _backing(stats: OffloadStats) -> str:
+    if stats.mapped_bytes:
+        return f"checkpoint mapping, {human_bytes(stats.mapped_bytes)} shared read-only"
+    return f"{human_bytes(stats.host_bytes)} private, {'pinned' if stats.pinned else 'pageable'}"
 
 
 def render(result: DemoResult) -> str:
@@ -123,6 +160,7 @@ def render(result: DemoResult) -> str:
         ["H2D rate", "-", f"{stats.h2d_gbps:.2f} GB/s"],
         ["exposed copy per step", "-", f"{stats.exposed_copy_s / steps * 1e3:.2f} ms"],
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
+        ["host copy of the blocks", "-", _backing(stats)],
     ]
     verdict = "bit-identical" if result.identical else "DIFFERENT"
     dtype = str(result.dtype).removeprefix("torch.")
@@ -143,7 +181,14 @@ def run(args: argparse.Namespace) -> int:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    result = run_demo(args.model, device, config_from_flags(args), args.steps, dtype, args.trace)
+    config = config_from_flags(args)
+    if args.from_checkpoint is None:
+        result = run_demo(args.model, device, config, args.steps, dtype, args.trace)
+    elif args.from_checkpoint:
+        result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(args.from_checkpoint))
+    else:
+        with tempfile.TemporaryDirectory(prefix="dlo-demo-") as directory:
+            result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory))
     print(render(result))
     if args.trace:
         print(f"timeline written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
 from dlo.cli.config_flags import config_from_flags
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta
+from dlo.host.loader import MappedLoad, preflight
+from dlo.host.preflight import Fallback
 from dlo.planning.offload_plan import discover
 from dlo.planning.plan_summary import PlanSummary, summarize
 
@@ -40,7 +43,34 @@ def render(summary: PlanSummary) -> str:
     return "\n".join(lines)
 
 
+def render_preflight(result: MappedLoad | Fallback) -> str:
+    if isinstance(result, Fallback):
+        return f"checkpoint mmap:      no, falls back to the ordinary loader ({result.code}: {result.reason})"
+    checkpoint = result.checkpoint
+    adapters: dict[str, int] = {}
+    for source in result.sources.planned.values():
+        for step in source.adapters(checkpoint):
+            adapters[step] = adapters.get(step, 0) + 1
+    steps = ", ".join(f"{count} {step}" for step, count in sorted(adapters.items())) or "none"
+    return (
+        f"checkpoint mmap:      yes, {len(result.sources.planned)} block tensors stream from {len(checkpoint.files)} "
+        f"file(s), {human_bytes(checkpoint.nbytes)} mapped read-only (adapters: {steps})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    if Path(args.target).expanduser().is_dir():
+        result = preflight(args.target, DTYPES[args.dtype] if args.dtype else None)
+        try:
+            module = result.skeleton if isinstance(result, MappedLoad) else build_on_meta(args.target)
+            if args.dtype:
+                module = module.to(DTYPES[args.dtype])
+            print(render(summarize(module, discover(module), config_from_flags(args))))
+            print(render_preflight(result))
+        finally:
+            if isinstance(result, MappedLoad):
+                result.checkpoint.close()
+        return 0
     module = build_on_meta(args.target)
     if args.dtype:
         module = module.to(DTYPES[args.dtype])

@@ -32,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
     demo_parser.add_argument("--dtype", choices=sorted(inspect_plan.DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
     demo_parser.add_argument("--steps", type=int, default=6, help="denoising steps (default: 6)")
+    demo_parser.add_argument(
+        "--from-checkpoint",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="load the model with dlo.load_transformer and stream its blocks from the checkpoint's read-only "
+        "mapping. DIR (written first if empty or missing) must hold the --model checkpoint; without DIR a "
+        "temporary one is written",
+    )
     demo_parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
     add_config_flags(demo_parser)
     demo_parser.set_defaults(run=demo.run)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,9 +16,9 @@ from dlo.config import OffloadConfig, Topology
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir
 from dlo.host.host_weight_plan import HostWeightPlan
-from dlo.host.preflight import Fallback, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.preflight import CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
 from dlo.host.tensor_source import TensorSource
-from dlo.planning.offload_plan import discover
+from dlo.planning.offload_plan import OffloadPlan, discover
 from dlo.planning.tensor_walk import owned_tensors
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,50 @@ def _checkpoint_float_dtype(directory: Path) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+@dataclass(frozen=True)
+class MappedLoad:
+    """A preflight that passed: the skeleton (block tensors on meta) and its sources."""
+
+    directory: Path
+    skeleton: nn.Module
+    offload_plan: OffloadPlan
+    checkpoint: Checkpoint
+    sources: CheckpointSources
+
+
+def preflight(
+    model_dir: str | Path,
+    torch_dtype: torch.dtype | None = None,
+    *,
+    fuse_qkv: bool = False,
+    topology: Topology | None = None,
+) -> MappedLoad | Fallback:
+    """Prove (or refute) that the checkpoint can stand in for the block tensors, reading only
+    headers and building a meta skeleton. The caller owns (and must close) the mapping of a
+    `MappedLoad`. Corrupt files raise `CheckpointError`."""
+    topology = Topology() if topology is None else topology
+    directory = find_transformer_dir(model_dir)
+    model_config = json.loads((directory / "config.json").read_text())
+    cls = _model_class(model_config.get("_class_name"), directory)
+    fallback = _topology_fallback(topology, model_config)
+    if fallback is not None:
+        return fallback
+    checkpoint = Checkpoint(directory)
+    try:
+        skeleton = _skeleton(cls, model_config, fuse_qkv)
+        offload_plan = discover(skeleton)
+        sources = plan_checkpoint_sources(
+            skeleton, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(skeleton)
+        )
+    except BaseException:
+        checkpoint.close()
+        raise
+    if isinstance(sources, Fallback):
+        checkpoint.close()
+        return sources
+    return MappedLoad(directory, skeleton, offload_plan, checkpoint, sources)
+
+
 def load_transformer(
     model_dir: str | Path,
     config: OffloadConfig | None = None,
@@ -115,37 +160,25 @@ def load_transformer(
     q/k/v projections are concatenated from the checkpoint's separate tensors.
     """
     config = OffloadConfig() if config is None else config
-    topology = Topology() if topology is None else topology
     directory = find_transformer_dir(model_dir)
-    model_config = json.loads((directory / "config.json").read_text())
-    cls = _model_class(model_config.get("_class_name"), directory)
-
     if config.checkpoint_mmap:
-        fallback = _topology_fallback(topology, model_config)
-        if fallback is None:
-            checkpoint = Checkpoint(directory)
+        result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
+        if isinstance(result, MappedLoad):
             try:
-                skeleton = _skeleton(cls, model_config, fuse_qkv)
-                offload_plan = discover(skeleton)
-                sources = plan_checkpoint_sources(
-                    skeleton, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(skeleton)
-                )
-                if not isinstance(sources, Fallback):
-                    _materialize(skeleton, checkpoint, sources.rest)
-                    return skeleton.eval(), HostWeightPlan("checkpoint_mmap", offload_plan, checkpoint, sources.planned)
+                _materialize(result.skeleton, result.checkpoint, result.sources.rest)
             except BaseException:
-                checkpoint.close()
+                result.checkpoint.close()
                 raise
-            checkpoint.close()
-            fallback = sources
+            plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
+            return result.skeleton.eval(), plan
         logger.warning(
             "dlo: checkpoint mmap fallback %s: %s; loading %s the ordinary way",
-            fallback.code,
-            fallback.reason,
+            result.code,
+            result.reason,
             directory,
-            extra={"dlo_fallback": fallback.code},
+            extra={"dlo_fallback": result.code},
         )
-
+    cls = _model_class(json.loads((directory / "config.json").read_text()).get("_class_name"), directory)
     dtype = torch_dtype if torch_dtype is not None else _checkpoint_float_dtype(directory)
     model = cls.from_pretrained(directory, torch_dtype=dtype)
     if fuse_qkv:
