@@ -10,6 +10,12 @@ compute of block k-1. Two staging buffers alternate; before packing into one, th
 of it. The main thread waits for a load's job only when the block is about to run: the job
 records the slot's "ready" event, and waiting on an event before it is recorded would wait
 for nothing.
+
+Packing on the main thread instead (one torch._foreach_copy_ per block, no hand-offs) was
+measured on the H200 host and is slower for large blocks: 22 vs 24 GB/s transfer-bound, and
+0.978 vs 0.950 s per Wan-14B-shaped forward at 480p, because the host cannot enqueue the next
+block's kernels while it packs. It does cut the per-load latency of tiny blocks, where thread
+hand-offs wait for the GIL (see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
