@@ -84,3 +84,24 @@ def test_reentering_a_running_block_is_an_error():
 def test_end_of_a_block_that_never_started_is_ignored():
     planner = SlotPlanner(num_blocks=2, num_slots=2)
     assert planner.end(1) is None
+
+
+def test_lockstep_keeps_the_static_order_and_stops_at_the_last_block():
+    planner = SlotPlanner(num_blocks=3, num_slots=2, lockstep=True)
+    assert planner.preload(0) == (Load(0, 0), Load(1, 1))
+    starts = run(planner, [0, 1, 2])
+    assert starts == [
+        BlockStart(0, None, ()),
+        BlockStart(1, None, (Load(2, 0),)),
+        BlockStart(0, None, ()),  # no wrap: the next call's first load waits for its agreement
+    ]
+
+    skipping = SlotPlanner(num_blocks=4, num_slots=2, lockstep=True)
+    run(skipping, [0, 2, 3])  # block 1 skipped: the transition 0 -> 2 is not learned
+    assert [load.block for load in skipping.begin(0).prefetch] == [1]
+
+
+def test_preload_fills_every_slot_from_the_first_block():
+    planner = SlotPlanner(num_blocks=5, num_slots=3)
+    assert planner.preload(0) == (Load(0, 0), Load(1, 1), Load(2, 2))
+    assert run(planner, [0, 1]) == [BlockStart(0, None, ()), BlockStart(1, None, (Load(3, 0),))]

@@ -46,12 +46,18 @@ class SlotPlanner:
     stale slot. With N slots, up to N - 1 predicted blocks are copied ahead.
     """
 
-    def __init__(self, num_blocks: int, num_slots: int) -> None:
+    def __init__(self, num_blocks: int, num_slots: int, lockstep: bool = False) -> None:
+        """lockstep: keep the static order, never learn, never prefetch past the last block
+        (all-gather mode, where every load is a collective agreed at call start; see
+        [Note: lockstep schedule])."""
         if num_blocks < 0 or num_slots < 2:
             raise ValueError(f"need num_blocks >= 0 and num_slots >= 2, got {num_blocks}, {num_slots}")
         self.num_blocks = num_blocks
         self.num_slots = num_slots
-        self._successor = [(i + 1) % num_blocks for i in range(num_blocks)]
+        self._lockstep = lockstep
+        self._successor: list[int | None] = [
+            i + 1 if i + 1 < num_blocks else (None if lockstep else 0) for i in range(num_blocks)
+        ]
         self._block_in_slot: list[int | None] = [None] * num_slots
         self._active = [False] * num_slots
         self._last_use = [0] * num_slots
@@ -66,7 +72,7 @@ class SlotPlanner:
         return None
 
     def begin(self, block: int) -> BlockStart:
-        if self._previous is not None:
+        if self._previous is not None and not self._lockstep:
             self._successor[self._previous] = block
         self._previous = block
 
@@ -96,11 +102,16 @@ class SlotPlanner:
         self._touch(slot)
         return slot
 
+    def preload(self, block: int) -> tuple[Load, ...]:
+        """Loads that put `block` and the blocks after it into the slots (a call's start)."""
+        return self._chain(wanted=[], nxt=block)
+
     def _prefetch_after(self, block: int) -> tuple[Load, ...]:
+        return self._chain(wanted=[block], nxt=self._successor[block])
+
+    def _chain(self, wanted: list[int], nxt: int | None) -> tuple[Load, ...]:
         loads: list[Load] = []
-        wanted = [block]
-        nxt = self._successor[block]
-        while len(wanted) < self.num_slots and nxt not in wanted:
+        while len(wanted) < self.num_slots and nxt is not None and nxt not in wanted:
             wanted.append(nxt)
             if self.slot_of(nxt) is None:
                 slot = self._victim(keep=wanted)
