@@ -5,6 +5,7 @@ before they run, overlapping copies with compute.
 """
 
 from dlo.backend.enable import enable
+from dlo.backend.gather_group import ParallelGroups
 from dlo.backend.handle import HandleState, OffloadHandle
 from dlo.config import OffloadConfig, Topology
 from dlo.host.host_weight_plan import HostWeightPlan
@@ -29,6 +30,7 @@ __all__ = [
     "OffloadHandle",
     "OffloadPlan",
     "OffloadStats",
+    "ParallelGroups",
     "StreamingError",
     "Topology",
     "discover",

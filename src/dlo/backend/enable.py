@@ -14,16 +14,18 @@ from dlo.backend.device import resolve_device
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
-from dlo.host.block_sources import BlockSource, MappedSource, PackedSource
+from dlo.backend.gather_group import GatherGroup, ParallelGroups, resolve_gather_group
+from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import TensorSource
+from dlo.hotpath.gather import BlockGather
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, make_transfer
 from dlo.observe.ledger import TransferLedger
-from dlo.planning.block_layout import TensorSpec, plan_block_layout, view_placement
+from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
 from dlo.planning.tensor_walk import owned_tensors, unique_tensors
 
@@ -104,6 +106,27 @@ def _bind_planned(
     return sources, list(stand_in.values())
 
 
+def _mapped_source(
+    block: _BlockTensors, weights: HostWeights | None, planned: dict[int, TensorSource]
+) -> MappedSource | None:
+    if weights is None or not any(id(t) in planned for t in block.tensors):
+        return None
+    return MappedSource(weights.checkpoint, tuple(planned.get(id(t), t) for t in block.tensors))
+
+
+def _streamed(
+    block: _BlockTensors, layout: BlockLayout, source: BlockSource, placeholder: dict[torch.dtype, torch.Tensor]
+) -> StreamedBlock:
+    return StreamedBlock(
+        name=block.ref.name,
+        layout=layout,
+        tensors=block.tensors,
+        bindings=block.bindings,
+        source=source,
+        placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
+    )
+
+
 def _bind_block(
     block: _BlockTensors,
     weights: HostWeights | None,
@@ -113,10 +136,8 @@ def _bind_block(
 ) -> StreamedBlock:
     """Give the block its host source and release its original storage."""
     layout = plan_block_layout(block.specs)
-    source: BlockSource
-    if weights is not None and any(id(t) in planned for t in block.tensors):
-        source = MappedSource(weights.checkpoint, tuple(planned.get(id(t), t) for t in block.tensors))
-    else:
+    source: BlockSource | None = _mapped_source(block, weights, planned)
+    if source is None:
         try:
             host = HostBuffer(layout.nbytes, pin)
         except EnableError as err:
@@ -124,16 +145,30 @@ def _bind_block(
         for tensor, placement in zip(block.tensors, layout.placements):
             view_placement(host.tensor, placement).copy_(tensor)
         source = PackedSource(host)
-    streamed = StreamedBlock(
-        name=block.ref.name,
-        layout=layout,
-        tensors=block.tensors,
-        bindings=block.bindings,
-        source=source,
-        placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
-    )
+    streamed = _streamed(block, layout, source, placeholder)
     streamed.point_at(streamed.placeholders)
     return streamed
+
+
+def _shard(block: _BlockTensors, mapped: MappedSource | None, group: GatherGroup, pin: bool) -> tuple[BlockLayout, ShardSource]:
+    """This rank's shard of the block, built without touching the module: the block is laid
+    out in a temporary buffer (from its tensors, or packed from the mapping), padded to
+    `size` equal 512-aligned shards, and only bytes [rank*S, (rank+1)*S) are kept."""
+    layout = plan_block_layout(block.specs)
+    width = align_up(-(-layout.nbytes // group.size))
+    whole = torch.zeros(width * group.size, dtype=torch.uint8)
+    if mapped is not None:
+        for task in mapped.copy_tasks(layout, whole):
+            task.run()
+    else:
+        for tensor, placement in zip(block.tensors, layout.placements):
+            view_placement(whole, placement).copy_(tensor)
+    try:
+        host = HostBuffer(width, pin)
+    except EnableError as err:
+        raise EnableError(f"block {block.ref.name!r}: {err}") from None
+    host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
+    return layout, ShardSource(host, width, group.rank, group.size)
 
 
 def _place_rest(
@@ -151,6 +186,29 @@ def _place_rest(
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _slot_bytes(block: StreamedBlock) -> int:
+    if isinstance(block.source, ShardSource):
+        return block.source.shard_bytes * block.source.size
+    return block.layout.nbytes
+
+
+def _gather_group(config: OffloadConfig, groups: ParallelGroups | None, device: torch.device) -> GatherGroup | None:
+    if not config.use_allgather:
+        if groups is not None:
+            raise ConfigError("groups= is used by all-gather mode only; set OffloadConfig(use_allgather=True)")
+        return None
+    chosen = resolve_gather_group(groups)
+    if chosen.group is not None:
+        backend = str(torch.distributed.get_backend(chosen.group))
+        wanted = "nccl" if device.type == "cuda" else "gloo"
+        if backend != wanted:
+            raise ConfigError(
+                f"use_allgather on device {device} needs a {wanted!r} process group, the {chosen.role} group is "
+                f"{backend!r}"
+            )
+    return chosen
+
+
 def _resolve_plans(module: nn.Module, plan: object) -> tuple[OffloadPlan, HostWeightPlan | None]:
     if plan is None:
         return discover(module), None
@@ -166,6 +224,7 @@ def enable(
     device: str | torch.device,
     config: OffloadConfig | None = None,
     plan: OffloadPlan | HostWeightPlan | None = None,
+    groups: ParallelGroups | None = None,
 ) -> OffloadHandle:
     """Stream the blocks of `module` to `device`; returns the handle that undoes it.
 
@@ -173,12 +232,18 @@ def enable(
     other blocks are packed into (pinned) host memory, or read from the checkpoint mapping of
     a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device slots
     just before they run. Call the model under torch.inference_mode() or torch.no_grad().
+
+    With `config.use_allgather`, each rank keeps 1/G of every streamed block and the group
+    chosen from `groups` (default: an initialized torch.distributed world, as pure data
+    parallelism) rebuilds blocks with all-gathers; every rank must call enable(), the model
+    and disable() alike (see [Note: lockstep schedule]).
     """
     config = OffloadConfig() if config is None else config
     if not isinstance(config, OffloadConfig):
         raise ConfigError(f"config must be a dlo.OffloadConfig, got {type(config).__name__}")
     offload_plan, host_plan = _resolve_plans(module, plan)
     device = resolve_device(device)
+    gather_group = _gather_group(config, groups, device)
     refuse_if_managed(module)
     refs = resolve_blocks(module, offload_plan)
 
@@ -221,20 +286,26 @@ def enable(
             placeholder.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
 
     bound: list[StreamedBlock] = []
+    sharded: list[StreamedBlock] = []  # all-gather mode: bound at the very end, see below
     stager = None
     try:
         with torch.no_grad():
             for block in streamed_tensors:
-                bound.append(_bind_block(block, weights, planned, pin, placeholder))
+                if gather_group is not None:
+                    layout, shard = _shard(block, _mapped_source(block, weights, planned), gather_group, pin)
+                    sharded.append(_streamed(block, layout, shard, placeholder))
+                else:
+                    bound.append(_bind_block(block, weights, planned, pin, placeholder))
             device_weight_bytes = _place_rest(rest_tensors, device, weights, planned)
             transfer = make_transfer(device)
-            slot_bytes = max((b.layout.nbytes for b in bound), default=0)
+            slot_bytes = max((_slot_bytes(b) for b in bound + sharded), default=0)
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
             mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
             if mapped and isinstance(transfer, CudaTransfer):
                 stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads())
             ledger = TransferLedger(transfer, config.record_timeline)
-            runtime = StreamingRuntime(bound, slots, transfer, ledger, stager)
+            gather = BlockGather(gather_group, transfer) if gather_group is not None else None
+            runtime = StreamingRuntime(bound + sharded, slots, transfer, ledger, stager, gather)
     except BaseException:
         # Nothing is lost: every bound block gets its weights back as ordinary tensors, and
         # no stand-in of a planned tensor survives with an undefined value.
@@ -247,11 +318,25 @@ def enable(
                 tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
         if stager is not None:
             stager.close()
+        for block in sharded:
+            block.source.release()
         if weights is not None:
             weights.checkpoint.close()
         raise
 
+    # All-gather mode: the module is changed only now that nothing can fail, since a failed
+    # rank could not get its weights back without its peers. The mapping is not needed any
+    # more: every rank holds its shards.
+    for block in sharded:
+        block.point_at(block.placeholders)
+    if gather_group is not None and weights is not None:
+        weights.checkpoint.close()
+        weights = None
+
     hooks = []
+    if gather is not None:
+        hooks.append(module.register_forward_pre_hook(lambda _module, _args: runtime.start_call()))
+        hooks.append(module.register_forward_hook(lambda *_: runtime.end_call(), always_call=True))
     for index, ref in enumerate(streamed_refs):
         hooks.append(ref.module.register_forward_pre_hook(partial(_before_block, runtime, index)))
         hooks.append(ref.module.register_forward_hook(partial(_after_block, runtime, index), always_call=True))

@@ -111,6 +111,8 @@ class OffloadHandle:
             mapped_bytes=self._checkpoint.nbytes if self._checkpoint is not None else 0,
             staging_bytes=runtime.stager.staging_bytes if runtime.stager is not None else 0,
             pack_s=runtime.pack_s,
+            gather_group_size=runtime.gather.size if runtime.gather is not None else 1,
+            collectives=runtime.gather.collectives if runtime.gather is not None else 0,
             setup_s=self._setup_s,
             host_memory=read_smaps_rollup(),
         )
@@ -147,8 +149,7 @@ class OffloadHandle:
         for hook in self._hooks:
             hook.remove()
         with torch.no_grad():
-            for block in runtime.blocks:
-                block.restore()
+            runtime.restore_blocks()
         if self._checkpoint is not None:
             self._checkpoint.close()
         for sub in self._managed:

@@ -44,6 +44,14 @@ class OffloadConfig:
         default=False,
         metadata={"help": "record per-block copy/compute intervals for handle.export_trace()"},
     )
+    use_allgather: bool = field(
+        default=False,
+        metadata={
+            "help": "each rank keeps 1/G of every streamed block in pinned host memory and the ranks rebuild "
+            "blocks with an all-gather (torch.distributed; DP group, else SP group); every rank must run "
+            "the blocks in plan order"
+        },
+    )
     checkpoint_mmap: bool = field(
         default=True,
         metadata={
@@ -64,5 +72,6 @@ class OffloadConfig:
         _require_int("resident_layers", self.resident_layers, minimum=0)
         _require_bool("pin_memory", self.pin_memory)
         _require_bool("record_timeline", self.record_timeline)
+        _require_bool("use_allgather", self.use_allgather)
         _require_bool("checkpoint_mmap", self.checkpoint_mmap)
         _require_int("pack_threads", self.pack_threads, minimum=0)

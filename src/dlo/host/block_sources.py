@@ -73,4 +73,28 @@ class MappedSource:
         pass
 
 
-BlockSource = PackedSource | MappedSource
+@dataclass(frozen=True)
+class ShardSource:
+    """All-gather mode: this rank's 1/G of the block's (padded) flat layout, in host memory.
+
+    The block is `size` shards of `shard_bytes`; rank r holds bytes [r*S, (r+1)*S). A load
+    copies the shard into the rank's place in the slot and the group all-gathers the rest."""
+
+    host: HostBuffer
+    shard_bytes: int
+    rank: int
+    size: int
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.host.pinned
+
+    def release(self) -> None:
+        self.host.unpin()
+
+
+BlockSource = PackedSource | MappedSource | ShardSource

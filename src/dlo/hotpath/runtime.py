@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import PackedSource
+from dlo.host.block_sources import PackedSource, ShardSource
+from dlo.hotpath.gather import BlockGather, plan_digest
 from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
@@ -28,13 +29,20 @@ class StreamingRuntime:
         transfer: Transfer,
         ledger: TransferLedger,
         stager: Stager | None = None,
+        gather: BlockGather | None = None,
     ) -> None:
         self.blocks = tuple(blocks)
         self.slots = tuple(slots)
         self.transfer = transfer
         self.ledger = ledger
         self.stager = stager
-        self.planner = SlotPlanner(len(self.blocks), len(self.slots))
+        self.gather = gather
+        self.planner = SlotPlanner(len(self.blocks), len(self.slots), lockstep=gather is not None)
+        # All-gather mode only. See [Note: lockstep schedule]
+        self._calls = 0
+        self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
+        self._poisoned = False
+        self._plan_digest = plan_digest([b.name for b in self.blocks], [b.layout.nbytes for b in self.blocks])
         self.pack_s = 0.0
         # Views of every block in every slot, made once: the hot path only assigns `.data`,
         # and views made here are ordinary tensors even when calls run in inference mode.
@@ -55,6 +63,8 @@ class StreamingRuntime:
             )
         block = self.blocks[index]
         block.check_intact()
+        if self.gather is not None:
+            self._follow_schedule(index)
         start = self.planner.begin(index)
         if start.demand is not None:
             self._load(start.demand)
@@ -87,6 +97,68 @@ class StreamingRuntime:
         for slot_index in list(self._staged):
             self._finish_staged(slot_index)
 
+    def start_call(self) -> None:
+        """All-gather mode, before the root module runs: agree with the group, then load the
+        call's first blocks. See [Note: lockstep schedule]"""
+        if self.gather is None:
+            return
+        if self._cursor is not None:  # the previous call raised before finishing its schedule
+            self._leave_schedule()
+        self.gather.agree(self._calls, self._plan_digest, self._poisoned)
+        self._calls += 1
+        self._cursor = 0
+        if self.blocks:
+            for load in self.planner.preload(0):
+                self._load(load)
+
+    def end_call(self) -> None:
+        """All-gather mode, after the root module ran (or raised)."""
+        if self.gather is not None and self._cursor is not None:
+            if self._cursor < len(self.blocks):  # the forward ended early: peers still expect these
+                self._leave_schedule()
+            self._cursor = None
+
+    def _follow_schedule(self, index: int) -> None:
+        if self._cursor is None:
+            raise StreamingError(
+                f"block {self.blocks[index].name!r} ran outside a call of the module dlo.enable() was given; in "
+                "all-gather mode every load is a collective agreed at the start of a call"
+            )
+        if index != self._cursor:
+            expected = repr(self.blocks[self._cursor].name) if self._cursor < len(self.blocks) else "the end of the call"
+            self._leave_schedule()
+            raise StreamingError(
+                f"rank {self.gather.rank} ran block {self.blocks[index].name!r} where the agreed schedule has "
+                f"{expected}: in all-gather mode every rank runs the streamed blocks in plan order. Its peers were "
+                "given this call's remaining collectives; the next call fails on every rank"
+            )
+        self._cursor += 1
+
+    def _leave_schedule(self) -> None:
+        """Issue the rest of the call's collectives into a scratch buffer, so peers that
+        follow the schedule finish their call, and poison the next agreement."""
+        assert self.gather is not None and self._cursor is not None
+        remaining = [i for i in range(self._cursor, len(self.blocks)) if self.planner.slot_of(i) is None]
+        if remaining:
+            scratch = self.transfer.allocate_slot(self.slots[0].buffer.numel())
+            for index in remaining:
+                source = self.blocks[index].source
+                assert isinstance(source, ShardSource)
+                self.gather.load(scratch, source)
+                self.transfer.synchronize()  # an error path: keep the scratch buffer simple
+        self._cursor = None
+        self._poisoned = True
+
+    def restore_blocks(self) -> None:
+        """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode."""
+        for block in self.blocks:
+            if isinstance(block.source, ShardSource):
+                assert self.gather is not None
+                whole = self.gather.gather_full(block.source)
+                block.point_at(tuple(view_placement(whole, p) for p in block.layout.placements))
+            else:
+                block.restore()
+
     def _load(self, load: Load) -> None:
         block = self.blocks[load.block]
         slot = self.slots[load.slot]
@@ -95,6 +167,10 @@ class StreamingRuntime:
         with torch.profiler.record_function(f"dlo::h2d ({block.name})"):
             if isinstance(source, PackedSource):
                 start, end = self.transfer.copy_into(slot, source.host.tensor)
+            elif isinstance(source, ShardSource):
+                assert self.gather is not None
+                start, end = self.gather.load(slot, source)
+                nbytes = source.shard_bytes  # what crossed this rank's link
             elif self.stager is not None:  # See [Note: staged loads]
                 future = self.stager.submit(nbytes, partial(source.copy_tasks, block.layout), slot)
                 self._staged.setdefault(load.slot, []).append((block.name, nbytes, future))

@@ -25,6 +25,9 @@ class OffloadStats:
         cache, not private memory);
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
         spent packing them (in background threads, overlapping copies and compute).
+    gather_group_size / collectives: all-gather mode's group size (1: rank-local or a group
+        of one) and the collectives issued (block all-gathers and per-call agreements); in
+        that mode bytes_streamed counts this rank's shards, what crossed its own link.
     host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
         when stats() was called; None where /proc is not available.
     """
@@ -45,5 +48,7 @@ class OffloadStats:
     mapped_bytes: int
     staging_bytes: int
     pack_s: float
+    gather_group_size: int
+    collectives: int
     setup_s: float
     host_memory: HostMemory | None

@@ -1,0 +1,67 @@
+"""Which existing process group rebuilds blocks in all-gather mode (SPEC §4).
+
+dlo never creates a transport: it uses a group the caller already has. The rule, on sizes
+alone: the data-parallel group if DP > 1, else the sequence-parallel group if SP > 1, else
+no collective at all (a group of one). Tensor-parallel ranks hold different weights, so the
+TP group is never the one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dlo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The caller's existing process groups around the transformer (None: size 1). `tp` is
+    only recorded (identity); `hsdp` says the DP group shards weights (HSDP), which rules
+    out all-gather mode."""
+
+    dp: dist.ProcessGroup | None = None
+    sp: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    hsdp: bool = False
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    group: dist.ProcessGroup | None  # None when size == 1: no collective is ever issued
+    rank: int
+    size: int
+    role: str  # "dp", "sp" or "none", for reports
+
+
+def choose_gather_role(dp_size: int, sp_size: int) -> str:
+    """SPEC §4: DP if DP > 1, else SP if SP > 1, else none."""
+    if dp_size > 1:
+        return "dp"
+    if sp_size > 1:
+        return "sp"
+    return "none"
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def resolve_gather_group(groups: ParallelGroups | None) -> GatherGroup:
+    """The group for all-gather mode. Without `groups`, an initialized default world is
+    taken as pure data parallelism; without torch.distributed, a group of one."""
+    if groups is None:
+        groups = ParallelGroups(dp=dist.group.WORLD) if dist.is_available() and dist.is_initialized() else ParallelGroups()
+    if not isinstance(groups, ParallelGroups):
+        raise ConfigError(f"groups must be a dlo.ParallelGroups or None, got {type(groups).__name__}")
+    if groups.hsdp:
+        raise ConfigError(
+            "OffloadConfig.use_allgather=True with HSDP (ParallelGroups.hsdp=True): HSDP already shards the "
+            "weights across the DP group; use rank-local streaming (use_allgather=False)"
+        )
+    role = choose_gather_role(_size(groups.dp), _size(groups.sp))
+    group = {"dp": groups.dp, "sp": groups.sp, "none": None}[role]
+    if group is None:
+        return GatherGroup(None, 0, 1, role)
+    return GatherGroup(group, dist.get_rank(group), dist.get_world_size(group), role)

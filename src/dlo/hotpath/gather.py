@@ -1,0 +1,119 @@
+"""All-gather mode: rebuilding a block in its slot from every rank's shard, and keeping the
+ranks in lockstep.
+
+[Note: lockstep schedule]
+Every load is a collective, so every rank of the group must issue the same loads in the same
+order, or a rank waits forever for a peer that issued something else. dlo therefore fixes
+the schedule of a call to the plan's static order (no learning, no prefetch across calls)
+and, at the start of each call and before its first collective, the ranks all-gather a
+digest (call index, plan digest, a "poisoned" flag) and compare: any difference raises
+StreamingError on every rank at once. A rank whose forward then leaves the schedule (skips
+or reorders a block, or ends the call early) first issues the rest of the call's collectives
+so its peers can finish, marks itself poisoned and raises; the next agreement fails on every
+rank. A rank that dies makes its peers' next collective fail (Gloo: at once; NCCL: after the
+process group's timeout), and dlo re-raises that as StreamingError naming the group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo.backend.gather_group import GatherGroup
+from dlo.errors import StreamingError
+from dlo.host.block_sources import ShardSource
+from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def plan_digest(names: Sequence[str], sizes: Sequence[int]) -> int:
+    """A 62-bit digest of the streamed blocks and their padded sizes, equal on ranks that
+    stream the same plan of the same model."""
+    text = "\n".join(f"{n}:{s}" for n, s in zip(names, sizes)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+
+
+class BlockGather:
+    def __init__(self, gather_group: GatherGroup, transfer: Transfer) -> None:
+        self.group = gather_group.group
+        self.rank = gather_group.rank
+        self.size = gather_group.size
+        self.role = gather_group.role
+        self._transfer = transfer
+        self.collectives = 0
+        self.comm_stream = None
+        if isinstance(transfer, CudaTransfer) and self.size > 1:
+            # The communication stream: the all-gather of the next block runs here while the
+            # current block computes, and after its shard's H2D on the copy stream.
+            self.comm_stream = torch.cuda.Stream(transfer.device)
+
+    def load(self, slot: DeviceSlot, shard: ShardSource) -> tuple[Any, Any]:
+        """Copy this rank's shard into its place in `slot`, then all-gather the others'.
+        Returns the (start, end) marks of the whole load."""
+        width = shard.shard_bytes
+        own = slot.buffer[self.rank * width : (self.rank + 1) * width]
+        whole = slot.buffer[: width * self.size]
+        transfer = self._transfer
+        if not isinstance(transfer, CudaTransfer):
+            start = transfer.mark()
+            own.copy_(shard.host.tensor)
+            self._gather(whole, own)
+            return start, transfer.mark()
+        if self.comm_stream is None:  # a group of one: a plain copy
+            return transfer.copy_into(slot, shard.host.tensor)
+        copy_stream = transfer.copy_stream
+        copy_stream.wait_event(slot.free)
+        start = transfer.mark(copy_stream)
+        with torch.cuda.stream(copy_stream):
+            own.copy_(shard.host.tensor, non_blocking=True)
+        self.comm_stream.wait_stream(copy_stream)
+        with torch.cuda.stream(self.comm_stream):
+            self._gather(whole, own)
+        slot.ready.record(self.comm_stream)
+        return start, transfer.mark(self.comm_stream)
+
+    def agree(self, call_index: int, digest: int, poisoned: bool) -> None:
+        """See [Note: lockstep schedule]. Raises on every rank if any rank differs."""
+        if self.size == 1:
+            return
+        device = self._transfer.device
+        mine = torch.tensor([call_index, digest, int(poisoned)], dtype=torch.int64, device=device)
+        everyone = torch.empty(3 * self.size, dtype=torch.int64, device=device)
+        self._gather(everyone, mine)
+        rows = everyone.view(self.size, 3).tolist()
+        if any(row != rows[0] for row in rows) or any(row[2] for row in rows):
+            described = "; ".join(
+                f"rank {r}: call {row[0]}, plan {row[1]:x}{', left the schedule' if row[2] else ''}"
+                for r, row in enumerate(rows)
+            )
+            raise StreamingError(
+                f"all-gather lockstep broken in the {self.role} group ({described}). Every rank must call the "
+                "model the same number of times and run the same blocks in plan order (same step counts "
+                "and options, e.g. skip_layers); no collective of this call was issued"
+            )
+
+    def gather_full(self, shard: ShardSource) -> torch.Tensor:
+        """The whole (padded) block as a CPU tensor, on every rank (a collective)."""
+        device = self._transfer.device
+        own = shard.host.tensor.to(device)
+        whole = torch.empty(shard.shard_bytes * self.size, dtype=torch.uint8, device=device)
+        self._gather(whole, own)
+        return whole.cpu()
+
+    def _gather(self, whole: torch.Tensor, own: torch.Tensor) -> None:
+        if self.size == 1:
+            whole.copy_(own)
+            return
+        try:
+            _all_gather(whole, own, group=self.group)
+        except RuntimeError as err:
+            raise StreamingError(
+                f"all-gather in the {self.role} group failed on rank {self.rank}: a peer failed, left or issued "
+                f"another collective ({err})"
+            ) from err
+        self.collectives += 1

@@ -1,0 +1,181 @@
+"""Scenarios run by every rank of a Gloo group in spawned processes (tests/test_allgather.py).
+
+Each scenario returns a small picklable result; an exception becomes ("raised", type, text).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+
+
+def rank_main(scenario: str, rank: int, world: int, rendezvous: str, queue, kwargs: dict) -> None:
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+        )
+        result = SCENARIOS[scenario](rank, world, **kwargs)
+    except BaseException as err:  # reported, then the process exits
+        result = ("raised", type(err).__name__, f"{err}\n{traceback.format_exc()}")
+    queue.put((rank, result))
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class OddBlock(nn.Module):
+    """Shapes like 17x257 whose bytes never split evenly: shards need padding."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 257)
+        self.down = nn.Linear(257, width)
+        self.register_buffer("scale", torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x))) * self.scale
+
+
+class OddStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(17, 17)
+        self.blocks = nn.ModuleList([OddBlock(17) for _ in range(5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _tiny_outputs(model, name, seeds):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
+
+
+def parity(rank: int, world: int, name: str, num_slots: int = 2, resident_layers: int = 0) -> dict:
+    """Different prompts per rank (a DP wave), same step count: bit-identical to resident and
+    to rank-local streaming; per-rank host bytes of the shards."""
+    seeds = [10 * rank + step for step in range(3)]
+    if name == "odd":
+        reference = OddStack()
+        inputs = [torch.randn(3, 17, generator=torch.Generator().manual_seed(s)) for s in seeds]
+
+        def run(model):
+            with torch.inference_mode():
+                return [model(x) for x in inputs]
+    else:
+        reference = TINY_MODELS[name].build(seed=1)
+
+        def run(model):
+            return _tiny_outputs(model, name, seeds)
+
+    local, gathered = copy.deepcopy(reference), copy.deepcopy(reference)
+    expected = run(reference)
+    with dlo.enable(local, "cpu", dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers)):
+        from_local = run(local)
+    config = dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers, use_allgather=True)
+    handle = dlo.enable(gathered, "cpu", config)
+    from_gather = run(gathered)
+    stats = handle.stats()
+    block_bytes = [b.layout.nbytes for b in handle._runtime.blocks]
+    handle.disable()
+    after = run(gathered)  # disable() gathered the full blocks back: a plain module again
+    return dict(
+        identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, from_gather)),
+        identical_to_local=all(torch.equal(a, b) for a, b in zip(from_local, from_gather)),
+        identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, after)),
+        host_bytes=stats.host_bytes,
+        block_bytes=block_bytes,
+        group_size=stats.gather_group_size,
+        collectives=stats.collectives,
+        resident=stats.resident_blocks,
+    )
+
+
+def diverge(rank: int, world: int) -> list:
+    """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
+    and the third call fails on every rank before any block collective."""
+    model = TINY_MODELS["sd3"].build(seed=1)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    outcomes = []
+    for call in range(3):
+        skip = [1] if (rank == 1 and call == 1) else None
+        try:
+            with torch.inference_mode():
+                model(**TINY_MODELS["sd3"].inputs(call), skip_layers=skip)
+            outcomes.append("ok")
+        except dlo.StreamingError as err:
+            outcomes.append(f"StreamingError: {err}")
+    return outcomes
+
+
+def die_mid_wave(rank: int, world: int) -> str:
+    """The last rank exits in the second call, before block 1 would issue the collective for
+    block 3 (its hook runs before dlo's); the others must fail, not hang."""
+    model = TINY_MODELS["wan"].build(seed=1)
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    if rank == world - 1:
+        model.blocks[1].register_forward_pre_hook(lambda *_: os._exit(3) if calls else None, prepend=True)
+    calls = []
+    with torch.inference_mode():
+        model(**TINY_MODELS["wan"].inputs(0))
+        calls.append(1)
+        model(**TINY_MODELS["wan"].inputs(1))
+    return "finished"
+
+
+def sp_group(rank: int, world: int) -> dict:
+    """DP of size 1 and an SP group of `world`: the SP group rebuilds the blocks."""
+    sp = dist.new_group(list(range(world)))
+    model = TINY_MODELS["flux"].build(seed=1)
+    expected = _tiny_outputs(copy.deepcopy(model), "flux", [5])
+    groups = dlo.ParallelGroups(dp=None, sp=sp)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), groups=groups) as handle:
+        got = _tiny_outputs(model, "flux", [5])
+        role = handle._runtime.gather.role
+    return dict(identical=torch.equal(expected[0], got[0]), role=role)
+
+
+def from_checkpoint(rank: int, world: int, directory: str) -> dict:
+    """Shards built from a checkpoint mapping, which is closed once they exist."""
+    import diffusers
+
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
+    with torch.no_grad():
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.clone()
+    model, plan = dlo.load_transformer(directory)
+    checkpoint = plan._weights.checkpoint
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan) as handle:
+        got = _tiny_outputs(model, "flux", [rank])
+        closed = all(shard._map.closed for shard in checkpoint.files)
+        stats = handle.stats()
+    return dict(
+        identical=torch.equal(_tiny_outputs(reference, "flux", [rank])[0], got[0]),
+        mapping_closed=closed,
+        mapped_bytes=stats.mapped_bytes,
+        host_bytes=stats.host_bytes,
+    )
+
+
+SCENARIOS = {
+    "parity": parity,
+    "diverge": diverge,
+    "die_mid_wave": die_mid_wave,
+    "sp_group": sp_group,
+    "from_checkpoint": from_checkpoint,
+}

@@ -1,0 +1,140 @@
+"""All-gather mode across real processes and a Gloo group (SPEC §4)."""
+
+import multiprocessing
+import queue as queue_module
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dlo
+from dlo.backend.gather_group import choose_gather_role
+from dlo.planning.block_layout import align_up
+
+sys.path.insert(0, str(Path(__file__).parent))
+import allgather_ranks  # noqa: E402  (spawned ranks import it by name)
+
+TIMEOUT_S = 120  # the harness never waits longer: a hang fails the test
+
+
+def run_ranks(tmp_path, scenario, world, **kwargs):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
+    processes = [
+        context.Process(target=allgather_ranks.rank_main, args=(scenario, rank, world, str(rendezvous), results, kwargs))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    collected = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(collected) < world:
+            try:
+                rank, result = results.get(timeout=1)
+                collected[rank] = result
+            except queue_module.Empty:
+                silent = [p for rank, p in enumerate(processes) if rank not in collected]
+                if all(p.exitcode is not None for p in silent):
+                    break  # the missing ranks died without reporting
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks did not report within {TIMEOUT_S} s (hang?): {collected}") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    return collected, [p.exitcode for p in processes]
+
+
+def assert_no_errors(results):
+    for rank, result in results.items():
+        assert not (isinstance(result, tuple) and result[0] == "raised"), f"rank {rank}: {result[2]}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["flux", "odd"])
+def test_gathered_blocks_are_bit_identical_and_each_rank_holds_a_shard(tmp_path, world, name):
+    results, _ = run_ranks(tmp_path, "parity", world, name=name)
+    assert_no_errors(results)
+    assert sorted(results) == list(range(world))
+    for result in results.values():
+        assert result["identical_to_resident"] and result["identical_to_local"] and result["identical_after_disable"]
+        assert result["group_size"] == world
+        # Per rank: every block's layout split into `world` equal 512-aligned shards,
+        # host = sum(align_up(ceil(L / world))), so about total / world plus < 512 B per block.
+        shards = sum(align_up(-(-size // world)) for size in result["block_bytes"])
+        assert result["host_bytes"] == shards
+        assert result["host_bytes"] <= sum(result["block_bytes"]) / world + 512 * len(result["block_bytes"])
+
+
+def test_three_slots_and_resident_layers_in_allgather_mode(tmp_path):
+    results, _ = run_ranks(tmp_path, "parity", 2, name="wan", num_slots=3, resident_layers=2)
+    assert_no_errors(results)
+    for result in results.values():
+        assert result["identical_to_resident"] and result["identical_to_local"] and result["resident"] == 2
+        assert len(result["block_bytes"]) == 2  # 4 blocks, 2 resident on every rank, 2 sharded
+
+
+def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_path):
+    results, _ = run_ranks(tmp_path, "diverge", 2)
+    assert_no_errors(results)
+    assert results[0][:2] == ["ok", "ok"]  # its peer's remaining collectives were issued for it
+    assert results[1][0] == "ok" and "where the agreed schedule has 'transformer_blocks.1'" in results[1][1]
+    for rank in (0, 1):
+        assert "all-gather lockstep broken" in results[rank][2] and "left the schedule" in results[rank][2]
+
+
+def test_a_rank_that_dies_mid_wave_makes_the_others_fail_with_a_clear_error(tmp_path):
+    results, exitcodes = run_ranks(tmp_path, "die_mid_wave", 3)
+    assert exitcodes[2] == 3 and 2 not in results
+    for rank in (0, 1):
+        kind, name, text = results[rank]
+        assert (kind, name) == ("raised", "StreamingError") and "all-gather in the dp group failed" in text
+
+
+def test_sp_group_is_used_when_dp_is_one(tmp_path):
+    results, _ = run_ranks(tmp_path, "sp_group", 2)
+    assert_no_errors(results)
+    assert all(r == {"identical": True, "role": "sp"} for r in results.values())
+
+
+def test_shards_from_a_checkpoint_mapping_release_it(tmp_path):
+    from dlo.models.tiny import TINY_MODELS
+
+    TINY_MODELS["flux"].build(seed=4).save_pretrained(tmp_path / "flux", max_shard_size="100KB")
+    results, _ = run_ranks(tmp_path, "from_checkpoint", 2, directory=str(tmp_path / "flux"))
+    assert_no_errors(results)
+    for result in results.values():
+        assert result["identical"] and result["mapping_closed"] and result["mapped_bytes"] == 0
+        assert result["host_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("dp", "sp", "role"), [(4, 1, "dp"), (4, 2, "dp"), (1, 2, "sp"), (1, 1, "none"), (2, 8, "dp")]
+)
+def test_group_selection_rule(dp, sp, role):
+    assert choose_gather_role(dp, sp) == role
+
+
+def test_single_process_without_distributed_is_a_group_of_one(tiny_pair):
+    reference, streamed, entry = tiny_pair("wan")
+    with torch.inference_mode():
+        expected = reference(**entry.inputs(3))[0]
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True)) as handle, torch.inference_mode():
+        assert torch.equal(streamed(**entry.inputs(3))[0], expected)
+        stats = handle.stats()
+    assert stats.gather_group_size == 1 and stats.collectives == 0
+
+
+def test_config_rules_for_groups(tiny_pair):
+    _, streamed, _ = tiny_pair("wan")
+    with pytest.raises(dlo.ConfigError, match="groups= is used by all-gather mode only"):
+        dlo.enable(streamed, "cpu", groups=dlo.ParallelGroups())
+    with pytest.raises(dlo.ConfigError, match="HSDP"):
+        dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True), groups=dlo.ParallelGroups(hsdp=True))
+    with pytest.raises(dlo.ConfigError, match="must be a dlo.ParallelGroups"):
+        dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True), groups=("dp",))
