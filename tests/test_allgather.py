@@ -130,6 +130,16 @@ def test_single_process_without_distributed_is_a_group_of_one(tiny_pair):
     assert stats.gather_group_size == 1 and stats.collectives == 0
 
 
+@pytest.mark.parametrize(("backend", "device"), [("gloo", "cuda"), ("nccl", "cpu")])
+def test_backend_must_match_the_device(backend, device):
+    from dlo.backend.gather_group import check_backend
+
+    with pytest.raises(dlo.ConfigError, match="needs a '(nccl|gloo)' process group; the dp group is"):
+        check_backend(backend, torch.device(device), "dp")
+    check_backend("nccl", torch.device("cuda"), "dp")
+    check_backend("gloo", torch.device("cpu"), "dp")
+
+
 def test_config_rules_for_groups(tiny_pair):
     _, streamed, _ = tiny_pair("wan")
     with pytest.raises(dlo.ConfigError, match="groups= is used by all-gather mode only"):

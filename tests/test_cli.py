@@ -101,3 +101,15 @@ def test_inspect_reports_the_checkpoint_preflight(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["inspect", str(tmp_path)]) == 0
     assert "no, falls back to the ordinary loader (unsupported_online_quantization" in capsys.readouterr().out
+
+
+def test_demo_across_two_gloo_ranks():
+    done = subprocess.run(
+        [sys.executable, "-m", "dlo.cli.main", "demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "all-gather across 2 ranks (gloo)" in done.stdout
+    assert done.stdout.count("bit-identical") == 2

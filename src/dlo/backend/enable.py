@@ -14,7 +14,7 @@ from dlo.backend.device import resolve_device
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
-from dlo.backend.gather_group import GatherGroup, ParallelGroups, resolve_gather_group
+from dlo.backend.gather_group import GatherGroup, ParallelGroups, check_backend, resolve_gather_group
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
@@ -199,13 +199,7 @@ def _gather_group(config: OffloadConfig, groups: ParallelGroups | None, device: 
         return None
     chosen = resolve_gather_group(groups)
     if chosen.group is not None:
-        backend = str(torch.distributed.get_backend(chosen.group))
-        wanted = "nccl" if device.type == "cuda" else "gloo"
-        if backend != wanted:
-            raise ConfigError(
-                f"use_allgather on device {device} needs a {wanted!r} process group, the {chosen.role} group is "
-                f"{backend!r}"
-            )
+        check_backend(str(torch.distributed.get_backend(chosen.group)), device, chosen.role)
     return chosen
 
 

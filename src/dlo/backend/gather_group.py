@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from dlo.errors import ConfigError
@@ -65,3 +66,13 @@ def resolve_gather_group(groups: ParallelGroups | None) -> GatherGroup:
     if group is None:
         return GatherGroup(None, 0, 1, role)
     return GatherGroup(group, dist.get_rank(group), dist.get_world_size(group), role)
+
+
+def check_backend(backend: str, device: torch.device, role: str) -> None:
+    """Block all-gathers run on the slots' device: NCCL for cuda, Gloo for cpu."""
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if backend != wanted:
+        raise ConfigError(
+            f"OffloadConfig.use_allgather on device {device} needs a {wanted!r} process group; the {role} group "
+            f"is {backend!r}"
+        )

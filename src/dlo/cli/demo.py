@@ -55,8 +55,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _denoise(model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device) -> Trajectory:
-    inputs = entry.inputs(seed=1, dtype=dtype, device=device)
+def denoise(
+    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1
+) -> Trajectory:
+    """A denoising-style loop: each step feeds the model's output back into the latent."""
+    inputs = entry.inputs(seed=prompt_seed, dtype=dtype, device=device)
     latent = inputs.pop("hidden_states")
     outputs, step_s = [], []
     with torch.inference_mode():
@@ -115,7 +118,7 @@ def run_demo(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    resident = _denoise(reference.to(device), entry, steps, dtype, device)
+    resident = denoise(reference.to(device), entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
     gc.collect()
@@ -123,7 +126,7 @@ def run_demo(
         torch.cuda.empty_cache()
 
     with dlo.enable(streamed, device, config, plan=plan) as handle:
-        run = _denoise(streamed, entry, steps, dtype, device)
+        run = denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
         if trace_path:
             handle.export_trace(trace_path)
@@ -182,6 +185,10 @@ def run(args: argparse.Namespace) -> int:
     )
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = config_from_flags(args)
+    if args.nproc > 1:
+        from dlo.cli.demo_ranks import run_ranks
+
+        return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace)
     elif args.from_checkpoint:

@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         "mapping. DIR (written first if empty or missing) must hold the --model checkpoint; without DIR a "
         "temporary one is written",
     )
+    demo_parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spawn N ranks (Gloo on cpu, NCCL on cuda: one GPU each) and stream with use_allgather: each rank "
+        "holds 1/N of the blocks; prints per-rank host bytes and parity",
+    )
     demo_parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
     add_config_flags(demo_parser)
     demo_parser.set_defaults(run=demo.run)
