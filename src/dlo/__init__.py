@@ -7,6 +7,7 @@ before they run, overlapping copies with compute.
 from dlo.backend.enable import enable
 from dlo.backend.gather_group import ParallelGroups
 from dlo.backend.handle import HandleState, OffloadHandle
+from dlo.backend.pipeline import PipelineHandle, enable_pipeline
 from dlo.config import OffloadConfig, Topology
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.loader import load_transformer
@@ -30,11 +31,13 @@ __all__ = [
     "OffloadHandle",
     "OffloadPlan",
     "OffloadStats",
+    "PipelineHandle",
     "ParallelGroups",
     "StreamingError",
     "Topology",
     "discover",
     "enable",
+    "enable_pipeline",
     "load_transformer",
     "process_tree_memory",
     "read_smaps_rollup",

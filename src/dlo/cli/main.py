@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from dlo.cli import demo, inspect_plan
+from dlo.cli import demo, generate, inspect_plan
 from dlo.cli.config_flags import add_config_flags
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
@@ -52,6 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
     add_config_flags(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+
+    generate_parser = commands.add_parser(
+        "generate",
+        help="generate an image or video with a diffusers pipeline directory, its transformer streamed",
+        description="Load a diffusers pipeline directory (Flux, Wan, Qwen-Image, SD3, ...), stream its transformer "
+        "with dlo (from the checkpoint mapping when the preflight allows), keep the text encoders and VAE on the "
+        "device when they fit (else CPU-offload them), run it and write the image (PNG/JPEG/WebP) or video "
+        "(MP4, or animated WebP/GIF). Prints the offload statistics.",
+    )
+    generate_parser.add_argument("model_dir", metavar="MODEL_DIR", help="a diffusers pipeline directory (model_index.json)")
+    generate_parser.add_argument("--prompt", required=True)
+    generate_parser.add_argument("--negative-prompt")
+    generate_parser.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28)")
+    generate_parser.add_argument("--height", type=int, help="default: the pipeline's")
+    generate_parser.add_argument("--width", type=int, help="default: the pipeline's")
+    generate_parser.add_argument("--frames", type=int, help="video pipelines: number of frames")
+    generate_parser.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's)")
+    generate_parser.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
+    generate_parser.add_argument("--seed", type=int, default=0)
+    generate_parser.add_argument("--fps", type=int, default=16, help="video frame rate (default: 16)")
+    generate_parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
+    generate_parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
+    generate_parser.add_argument("--dtype", choices=sorted(inspect_plan.DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    add_config_flags(generate_parser)
+    generate_parser.set_defaults(run=generate.run)
 
     inspect_parser = commands.add_parser(
         "inspect",

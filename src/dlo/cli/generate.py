@@ -1,0 +1,120 @@
+"""`dlo generate`: run a diffusers pipeline directory end to end with its transformer streamed."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import dlo
+from dlo.backend.device import resolve_device
+from dlo.backend.pipeline import STREAMED_COMPONENTS
+from dlo.cli.config_flags import config_from_flags
+from dlo.cli.format import human_bytes, table
+from dlo.cli.inspect_plan import DTYPES
+from dlo.cli.media_output import check_output, write_image, write_video
+from dlo.errors import ConfigError
+
+
+def pipeline_class(model_dir: Path) -> tuple[type, dict]:
+    """The pipeline class named by model_index.json, and the index; clear errors otherwise."""
+    if not model_dir.is_dir():
+        raise ConfigError(f"MODEL_DIR {model_dir} does not exist or is not a directory")
+    index_path = model_dir / "model_index.json"
+    if not index_path.is_file():
+        raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
+    index = json.loads(index_path.read_text())
+    import diffusers
+
+    cls = getattr(diffusers, str(index.get("_class_name")), None)
+    if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
+        raise ConfigError(
+            f"{index_path}: unknown pipeline {index.get('_class_name')!r} (not a pipeline class of diffusers "
+            f"{diffusers.__version__})"
+        )
+    if not any(index.get(name) and index[name][0] is not None for name in STREAMED_COMPONENTS):
+        raise ConfigError(
+            f"{index.get('_class_name')} in {model_dir} has no transformer component; dlo streams diffusion "
+            "transformers (DiT), not UNets"
+        )
+    return cls, index
+
+
+def call_kwargs(cls: type, args: argparse.Namespace, device: torch.device) -> dict:
+    """The pipeline's own arguments for what the user asked, where its __call__ takes them."""
+    accepted = inspect.signature(cls.__call__).parameters
+    wanted = {
+        "prompt": args.prompt,
+        "negative_prompt": args.negative_prompt,
+        "num_inference_steps": args.steps,
+        "height": args.height,
+        "width": args.width,
+        "num_frames": args.frames,
+        "guidance_scale": args.guidance,
+        "max_sequence_length": args.max_sequence_length,
+        "generator": torch.Generator(device="cpu").manual_seed(args.seed),
+    }
+    given = {k: v for k, v in wanted.items() if v is not None}
+    unsupported = [k for k in given if k not in accepted]
+    if unsupported:
+        raise ConfigError(f"{cls.__name__} does not take {', '.join(unsupported)}")
+    return given
+
+
+def load_pipeline(model_dir: Path, cls: type, config: dlo.OffloadConfig, dtype: torch.dtype):
+    """The pipeline with its transformer loaded by dlo.load_transformer (streamed from the
+    checkpoint mapping when possible), and the plan to consume."""
+    transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)
+    pipe = cls.from_pretrained(model_dir, transformer=transformer, torch_dtype=dtype)
+    return pipe, plan
+
+
+def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device) -> str:
+    rows = []
+    for name, s in stats.items():
+        rows.append(
+            [
+                name,
+                f"{s.streamed_blocks} (+{s.resident_blocks})",
+                human_bytes(s.bytes_streamed / max(steps, 1)),
+                f"{s.h2d_gbps:.1f} GB/s",
+                f"{s.exposed_copy_s / max(steps, 1) * 1e3:.1f} ms",
+                human_bytes(s.peak_device_bytes),
+                "checkpoint mapping" if s.mapped_bytes else ("pinned" if s.pinned else "pageable"),
+            ]
+        )
+    header = ["component", "blocks (+resident)", "streamed/step", "H2D", "exposed/step", "peak device", "host copy"]
+    return f"{steps} steps in {seconds:.2f} s ({seconds / max(steps, 1):.3f} s/step) on {device}\n\n" + table(header, rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = Path(args.model_dir).expanduser()
+    output = Path(args.output).expanduser()
+    cls, _ = pipeline_class(model_dir)
+    video = "num_frames" in inspect.signature(cls.__call__).parameters
+    check_output(output, video)
+    device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = config_from_flags(args)
+    kwargs = call_kwargs(cls, args, device)
+
+    pipe, plan = load_pipeline(model_dir, cls, config, dtype)
+    with dlo.enable_pipeline(pipe, device, config, plans={"transformer": plan}) as handle:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            result = pipe(**kwargs)
+        seconds = time.perf_counter() - started
+        stats = handle.stats()
+        placement = handle.placement
+    if video:
+        write_video(result.frames[0], output, args.fps)
+    else:
+        write_image(result.images[0], output)
+    print(render_stats(stats, args.steps, seconds, device))
+    print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in placement.items()))
+    print(f"wrote {output}")
+    return 0

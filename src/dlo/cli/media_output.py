@@ -1,0 +1,66 @@
+"""Writing generated images and videos, and knowing in advance which files can be written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dlo.errors import ConfigError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
+
+
+def _has_mp4_encoder() -> bool:
+    try:
+        import imageio_ffmpeg
+
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def check_output(path: Path, video: bool) -> None:
+    """Refuse, before any model is loaded, an output this run cannot write."""
+    suffix = path.suffix.lower()
+    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+    kind = "video" if video else "image"
+    if suffix not in allowed:
+        raise ConfigError(f"--output {path}: this pipeline makes a {kind}; write one of {', '.join(allowed)}")
+    if suffix == ".mp4" and not _has_mp4_encoder():
+        raise ConfigError(
+            f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
+        )
+    if not path.parent.exists():
+        raise ConfigError(f"--output {path}: directory {path.parent} does not exist")
+
+
+def write_image(image, path: Path) -> None:
+    image.save(path)
+
+
+def write_video(frames, path: Path, fps: int) -> None:
+    """`frames`: a list of PIL images or HxWx3 arrays (floats in [0, 1] or uint8)."""
+    import numpy as np
+    from PIL import Image
+
+    images = [
+        frame if isinstance(frame, Image.Image) else Image.fromarray(_uint8(np.asarray(frame)))
+        for frame in frames
+    ]
+    if path.suffix.lower() == ".mp4":
+        import imageio
+
+        with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=1) as writer:
+            for image in images:
+                writer.append_data(np.asarray(image))
+    else:  # animated GIF / WebP through Pillow
+        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+
+
+def _uint8(array):
+    import numpy as np
+
+    if array.dtype == np.uint8:
+        return array
+    return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
