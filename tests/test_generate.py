@@ -1,0 +1,144 @@
+"""`dlo generate` and `dlo.enable_pipeline` on tiny but complete local pipelines."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import dlo
+from dlo.cli.main import main
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, save_tiny_flux_pipeline, save_tiny_wan_pipeline
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def flux_dir(tmp_path_factory):
+    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("pipelines") / "flux")
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    return save_tiny_wan_pipeline(tmp_path_factory.mktemp("pipelines") / "wan")
+
+
+def flags(name):
+    d = GENERATE_DEFAULTS[name]
+    out = ["--steps", "2", "--height", str(d["height"]), "--width", str(d["width"])]
+    out += ["--max-sequence-length", str(d["max_sequence_length"]), "--guidance", str(d["guidance_scale"])]
+    return out + (["--frames", str(d["num_frames"])] if "num_frames" in d else [])
+
+
+def plain_pipeline(directory):
+    """The pipeline without dlo, every tensor an ordinary allocation (diffusers' own loading
+    can leave mmap'd views at odd offsets, which changes CPU kernels' last bits)."""
+    pipe = diffusers.DiffusionPipeline.from_pretrained(directory)
+    with torch.no_grad():
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    tensor.data = tensor.data.clone()
+    return pipe
+
+
+def reference_call(pipe, name, seed=0):
+    kwargs = {k: v for k, v in GENERATE_DEFAULTS[name].items()}
+    with torch.inference_mode():
+        return pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
+def test_generate_writes_a_png_identical_to_the_plain_pipeline(flux_dir, tmp_path, capsys):
+    out = tmp_path / "cube.png"
+    assert main(["generate", str(flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux")]) == 0
+    printed = capsys.readouterr().out
+    assert "transformer" in printed and "checkpoint mapping" in printed and f"wrote {out}" in printed
+    written = Image.open(out)
+    assert written.format == "PNG" and written.size == (64, 64)
+    expected = reference_call(plain_pipeline(flux_dir), "flux").images[0]
+    assert np.array_equal(np.asarray(written.convert("RGB")), np.asarray(expected))
+
+
+def test_generate_writes_an_mp4(wan_dir, tmp_path):
+    import imageio.v3 as iio
+
+    out = tmp_path / "clip.mp4"
+    assert main(["generate", str(wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
+    frames = iio.imread(out, index=None)  # decoded back by ffmpeg
+    assert frames.shape[0] == 5 and frames.shape[1:3] == (32, 32)
+
+
+@pytest.mark.parametrize("suffix", [".gif", ".webp"])
+def test_generate_writes_an_animation_without_an_mp4_encoder(wan_dir, tmp_path, suffix):
+    out = tmp_path / f"clip{suffix}"
+    assert main(["generate", str(wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
+    animation = Image.open(out)
+    assert animation.n_frames == 5 and animation.size == (32, 32)
+
+
+def test_enable_pipeline_matches_the_plain_pipeline(wan_dir):
+    expected = reference_call(plain_pipeline(wan_dir), "wan").frames[0]
+    pipe = plain_pipeline(wan_dir)
+    with dlo.enable_pipeline(pipe, "cpu", dlo.OffloadConfig(num_slots=3)) as handle:
+        got = reference_call(pipe, "wan").frames[0]
+        stats = handle.stats()["transformer"]
+    assert np.array_equal(got, expected)
+    # 2 steps x 2 passes (classifier-free guidance) x 4 blocks, 3 slots: 16 block runs
+    assert stats.streamed_blocks == 4 and stats.copies > 0
+    assert set(handle.placement) == {"vae", "text_encoder"}
+
+
+@pytest.mark.parametrize(
+    ("setup", "output", "message"),
+    [
+        ("missing", "a.png", "does not exist"),
+        ("no_index", "a.png", "no model_index.json"),
+        ("unknown", "a.png", "unknown pipeline 'NoSuchPipeline'"),
+        ("unet", "a.png", "has no transformer component"),
+        ("flux", "a.mp3", "makes a image; write one of .png"),
+        ("flux", "a.mp4", "makes a image"),
+        ("wan", "a.png", "makes a video; write one of .mp4"),
+        ("flux", "missing-dir/a.png", "does not exist"),
+    ],
+)
+def test_generate_refuses_bad_input_before_loading(tmp_path, flux_dir, wan_dir, capsys, setup, output, message):
+    directory = {"flux": flux_dir, "wan": wan_dir}.get(setup, tmp_path / setup)
+    if setup in ("no_index", "unknown", "unet"):
+        directory.mkdir()
+    if setup == "unknown":
+        (directory / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
+    if setup == "unet":
+        index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}
+        (directory / "model_index.json").write_text(json.dumps(index))
+    assert main(["generate", str(directory), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / output)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_frames_on_an_image_pipeline_is_refused(flux_dir, tmp_path, capsys):
+    args = ["generate", str(flux_dir), "--prompt", "x", "--device", "cpu", "--frames", "5", "--output", str(tmp_path / "a.png")]
+    assert main(args) == 2
+    assert "FluxPipeline does not take num_frames" in capsys.readouterr().err
+
+
+def test_enable_pipeline_needs_a_transformer():
+    class NotAPipeline:
+        components = {"unet": torch.nn.Linear(2, 2)}
+
+    with pytest.raises(dlo.ConfigError, match="has no transformer component"):
+        dlo.enable_pipeline(NotAPipeline(), "cpu")
+
+
+def test_mp4_without_an_encoder_is_refused_with_the_alternatives(wan_dir, tmp_path):
+    import subprocess
+    import sys
+
+    # A real failed import in a fresh interpreter: imageio_ffmpeg is absent there.
+    code = (
+        "import sys; sys.modules['imageio_ffmpeg'] = None; from dlo.cli.main import main; "
+        f"sys.exit(main(['generate', {str(wan_dir)!r}, '--prompt', 'x', '--device', 'cpu', "
+        f"'--output', {str(tmp_path / 'a.mp4')!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead" in done.stderr
