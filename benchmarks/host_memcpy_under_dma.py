@@ -2,7 +2,7 @@
 runs at link rate, by chunk size and thread count: the memory-bandwidth ceiling of the staged
 path. Needs CUDA and cuda-bindings. Run: python3 benchmarks/host_memcpy_under_dma.py.
 Results in RESULTS.md (issue 3)."""
-import mmap, os, time, threading
+import time, threading
 import numpy as np, torch
 from concurrent.futures import ThreadPoolExecutor
 from dlo.host.pinned_buffer import HostBuffer

@@ -110,7 +110,7 @@ def diverge(rank: int, world: int) -> list:
     """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
     and the third call fails on every rank before any block collective."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
     outcomes = []
     for call in range(3):
         skip = [1] if (rank == 1 and call == 1) else None

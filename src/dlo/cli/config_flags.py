@@ -5,7 +5,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
+from dlo.backend.device import resolve_device
 from dlo.config import OffloadConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 import dlo
-from dlo.cli.config_flags import config_from_flags
+from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
-from dlo.cli.inspect_plan import DTYPES
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
 
@@ -180,10 +179,7 @@ def render(result: DemoResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = dlo.backend.device.resolve_device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks

@@ -11,11 +11,9 @@ from pathlib import Path
 import torch
 
 import dlo
-from dlo.backend.device import resolve_device
 from dlo.backend.pipeline import STREAMED_COMPONENTS
-from dlo.cli.config_flags import config_from_flags
+from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
-from dlo.cli.inspect_plan import DTYPES
 from dlo.cli.media_output import check_output, write_image, write_video
 from dlo.errors import ConfigError
 
@@ -97,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
     cls, _ = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
     check_output(output, video)
-    device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
     kwargs = call_kwargs(cls, args, device)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 
-from dlo.cli.config_flags import config_from_flags
+from dlo.cli.config_flags import DTYPES, config_from_flags
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta
 from dlo.host.loader import MappedLoad, preflight
@@ -15,7 +14,6 @@ from dlo.host.preflight import Fallback
 from dlo.planning.offload_plan import discover
 from dlo.planning.plan_summary import PlanSummary, summarize
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def render(summary: PlanSummary) -> str:

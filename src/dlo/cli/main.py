@@ -7,7 +7,7 @@ import logging
 import sys
 
 from dlo.cli import demo, generate, inspect_plan
-from dlo.cli.config_flags import add_config_flags
+from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 
@@ -29,8 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the outputs differ.",
     )
     demo_parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
-    demo_parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
-    demo_parser.add_argument("--dtype", choices=sorted(inspect_plan.DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    add_device_flags(demo_parser)
     demo_parser.add_argument("--steps", type=int, default=6, help="denoising steps (default: 6)")
     demo_parser.add_argument(
         "--from-checkpoint",
@@ -73,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("--seed", type=int, default=0)
     generate_parser.add_argument("--fps", type=int, default=16, help="video frame rate (default: 16)")
     generate_parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
-    generate_parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
-    generate_parser.add_argument("--dtype", choices=sorted(inspect_plan.DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    add_device_flags(generate_parser)
     add_config_flags(generate_parser)
     generate_parser.set_defaults(run=generate.run)
 
@@ -90,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a diffusers model or pipeline directory, a diffusers class name (default config, e.g. "
         f"WanTransformer3DModel) or a built-in model ({', '.join(sorted(TINY_MODELS))})",
     )
-    inspect_parser.add_argument("--dtype", choices=sorted(inspect_plan.DTYPES), help="size the weights in this dtype")
+    inspect_parser.add_argument("--dtype", choices=sorted(DTYPES), help="size the weights in this dtype")
     add_config_flags(inspect_parser)
     inspect_parser.set_defaults(run=inspect_plan.run)
     return parser

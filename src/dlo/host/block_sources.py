@@ -14,8 +14,8 @@ from dlo.planning.block_layout import BlockLayout, view_placement
 
 
 @dataclass(frozen=True)
-class PackedSource:
-    """The block already laid out in one host buffer: a load is a single copy."""
+class _PrivateBuffer:
+    """A source whose bytes live in one private host buffer of this process."""
 
     host: HostBuffer
 
@@ -27,12 +27,17 @@ class PackedSource:
     def pinned(self) -> bool:
         return self.host.pinned
 
+    def release(self) -> None:
+        self.host.unpin()
+
+
+@dataclass(frozen=True)
+class PackedSource(_PrivateBuffer):
+    """The block already laid out in one host buffer: a load is a single copy."""
+
     def restored(self, layout: BlockLayout) -> tuple[torch.Tensor, ...]:
         """The tensors to give back on disable(): views of the host buffer (no copy)."""
         return tuple(view_placement(self.host.tensor, p) for p in layout.placements)
-
-    def release(self) -> None:
-        self.host.unpin()
 
 
 @dataclass(frozen=True)
@@ -74,27 +79,15 @@ class MappedSource:
 
 
 @dataclass(frozen=True)
-class ShardSource:
+class ShardSource(_PrivateBuffer):
     """All-gather mode: this rank's 1/G of the block's (padded) flat layout, in host memory.
 
     The block is `size` shards of `shard_bytes`; rank r holds bytes [r*S, (r+1)*S). A load
     copies the shard into the rank's place in the slot and the group all-gathers the rest."""
 
-    host: HostBuffer
     shard_bytes: int
     rank: int
     size: int
-
-    @property
-    def host_bytes(self) -> int:
-        return self.host.nbytes
-
-    @property
-    def pinned(self) -> bool:
-        return self.host.pinned
-
-    def release(self) -> None:
-        self.host.unpin()
 
 
 BlockSource = PackedSource | MappedSource | ShardSource
