@@ -179,3 +179,19 @@ SCENARIOS = {
     "sp_group": sp_group,
     "from_checkpoint": from_checkpoint,
 }
+
+
+def mismatched_slots(rank: int, world: int) -> str:
+    """Rank 0 streams with 3 slots, the others with 2: they would issue different loads, so
+    the first agreement refuses it on every rank."""
+    model = TINY_MODELS["sd3"].build(seed=1)
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, num_slots=3 if rank == 0 else 2))
+    try:
+        with torch.inference_mode():
+            model(**TINY_MODELS["sd3"].inputs(0))
+    except dlo.StreamingError as err:
+        return f"StreamingError: {err}"
+    return "ok"
+
+
+SCENARIOS["mismatched_slots"] = mismatched_slots

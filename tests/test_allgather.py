@@ -148,3 +148,9 @@ def test_config_rules_for_groups(tiny_pair):
         dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True), groups=dlo.ParallelGroups(hsdp=True))
     with pytest.raises(dlo.ConfigError, match="must be a dlo.ParallelGroups"):
         dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True), groups=("dp",))
+
+
+def test_ranks_with_different_slot_counts_are_refused_before_any_block_collective(tmp_path):
+    results, _ = run_ranks(tmp_path, "mismatched_slots", 2)
+    assert_no_errors(results)
+    assert all("all-gather lockstep broken" in results[rank] for rank in (0, 1))

@@ -154,3 +154,35 @@ def test_pipeline_directory_loads_its_transformer(tmp_path):
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
     model, plan = dlo.load_transformer(tmp_path / "pipe")
     assert type(model).__name__ == "WanTransformer3DModel" and plan is not None
+
+
+def test_a_refused_enable_leaves_real_weights_not_stand_ins(tmp_path):
+    """enable() consumes the plan, then refuses the module (a weight tied across blocks): every
+    planned tensor gets its checkpoint value, nothing is left uninitialized."""
+    import safetensors.torch
+
+    directory = save(tmp_path, "flux")
+    model, plan = dlo.load_transformer(directory)
+    model.transformer_blocks[1].attn.to_q.weight = model.transformer_blocks[0].attn.to_q.weight
+    with pytest.raises(dlo.EnableError, match="is the same tensor as"):
+        dlo.enable(model, "cpu", plan=plan)
+    saved = safetensors.torch.load_file(directory / "diffusion_pytorch_model.safetensors")
+    loaded = model.state_dict()
+    tied = "transformer_blocks.1.attn.to_q.weight"
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items() if name != tied)
+    assert all(p.stride() == torch.empty(p.shape).stride() for p in model.parameters())  # no broadcast stand-in
+
+
+def test_private_tensors_of_a_mapped_block_are_streamed_and_given_back(tmp_path):
+    """A non-persistent buffer inside a streamed block is not in the checkpoint: it streams from
+    a private copy, and disable() hands it back."""
+    directory = save(tmp_path, "wan")
+    model, plan = dlo.load_transformer(directory)
+    reference = ordinary(directory, "wan", torch.float32)
+    for m in (model, reference):
+        m.blocks[1].register_buffer("gain", torch.full((32,), 1.5), persistent=False)
+        m.blocks[1].register_forward_hook(lambda module, args, out: out * module.gain)
+    expected = run(reference, "wan", torch.float32, seeds=(1,))
+    with dlo.enable(model, "cpu", plan=plan):
+        assert torch.equal(run(model, "wan", torch.float32, seeds=(1,))[0], expected[0])
+    assert torch.equal(model.blocks[1].gain, torch.full((32,), 1.5))

@@ -81,29 +81,33 @@ def _refuse_shared(streamed: list[_BlockTensors], rest: dict[int, str]) -> None:
 
 
 def _bind_planned(
-    module: nn.Module, weights: HostWeights, device: torch.device
-) -> tuple[dict[int, TensorSource], list[torch.Tensor]]:
+    module: nn.Module,
+    weights: HostWeights,
+    device: torch.device,
+    sources: dict[int, TensorSource],
+    stand_ins: list[torch.Tensor],
+) -> None:
     """Replace the plan's meta tensors with stand-ins of the runtime shape and dtype (one
-    element, broadcast) so they can be repointed. Returns id(stand-in) -> its source, and the
-    stand-ins. A stand-in's value is never used: streamed ones are repointed to slots, the
-    others get their bytes from the mapping in _place_rest (or in the rollback)."""
-    sources: dict[int, TensorSource] = {}
-    stand_in: dict[int, torch.Tensor] = {}  # id(meta tensor) -> stand-in: tied tensors stay tied
-    for owned in owned_tensors(module):
+    element, broadcast) so they can be repointed, filling id(stand-in) -> its source and the
+    list of stand-ins as it goes (a failure midway leaves both describing what was done). A
+    stand-in's value is never used: streamed ones are repointed to slots, the others get
+    their bytes from the mapping in _place_rest, or in enable()'s rollback."""
+    replaced: dict[int, torch.Tensor] = {}  # id(meta tensor) -> stand-in: tied tensors stay tied
+    for owned in list(owned_tensors(module)):
         source = weights.bindings.get(owned.name)
         if source is None:
             continue
-        if id(owned.tensor) not in stand_in:
+        if id(owned.tensor) not in replaced:
             data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
             new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
-            stand_in[id(owned.tensor)] = new
+            replaced[id(owned.tensor)] = new
             sources[id(new)] = source
+            stand_ins.append(new)
         table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
-        table[owned.key] = stand_in[id(owned.tensor)]
+        table[owned.key] = replaced[id(owned.tensor)]
     missing = set(weights.bindings) - {o.name for o in owned_tensors(module) if id(o.tensor) in sources}
     if missing:
         raise EnableError(f"the HostWeightPlan names tensors this module does not have: {sorted(missing)[:5]}")
-    return sources, list(stand_in.values())
 
 
 def _mapped_source(
@@ -111,7 +115,10 @@ def _mapped_source(
 ) -> MappedSource | None:
     if weights is None or not any(id(t) in planned for t in block.tensors):
         return None
-    return MappedSource(weights.checkpoint, tuple(planned.get(id(t), t) for t in block.tensors))
+    # Tensors the checkpoint does not hold are snapshotted: the live ones become placeholders.
+    return MappedSource(
+        weights.checkpoint, tuple(planned.get(id(t)) or t.detach().clone() for t in block.tensors)
+    )
 
 
 def _streamed(
@@ -263,26 +270,28 @@ def enable(
                 "this HostWeightPlan was already taken by an earlier dlo.enable(); a plan is consumed once. "
                 "Load the model again with dlo.load_transformer"
             )
-    planned, stand_ins = _bind_planned(module, weights, device) if weights is not None else ({}, [])
-
-    streamed_tensors = [_collect(ref) for ref in streamed_refs]
-    skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
-    rest = unique_tensors(module, skip)
-    for owned in rest.values():
-        _check_streamable(owned.name, owned.tensor)
-    _refuse_shared(streamed_tensors, {key: owned.name for key, owned in rest.items()})
-    rest_tensors = [owned.tensor for owned in rest.values()]
-
-    pin = config.pin_memory and device.type == "cuda"
-    placeholder: dict[torch.dtype, torch.Tensor] = {}
-    for block in streamed_tensors:
-        for tensor in block.tensors:
-            placeholder.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
-
+    planned: dict[int, TensorSource] = {}
+    stand_ins: list[torch.Tensor] = []
     bound: list[StreamedBlock] = []
     sharded: list[StreamedBlock] = []  # all-gather mode: bound at the very end, see below
     stager = None
     try:
+        if weights is not None:
+            _bind_planned(module, weights, device, planned, stand_ins)
+        streamed_tensors = [_collect(ref) for ref in streamed_refs]
+        skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
+        rest = unique_tensors(module, skip)
+        for owned in rest.values():
+            _check_streamable(owned.name, owned.tensor)
+        _refuse_shared(streamed_tensors, {key: owned.name for key, owned in rest.items()})
+        rest_tensors = [owned.tensor for owned in rest.values()]
+
+        pin = config.pin_memory and device.type == "cuda"
+        placeholder: dict[torch.dtype, torch.Tensor] = {}
+        for block in streamed_tensors:
+            for tensor in block.tensors:
+                placeholder.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
+
         with torch.no_grad():
             for block in streamed_tensors:
                 if gather_group is not None:
@@ -296,20 +305,21 @@ def enable(
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
             mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
             if mapped and isinstance(transfer, CudaTransfer):
-                stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads())
+                stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
             ledger = TransferLedger(transfer, config.record_timeline)
             gather = BlockGather(gather_group, transfer) if gather_group is not None else None
             runtime = StreamingRuntime(bound + sharded, slots, transfer, ledger, stager, gather)
     except BaseException:
         # Nothing is lost: every bound block gets its weights back as ordinary tensors, and
-        # no stand-in of a planned tensor survives with an undefined value.
-        for block in bound:
-            block.restore()
-            block.source.release()
-        in_bound = {id(t) for block in bound for t in block.tensors}
-        for tensor in stand_ins:
-            if id(tensor) not in in_bound and weights is not None:
-                tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
+        # no stand-in of a planned tensor survives with an undefined value. See [Note: plan hand-off]
+        with torch.no_grad():
+            for block in bound:
+                block.restore()
+                block.source.release()
+            in_bound = {id(t) for block in bound for t in block.tensors}
+            for tensor in stand_ins:
+                if id(tensor) not in in_bound and weights is not None:
+                    tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
         if stager is not None:
             stager.close()
         for block in sharded:

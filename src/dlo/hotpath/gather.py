@@ -26,16 +26,25 @@ import torch.distributed as dist
 from dlo.backend.gather_group import GatherGroup
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
+from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def plan_digest(names: Sequence[str], sizes: Sequence[int]) -> int:
-    """A 62-bit digest of the streamed blocks and their padded sizes, equal on ranks that
-    stream the same plan of the same model."""
-    text = "\n".join(f"{n}:{s}" for n, s in zip(names, sizes)).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
+    """A 62-bit digest of everything that decides which collectives a call issues and what
+    they carry: the slot count (which blocks get reloaded), and per block its name, shard
+    width and every tensor's name, shape, dtype and offset. Equal on ranks that may gather
+    together; anything else is refused at the first agreement."""
+    lines = [f"slots {num_slots}"]
+    for block in blocks:
+        width = block.source.shard_bytes if isinstance(block.source, ShardSource) else block.layout.nbytes
+        lines.append(f"{block.name} {width}")
+        lines.extend(
+            f"  {p.spec.name} {list(p.spec.shape)} {p.spec.dtype} {p.offset}" for p in block.layout.placements
+        )
+    return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little") >> 2
 
 
 class BlockGather:

@@ -42,7 +42,7 @@ class StreamingRuntime:
         self._calls = 0
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
         self._poisoned = False
-        self._plan_digest = plan_digest([b.name for b in self.blocks], [b.layout.nbytes for b in self.blocks])
+        self._plan_digest = plan_digest(len(self.slots), self.blocks)
         self.pack_s = 0.0
         # Views of every block in every slot, made once: the hot path only assigns `.data`,
         # and views made here are ordinary tensors even when calls run in inference mode.
@@ -66,19 +66,29 @@ class StreamingRuntime:
         if self.gather is not None:
             self._follow_schedule(index)
         start = self.planner.begin(index)
-        if start.demand is not None:
-            self._load(start.demand)
-        slot = self.slots[start.slot]
-        # Marked before waiting for a staged load, so host time spent packing counts as
-        # exposed once the device runs out of queued work.
-        arrive = self.transfer.mark() if self.transfer.overlaps_compute else None
-        self._finish_staged(start.slot)
-        if arrive is not None:
-            self.ledger.waited(block.name, arrive, self._copy_end[start.slot])
-        self.transfer.wait_ready(slot)
-        block.point_at(self._views[start.slot][index])
-        for load in start.prefetch:
-            self._load(load)
+        try:
+            if start.demand is not None:
+                self._load(start.demand)
+            slot = self.slots[start.slot]
+            # Marked before waiting for a staged load, so host time spent packing counts as
+            # exposed once the device runs out of queued work.
+            arrive = self.transfer.mark() if self.transfer.overlaps_compute else None
+            self._finish_staged(start.slot)
+            if arrive is not None:
+                self.ledger.waited(block.name, arrive, self._copy_end[start.slot])
+            self.transfer.wait_ready(slot)
+            block.point_at(self._views[start.slot][index])
+            for load in start.prefetch:
+                self._load(load)
+        except BaseException:
+            # A copy failed or was never issued: no slot of this start may be trusted again.
+            touched = [start.slot, *(load.slot for load in start.prefetch)]
+            for slot_index in touched:
+                for _, _, future in self._staged.pop(slot_index, ()):
+                    future.exception()  # wait: a job still writing must finish first
+            self.planner.forget(*touched)
+            block.point_at(block.placeholders)
+            raise
         if self.ledger.records_timeline:
             self._compute_start[index] = self.transfer.mark()
 
@@ -138,16 +148,20 @@ class StreamingRuntime:
         """Issue the rest of the call's collectives into a scratch buffer, so peers that
         follow the schedule finish their call, and poison the next agreement."""
         assert self.gather is not None and self._cursor is not None
+        self._poisoned = True  # first: even if what follows fails, the next agreement fails
         remaining = [i for i in range(self._cursor, len(self.blocks)) if self.planner.slot_of(i) is None]
+        self._cursor = None
         if remaining:
-            scratch = self.transfer.allocate_slot(self.slots[0].buffer.numel())
+            # An error path, so simple over fast: wait for all device work, then use slot 0 as
+            # scratch (no new allocation, which could fail after an out-of-memory) and forget
+            # what the slots held.
+            self.transfer.synchronize()
             for index in remaining:
                 source = self.blocks[index].source
                 assert isinstance(source, ShardSource)
-                self.gather.load(scratch, source)
-                self.transfer.synchronize()  # an error path: keep the scratch buffer simple
-        self._cursor = None
-        self._poisoned = True
+                self.gather.load(self.slots[0], source)
+                self.transfer.synchronize()
+            self.planner.forget(*range(len(self.slots)))
 
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode."""

@@ -51,9 +51,9 @@ def default_pack_threads() -> int:
 
 
 class Stager:
-    def __init__(self, transfer: CudaTransfer, nbytes: int, threads: int) -> None:
+    def __init__(self, transfer: CudaTransfer, nbytes: int, threads: int, pin: bool) -> None:
         self._transfer = transfer
-        self._buffers = [HostBuffer(nbytes, pin=True) for _ in range(2)]
+        self._buffers = [HostBuffer(nbytes, pin) for _ in range(2)]
         self._drained = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
         self._sequencer = ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")

@@ -102,6 +102,12 @@ class SlotPlanner:
         self._touch(slot)
         return slot
 
+    def forget(self, *slots: int) -> None:
+        """The copies into `slots` may not have happened: hold nothing there (a failed load)."""
+        for slot in slots:
+            self._block_in_slot[slot] = None
+            self._active[slot] = False
+
     def preload(self, block: int) -> tuple[Load, ...]:
         """Loads that put `block` and the blocks after it into the slots (a call's start)."""
         return self._chain(wanted=[], nxt=block)
