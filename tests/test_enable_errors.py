@@ -184,3 +184,30 @@ def test_failure_midway_through_packing_loses_nothing():
         assert torch.equal(model(x), expected)
     with dlo.enable(model, "cpu"), torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
+    """The copy engine fails once mid-call: that call raises, and every later call is exact
+    (the planner forgets the slots whose copies may not have happened)."""
+    from dlo.hotpath.transfer import SyncTransfer
+
+    model = Stack(depth=5)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    real_copy = SyncTransfer.copy_into
+    calls = {"n": 0}
+
+    def failing_once(self, slot, source):
+        calls["n"] += 1
+        if calls["n"] == 9:  # 7 copies in the first call; the 2nd prefetch of the second
+            raise RuntimeError("copy engine failure")
+        return real_copy(self, slot, source)
+
+    monkeypatch.setattr(SyncTransfer, "copy_into", failing_once)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=3)), torch.no_grad():
+        assert torch.equal(model(x), expected)
+        with pytest.raises(RuntimeError, match="copy engine failure"):
+            model(x)
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
