@@ -113,3 +113,30 @@ def test_demo_across_two_gloo_ranks():
     assert done.returncode == 0, done.stderr
     assert "all-gather across 2 ranks (gloo)" in done.stdout
     assert done.stdout.count("bit-identical") == 2
+
+
+def test_malformed_config_json_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "config.json is not readable JSON" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "config.json is not a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--steps", "0"], "must be at least 1"),
+        (["demo", "--nproc", "0"], "must be at least 1"),
+    ],
+)
+def test_out_of_range_counts_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_nproc_refuses_options_it_does_not_run(capsys):
+    assert main(["demo", "--device", "cpu", "--nproc", "2", "--trace", "t.json"]) == 2
+    assert "does not take --trace or --from-checkpoint" in capsys.readouterr().err

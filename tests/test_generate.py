@@ -95,6 +95,7 @@ def test_enable_pipeline_matches_the_plain_pipeline(wan_dir):
         ("missing", "a.png", "does not exist"),
         ("no_index", "a.png", "no model_index.json"),
         ("unknown", "a.png", "unknown pipeline 'NoSuchPipeline'"),
+        ("bad_json", "a.png", "model_index.json is not readable JSON"),
         ("unet", "a.png", "has no transformer component"),
         ("flux", "a.mp3", "makes a image; write one of .png"),
         ("flux", "a.mp4", "makes a image"),
@@ -104,8 +105,10 @@ def test_enable_pipeline_matches_the_plain_pipeline(wan_dir):
 )
 def test_generate_refuses_bad_input_before_loading(tmp_path, flux_dir, wan_dir, capsys, setup, output, message):
     directory = {"flux": flux_dir, "wan": wan_dir}.get(setup, tmp_path / setup)
-    if setup in ("no_index", "unknown", "unet"):
+    if setup in ("no_index", "unknown", "unet", "bad_json"):
         directory.mkdir()
+    if setup == "bad_json":
+        (directory / "model_index.json").write_text("{")
     if setup == "unknown":
         (directory / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
     if setup == "unet":

@@ -430,9 +430,18 @@ def test_byte_range_that_differs_from_dtype_times_shape_is_a_size_mismatch(tmp_p
 
 def test_shape_whose_element_count_overflows_is_a_size_mismatch_not_a_value_error(tmp_path):
     header = base_header()
-    header["a"] = {"dtype": "F32", "shape": [2**64] * 250, "data_offsets": [0, 8]}  # numel = 2**16000
+    header["a"] = {"dtype": "F32", "shape": [2**62] * 250, "data_offsets": [0, 8]}  # numel = 2**15500
     err = open_error(write_safetensors(tmp_path / "x.safetensors", header, BASE_DATA))
     assert err.kind is Kind.SIZE_MISMATCH
+    assert "needs more bytes than the file holds" in str(err)
+
+
+def test_a_dimension_beyond_int64_is_invalid_even_next_to_a_zero(tmp_path):
+    """[0, 2**70] has no elements, but no tensor can have that dimension: refused at parse."""
+    header = base_header()
+    header["a"] = {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}
+    err = open_error(write_safetensors(tmp_path / "x.safetensors", header, BASE_DATA))
+    assert err.kind is Kind.HEADER_INVALID
 
 
 # ---------------------------------------------------------------------------------------------

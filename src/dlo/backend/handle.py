@@ -20,14 +20,16 @@ from dlo.observe.stats import OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
 
-# Every module under dlo (roots and blocks) -> its handle. The only state dlo keeps about
-# user modules; nothing is attached to them besides hooks.
-_MANAGED: weakref.WeakKeyDictionary[nn.Module, OffloadHandle] = weakref.WeakKeyDictionary()
+# Every module under dlo (roots and blocks) -> a weak reference to its handle. The only state
+# dlo keeps about user modules (nothing is attached to them besides hooks). Weak both ways: a
+# handle references its module, so a strong value would keep a dropped module alive forever.
+_MANAGED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OffloadHandle]] = weakref.WeakKeyDictionary()
 
 
 def refuse_if_managed(module: nn.Module) -> None:
     for name, sub in module.named_modules():
-        if sub in _MANAGED:
+        handle = _MANAGED.get(sub)
+        if handle is not None and handle() is not None:
             where = f"its submodule {name!r}" if name else "it"
             raise EnableError(
                 f"{type(module).__name__} is already under dlo ({where}); call handle.disable() "
@@ -73,7 +75,7 @@ class OffloadHandle:
         self._checkpoint = checkpoint
         self._final_stats: OffloadStats | None = None
         for sub in self._managed:
-            _MANAGED[sub] = self
+            _MANAGED[sub] = weakref.ref(self)
 
     def __enter__(self) -> OffloadHandle:
         return self

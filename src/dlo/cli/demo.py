@@ -184,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
+        if args.trace or args.from_checkpoint is not None:
+            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace)

@@ -25,7 +25,12 @@ def pipeline_class(model_dir: Path) -> tuple[type, dict]:
     index_path = model_dir / "model_index.json"
     if not index_path.is_file():
         raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
-    index = json.loads(index_path.read_text())
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ConfigError(f"{index_path} is not readable JSON ({err})") from None
+    if not isinstance(index, dict):
+        raise ConfigError(f"{index_path} is not a JSON object")
     import diffusers
 
     cls = getattr(diffusers, str(index.get("_class_name")), None)

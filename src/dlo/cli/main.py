@@ -12,6 +12,13 @@ from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dlo",
@@ -30,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
     add_device_flags(demo_parser)
-    demo_parser.add_argument("--steps", type=int, default=6, help="denoising steps (default: 6)")
+    demo_parser.add_argument("--steps", type=positive_int, default=6, help="denoising steps (default: 6)")
     demo_parser.add_argument(
         "--from-checkpoint",
         nargs="?",
@@ -42,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_parser.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="spawn N ranks (Gloo on cpu, NCCL on cuda: one GPU each) and stream with use_allgather: each rank "
@@ -63,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("model_dir", metavar="MODEL_DIR", help="a diffusers pipeline directory (model_index.json)")
     generate_parser.add_argument("--prompt", required=True)
     generate_parser.add_argument("--negative-prompt")
-    generate_parser.add_argument("--steps", type=int, default=28, help="denoising steps (default: 28)")
+    generate_parser.add_argument("--steps", type=positive_int, default=28, help="denoising steps (default: 28)")
     generate_parser.add_argument("--height", type=int, help="default: the pipeline's")
     generate_parser.add_argument("--width", type=int, help="default: the pipeline's")
     generate_parser.add_argument("--frames", type=int, help="video pipelines: number of frames")

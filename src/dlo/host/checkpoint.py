@@ -8,10 +8,23 @@ from pathlib import Path
 
 import torch
 
+from dlo.errors import ConfigError
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, SafetensorsFile, TensorEntry
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
+
+
+def read_model_config(directory: Path) -> dict:
+    """config.json of a model directory, which must be a JSON object."""
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ConfigError(f"{path} is not readable JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return config
 
 
 def find_transformer_dir(path: str | Path) -> Path:

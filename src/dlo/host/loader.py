@@ -3,7 +3,6 @@ straight from the checkpoint mapping when the preflight proves that is exact."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig, Topology
 from dlo.errors import ConfigError
-from dlo.host.checkpoint import Checkpoint, find_transformer_dir
+from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.preflight import CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
 from dlo.host.tensor_source import TensorSource
@@ -24,12 +23,13 @@ from dlo.planning.tensor_walk import owned_tensors
 logger = logging.getLogger(__name__)
 
 
-def _model_class(class_name: str | None, directory: Path) -> type[nn.Module]:
+def model_class(class_name: object, where: object) -> type[nn.Module]:
+    """The diffusers model class `class_name` names (`where` says who named it, for errors)."""
     import diffusers
 
-    cls = getattr(diffusers, class_name, None) if class_name else None
+    cls = getattr(diffusers, class_name, None) if isinstance(class_name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ConfigError(f"{directory / 'config.json'}: _class_name {class_name!r} is not a diffusers model class")
+        raise ConfigError(f"{where}: {class_name!r} is not a diffusers model class")
     return cls
 
 
@@ -117,8 +117,8 @@ def preflight(
     `MappedLoad`. Corrupt files raise `CheckpointError`."""
     topology = Topology() if topology is None else topology
     directory = find_transformer_dir(model_dir)
-    model_config = json.loads((directory / "config.json").read_text())
-    cls = _model_class(model_config.get("_class_name"), directory)
+    model_config = read_model_config(directory)
+    cls = model_class(model_config.get("_class_name"), directory)
     fallback = _topology_fallback(topology, model_config)
     if fallback is not None:
         return fallback
@@ -178,7 +178,7 @@ def load_transformer(
             directory,
             extra={"dlo_fallback": result.code},
         )
-    cls = _model_class(json.loads((directory / "config.json").read_text()).get("_class_name"), directory)
+    cls = model_class(read_model_config(directory).get("_class_name"), directory)
     dtype = torch_dtype if torch_dtype is not None else _checkpoint_float_dtype(directory)
     model = cls.from_pretrained(directory, torch_dtype=dtype)
     if fuse_qkv:

@@ -28,6 +28,10 @@ class Fallback:
     code: str  # one of FALLBACK_CODES
     reason: str
 
+    def __post_init__(self) -> None:
+        if self.code not in FALLBACK_CODES:
+            raise ValueError(f"unknown fallback code {self.code!r}")
+
 
 @dataclass(frozen=True)
 class CheckpointSources:

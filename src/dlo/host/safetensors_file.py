@@ -128,7 +128,10 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: expected dtype, shape and data_offsets")
         shape, offsets = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape)
+        ):
             raise _fail(kinds.HEADER_INVALID, path, f"{key!r}: shape {_brief(shape)} is not a list of sizes")
         if not (
             isinstance(offsets, list)

@@ -15,7 +15,7 @@ Packing on the main thread instead (one torch._foreach_copy_ per block, no hand-
 measured on the H200 host and is slower for large blocks: 22 vs 24 GB/s transfer-bound, and
 0.978 vs 0.950 s per Wan-14B-shaped forward at 480p, because the host cannot enqueue the next
 block's kernels while it packs. It does cut the per-load latency of tiny blocks, where thread
-hand-offs wait for the GIL (see benchmarks/RESULTS.md).
+hand-offs wait for the GIL (see benchmarks/RESULTS.md; that variant was measured, not kept).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from dlo.host.pinned_buffer import aligned_empty
 
 @dataclass(frozen=True)
 class DeviceSlot:
-    """A rotating device buffer with the events that guard it: `ready` is recorded on the
-    copy stream after a block lands in `buffer`; `free` on the compute stream after the
-    block that used it finished. None on the CPU."""
+    """A rotating device buffer with the events that guard it: `ready` is recorded after a
+    block lands in `buffer` (on the copy stream, or the communication stream in all-gather
+    mode); `free` on the compute stream after the block that used it finished. None on the CPU."""
 
     buffer: torch.Tensor
     ready: torch.cuda.Event | None
