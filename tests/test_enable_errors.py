@@ -211,3 +211,23 @@ def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
             model(x)
         for _ in range(3):
             assert torch.equal(model(x), expected)
+
+
+def test_a_keyboard_interrupt_inside_a_block_leaves_the_next_call_exact():
+    """torch runs no forward hook for a BaseException: the next call releases the slot."""
+    model = Stack(depth=4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    interrupt = {"armed": True}
+
+    def ctrl_c(module, args):
+        if interrupt.pop("armed", False):
+            raise KeyboardInterrupt
+
+    model.blocks[2].linear.register_forward_pre_hook(ctrl_c)
+    with dlo.enable(model, "cpu"), torch.no_grad():
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)

@@ -11,6 +11,7 @@ from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
+from dlo.host.tensor_source import count_adapters
 from dlo.planning.offload_plan import discover
 from dlo.planning.plan_summary import PlanSummary, summarize
 
@@ -45,10 +46,7 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
     if isinstance(result, Fallback):
         return f"checkpoint mmap:      no, falls back to the ordinary loader ({result.code}: {result.reason})"
     checkpoint = result.checkpoint
-    adapters: dict[str, int] = {}
-    for source in result.sources.planned.values():
-        for step in source.adapters(checkpoint):
-            adapters[step] = adapters.get(step, 0) + 1
+    adapters = count_adapters(result.sources.planned.values(), checkpoint)
     steps = ", ".join(f"{count} {step}" for step, count in sorted(adapters.items())) or "none"
     return (
         f"checkpoint mmap:      yes, {len(result.sources.planned)} block tensors stream from {len(checkpoint.files)} "

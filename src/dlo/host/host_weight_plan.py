@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.tensor_source import TensorSource
+from dlo.host.tensor_source import TensorSource, count_adapters
 from dlo.planning.offload_plan import OffloadPlan
 
 
@@ -51,14 +51,9 @@ class HostWeightPlan:
         return self._weights is None
 
     def adapter_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
+        """Tensors per adapter (empty once taken: the mapping belongs to the backend)."""
         weights = self._weights
-        if weights is None:
-            return counts
-        for source in self.bindings.values():
-            for step in source.adapters(weights.checkpoint):
-                counts[step] = counts.get(step, 0) + 1
-        return counts
+        return {} if weights is None else count_adapters(self.bindings.values(), weights.checkpoint)
 
     def take(self) -> HostWeights | None:
         """The mapping and bindings, the first time; None ever after. See [Note: plan hand-off]"""

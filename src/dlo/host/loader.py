@@ -156,7 +156,9 @@ def load_transformer(
     the model was then loaded the ordinary way.
 
     torch_dtype=None keeps each tensor's checkpoint dtype; another dtype is applied while
-    packing (an adapter). fuse_qkv=True runs diffusers' fuse_qkv_projections(): the fused
+    packing (an adapter). (After a fallback with torch_dtype=None, diffusers' loader takes
+    the checkpoint's most common float dtype for every float tensor, its class's fp32-kept
+    modules aside: it has no per-tensor "as saved" mode.) fuse_qkv=True runs diffusers' fuse_qkv_projections(): the fused
     q/k/v projections are concatenated from the checkpoint's separate tensors.
     """
     config = OffloadConfig() if config is None else config

@@ -7,6 +7,7 @@ checkpoint tensors along dim 0 (q, k, v -> qkv). Nothing else may transform weig
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,15 @@ class CopyTask:
             np.copyto(_bytes(self.target), _bytes(self.source))
         else:
             self.target.copy_(self.source)
+
+
+def count_adapters(sources: Iterable[TensorSource], checkpoint: Checkpoint) -> dict[str, int]:
+    """How many tensors each adapter ("cast", "concat") touches."""
+    counts: dict[str, int] = {}
+    for source in sources:
+        for step in source.adapters(checkpoint):
+            counts[step] = counts.get(step, 0) + 1
+    return counts
 
 
 def balanced_batches(tasks: list[CopyTask], count: int) -> list[list[CopyTask]]:

@@ -108,8 +108,13 @@ class StreamingRuntime:
             self._finish_staged(slot_index)
 
     def start_call(self) -> None:
-        """All-gather mode, before the root module runs: agree with the group, then load the
-        call's first blocks. See [Note: lockstep schedule]"""
+        """Before the root module runs. Blocks still marked running were interrupted by a
+        BaseException (torch runs no forward hook for those): release their slots. In
+        all-gather mode, then agree with the group and load the call's first blocks. See
+        [Note: lockstep schedule]"""
+        for index, slot_index in self.planner.release_running():
+            self.transfer.mark_free(self.slots[slot_index])
+            self.blocks[index].point_at(self.blocks[index].placeholders)
         if self.gather is None:
             return
         if self._cursor is not None:  # the previous call raised before finishing its schedule

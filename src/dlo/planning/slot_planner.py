@@ -102,6 +102,16 @@ class SlotPlanner:
         self._touch(slot)
         return slot
 
+    def release_running(self) -> list[tuple[int, int]]:
+        """Mark every running block finished; returns their (block, slot). For a call that
+        starts while blocks still count as running: a BaseException (Ctrl-C) skipped their end."""
+        stale = []
+        for slot, running in enumerate(self._active):
+            if running:
+                self._active[slot] = False
+                stale.append((self._block_in_slot[slot], slot))
+        return stale
+
     def forget(self, *slots: int) -> None:
         """The copies into `slots` may not have happened: hold nothing there (a failed load)."""
         for slot in slots:
