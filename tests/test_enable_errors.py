@@ -231,3 +231,24 @@ def test_a_keyboard_interrupt_inside_a_block_leaves_the_next_call_exact():
             model(x)
         for _ in range(2):
             assert torch.equal(model(x), expected)
+
+
+def test_a_dropped_handle_still_guards_the_module_and_a_dropped_module_is_freed():
+    import gc
+    import weakref
+
+    from dlo.backend.handle import _MANAGED
+
+    gc.collect()
+    before = len(_MANAGED)
+    model = Stack()
+    dlo.enable(model, "cpu")  # handle not kept: the module keeps it alive
+    gc.collect()
+    with pytest.raises(dlo.EnableError, match="already under dlo"):
+        dlo.enable(model, "cpu")
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and len(_MANAGED) == before  # no leak through the registry

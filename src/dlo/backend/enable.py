@@ -337,9 +337,7 @@ def enable(
         weights.checkpoint.close()
         weights = None
 
-    hooks = [module.register_forward_pre_hook(lambda _module, _args: runtime.start_call())]
-    if gather is not None:
-        hooks.append(module.register_forward_hook(lambda *_: runtime.end_call(), always_call=True))
+    hooks = []
     for index, ref in enumerate(streamed_refs):
         hooks.append(ref.module.register_forward_pre_hook(partial(_before_block, runtime, index)))
         hooks.append(ref.module.register_forward_hook(partial(_after_block, runtime, index), always_call=True))

@@ -74,8 +74,19 @@ class OffloadHandle:
         self._setup_s = setup_s
         self._checkpoint = checkpoint
         self._final_stats: OffloadStats | None = None
+        # Root hooks are bound methods: the module keeps its handle alive through them, even
+        # when the caller drops the handle (the registry only holds it weakly).
+        self._hooks.append(module.register_forward_pre_hook(self._call_starts))
+        if runtime.gather is not None:
+            self._hooks.append(module.register_forward_hook(self._call_ends, always_call=True))
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
+
+    def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        self._runtime.start_call()
+
+    def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
+        self._runtime.end_call()
 
     def __enter__(self) -> OffloadHandle:
         return self
