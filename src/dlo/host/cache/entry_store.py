@@ -1,0 +1,255 @@
+"""The on-disk protocol of the host weight cache (SPEC §5.2): immutable, content-addressed
+entries published atomically and validated byte for byte before use.
+
+Layout under the cache root:
+    v1/<key>/model-0000i-of-0000N.safetensors + manifest.json   published entries
+    .locks/<key>.lock                                            one flock per key
+    .tmp/<key>.<pid>.<uuid>/                                     a writer's work in progress
+
+[Note: publication]
+An entry becomes visible only by one atomic rename of a complete, fsync'ed directory, made
+by the holder of the key's flock. So a reader sees no entry or a whole one: a writer killed
+at any point leaves at most a temp dir, which the next lock holder removes once its pid is
+gone. Readers validate without the lock (entries never change in place); a corrupt entry is
+moved aside under the lock before a new one takes its name.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dlo.errors import DloError
+
+SCHEMA = "dlo-host-weight-cache/1"
+MANIFEST = "manifest.json"
+MANIFEST_SIZE_CAP = 64 * 2**20
+HASH_CHUNK = 64 * 2**20
+
+
+class CacheUnavailable(DloError):
+    """The cache cannot serve this load; `code` is the SPEC §5.2 fallback code."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    manifest: dict
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):  # hashlib releases the GIL on large chunks
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EntryStore:
+    def __init__(self, root: str | Path, hash_threads: int = 8) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.hash_threads = hash_threads
+
+    def entry_path(self, key: str) -> Path:
+        return self.root / "v1" / key
+
+    # -- validation ---------------------------------------------------------------------
+
+    def validate(self, key: str) -> Entry | str:
+        """The entry if every byte checks out, else why not (a reason, never an exception)."""
+        path = self.entry_path(key)
+        if not path.is_dir() or path.is_symlink():
+            return "missing"
+        manifest_path = path / MANIFEST
+        try:
+            if manifest_path.is_symlink() or manifest_path.stat().st_size > MANIFEST_SIZE_CAP:
+                return "manifest is a symlink or too large"
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError, RecursionError) as err:
+            return f"manifest unreadable ({err})"
+        if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or manifest.get("key") != key:
+            return "manifest schema or key differs"
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            return "manifest lists no files"
+        for name in files:
+            if not isinstance(name, str) or Path(name).name != name or name == MANIFEST:
+                return f"file name {name!r} is not a plain basename"
+        present = {p.name for p in path.iterdir()}
+        if present != set(files) | {MANIFEST}:
+            return f"files differ from the manifest: {sorted(present ^ (set(files) | {MANIFEST}))}"
+        for name, meta in files.items():
+            file_path = path / name
+            if file_path.is_symlink() or not file_path.is_file():
+                return f"{name} is not a regular file"
+            if file_path.stat().st_size != meta.get("size"):
+                return f"{name} has {file_path.stat().st_size} bytes, the manifest says {meta.get('size')}"
+        with ThreadPoolExecutor(self.hash_threads) as pool:
+            digests = dict(zip(files, pool.map(lambda n: sha256_file(path / n), files)))
+        for name, meta in files.items():
+            if digests[name] != meta.get("sha256"):
+                return f"{name} does not hash to its manifest SHA-256"
+        return Entry(path, manifest)
+
+    # -- publication --------------------------------------------------------------------
+
+    def publish(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        identity: dict,
+        lock_timeout_s: float = 600.0,
+        shard_bytes: int = 2 * 2**30,
+    ) -> Entry:
+        """The valid entry for `key`, publishing `tensors` first if there is none. See
+        [Note: publication]. Raises CacheUnavailable (lock_timeout, lock_failed,
+        insufficient_disk, cache_operation_failed) and leaves no partial entry."""
+        found = self.validate(key)
+        if isinstance(found, Entry):
+            return found
+        with self._lock(key, lock_timeout_s):
+            found = self.validate(key)  # another writer may have finished while we waited
+            if isinstance(found, Entry):
+                return found
+            try:
+                return self._write(key, tensors, identity, shard_bytes)
+            except OSError as err:
+                code = "insufficient_disk" if err.errno == errno.ENOSPC else "cache_operation_failed"
+                raise CacheUnavailable(code, f"publishing {key}: {err}") from err
+
+    def _lock(self, key: str, timeout_s: float):
+        store = self
+
+        class _Held:
+            def __enter__(self):
+                try:
+                    (store.root / ".locks").mkdir(parents=True, exist_ok=True)
+                    self.fd = os.open(store.root / ".locks" / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                except OSError as err:
+                    raise CacheUnavailable("lock_failed", f"cannot open the lock of {key}: {err}") from err
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    try:
+                        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        return self
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            os.close(self.fd)
+                            raise CacheUnavailable(
+                                "lock_timeout", f"{key} stayed locked by another writer for {timeout_s} s"
+                            ) from None
+                        time.sleep(0.05)
+                    except OSError as err:
+                        os.close(self.fd)
+                        raise CacheUnavailable("lock_failed", f"flock on {key}: {err}") from err
+
+            def __exit__(self, *exc):
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                os.close(self.fd)
+
+        return _Held()
+
+    def _remove_stale_temps(self, key: str) -> None:
+        """Temp dirs of this key whose writer is gone (called under the key's lock)."""
+        for temp in (self.root / ".tmp").glob(f"{key}.*"):
+            parts = temp.name.split(".")
+            pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+            if pid is None or not _pid_alive(pid):
+                shutil.rmtree(temp, ignore_errors=True)
+
+    def _write(self, key: str, tensors: dict[str, torch.Tensor], identity: dict, shard_bytes: int) -> Entry:
+        (self.root / ".tmp").mkdir(parents=True, exist_ok=True)
+        (self.root / "v1").mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps(key)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        free = shutil.disk_usage(self.root).free
+        need = total + max(64 * 2**20, total // 100)
+        if free < need:
+            raise CacheUnavailable("insufficient_disk", f"{key} needs {need} bytes, {free} are free under {self.root}")
+
+        temp = self.root / ".tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex}"
+        temp.mkdir()
+        try:
+            shards = _split(sorted(tensors), tensors, shard_bytes)
+            files, index = {}, {}
+            for i, names in enumerate(shards, start=1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
+                with open(temp / name, "rb") as handle:
+                    os.fsync(handle.fileno())
+                files[name] = {"size": (temp / name).stat().st_size, "sha256": sha256_file(temp / name)}
+                for n in names:
+                    t = tensors[n]
+                    index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+            manifest = {
+                "schema": SCHEMA,
+                "key": key,
+                "identity": identity,
+                "total_bytes": total,
+                "created": time.time(),
+                "writer_pid": os.getpid(),
+                "files": files,
+                "tensors": index,
+            }
+            with open(temp / MANIFEST, "w") as handle:
+                json.dump(manifest, handle, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(temp)
+            final = self.entry_path(key)
+            if final.exists():  # invalid (we validated under the lock): move it aside first
+                final.rename(self.root / ".tmp" / f"{key}.corrupt.{uuid.uuid4().hex}")
+            temp.rename(final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        return Entry(final, manifest)
+
+
+def _split(names: list[str], tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards

@@ -1,0 +1,163 @@
+"""The host weight cache's on-disk protocol: atomic publication under flock, validation of
+every byte, crash safety, concurrent writers (SPEC §5.2)."""
+
+import fcntl
+import json
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dlo.host.cache.entry_store import MANIFEST, CacheUnavailable, EntryStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cache_writers  # noqa: E402
+
+KEY = "a" * 64
+
+
+def publish(root, key=KEY, **kwargs):
+    return EntryStore(root).publish(key, cache_writers.tensors(), {"model": "test"}, shard_bytes=2 * 2**20, **kwargs)
+
+
+def read_back(entry):
+    loaded = {}
+    for name in entry.manifest["files"]:
+        loaded.update(load_file(entry.path / name))
+    return loaded
+
+
+def test_publish_then_validate_round_trip(tmp_path):
+    entry = publish(tmp_path)
+    assert entry.path == tmp_path / "v1" / KEY
+    assert len(entry.manifest["files"]) == 6  # 12 tensors of 1 MiB, 2 MiB shards
+    expected = cache_writers.tensors()
+    assert set(read_back(entry)) == set(expected)
+    assert all(torch.equal(read_back(entry)[n], t) for n, t in expected.items())
+    validated = EntryStore(tmp_path).validate(KEY)
+    assert validated.manifest == entry.manifest
+    assert not list((tmp_path / ".tmp").iterdir())
+
+
+def test_an_existing_valid_entry_is_reused_without_writing(tmp_path):
+    first = publish(tmp_path)
+    stamp = (first.path / MANIFEST).stat().st_mtime_ns
+    second = publish(tmp_path)
+    assert second.manifest == first.manifest and (first.path / MANIFEST).stat().st_mtime_ns == stamp
+
+
+def _flip_byte(path):
+    shard = sorted(path.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+def _edit_manifest(path):
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["total_bytes"] += 1
+    name = next(iter(manifest["files"]))
+    manifest["files"][name]["sha256"] = "0" * 64
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (_flip_byte, "does not hash to its manifest SHA-256"),
+        (_truncate, "bytes, the manifest says"),
+        (_edit_manifest, "does not hash to its manifest SHA-256"),
+        (lambda p: (p / "extra.bin").write_bytes(b"x"), "files differ from the manifest"),
+        (lambda p: sorted(p.glob("*.safetensors"))[0].unlink(), "files differ from the manifest"),
+        (lambda p: (p / MANIFEST).write_text("{"), "manifest unreadable"),
+    ],
+)
+def test_a_corrupted_entry_is_detected_and_rebuilt_under_the_lock(tmp_path, corrupt, reason):
+    entry = publish(tmp_path)
+    corrupt(entry.path)
+    found = EntryStore(tmp_path).validate(KEY)
+    assert isinstance(found, str) and reason in found
+    rebuilt = publish(tmp_path)
+    assert not isinstance(EntryStore(tmp_path).validate(KEY), str)
+    assert all(torch.equal(read_back(rebuilt)[n], t) for n, t in cache_writers.tensors().items())
+
+
+def test_a_held_lock_times_out_without_writing(tmp_path):
+    (tmp_path / ".locks").mkdir(parents=True)
+    holder = os.open(tmp_path / ".locks" / f"{KEY}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CacheUnavailable) as raised:
+            publish(tmp_path, lock_timeout_s=0.3)
+        assert raised.value.code == "lock_timeout"
+        assert not (tmp_path / "v1" / KEY).exists()
+    finally:
+        os.close(holder)
+
+
+def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
+    dead = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    stale = tmp_path / ".tmp" / f"{KEY}.{dead.pid}.0123"
+    live = tmp_path / ".tmp" / f"{KEY}.{os.getpid()}.4567"
+    other_key = tmp_path / ".tmp" / f"{'b' * 64}.{dead.pid}.89"
+    for path in (stale, live, other_key):
+        path.mkdir(parents=True)
+    publish(tmp_path)
+    assert not stale.exists() and live.exists() and other_key.exists()
+
+
+def _spawn_writers(root, count):
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    writers = [context.Process(target=cache_writers.publish, args=(str(root), KEY, queue)) for _ in range(count)]
+    for writer in writers:
+        writer.start()
+    return writers, queue
+
+
+def test_concurrent_publishers_produce_one_entry_that_all_map(tmp_path):
+    writers, queue = _spawn_writers(tmp_path, 4)
+    results = [queue.get(timeout=120) for _ in writers]
+    for writer in writers:
+        writer.join(timeout=30)
+    assert {path for path, _ in results} == {str(tmp_path / "v1" / KEY)}
+    assert len({pid for _, pid in results}) == 1  # exactly one of them wrote it
+    assert [p.name for p in (tmp_path / "v1").iterdir()] == [KEY]
+    assert not isinstance(EntryStore(tmp_path).validate(KEY), str)
+
+
+def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(tmp_path):
+    randomness = random.Random(7)
+    context = multiprocessing.get_context("spawn")
+    caught_mid_write = 0
+    for round_ in range(10):
+        root = tmp_path / f"round{round_}"
+        queue = context.Queue()
+        writer = context.Process(target=cache_writers.publish_after_ready, args=(str(root), KEY, queue))
+        writer.start()
+        assert queue.get(timeout=120) == "ready"
+        time.sleep(randomness.uniform(0.0, 0.25))
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(timeout=30)
+        temps = list((root / ".tmp").iterdir()) if (root / ".tmp").exists() else []
+        caught_mid_write += bool(temps)
+        entry_dir = root / "v1" / KEY
+        assert not entry_dir.exists() or not isinstance(EntryStore(root).validate(KEY), str)  # none, or whole
+        publish(root)  # the next process succeeds and removes the dead writer's temp dir
+        assert not isinstance(EntryStore(root).validate(KEY), str)
+        assert not list((root / ".tmp").iterdir())
+    assert caught_mid_write >= 3  # the kills did land inside publication, not only around it
