@@ -98,11 +98,14 @@ def _bind_planned(
         if source is None:
             continue
         if id(owned.tensor) not in replaced:
-            data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
-            new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
+            if owned.tensor.device.type == "meta":
+                data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
+                new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
+                stand_ins.append(new)
+            else:  # already a view of the mapping (host weight cache): the same object stays
+                new = owned.tensor
             replaced[id(owned.tensor)] = new
             sources[id(new)] = source
-            stand_ins.append(new)
         table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
         table[owned.key] = replaced[id(owned.tensor)]
     missing = set(weights.bindings) - {o.name for o in owned_tensors(module) if id(o.tensor) in sources}

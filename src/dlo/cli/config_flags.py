@@ -32,7 +32,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if spec.type in (bool, "bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
         else:
-            group.add_argument(flag, type=int, default=spec.default, metavar="N", help=help_text)
+            kind = {"int": int, "float": float, "str": str}[spec.type if isinstance(spec.type, str) else spec.type.__name__]
+            group.add_argument(flag, type=kind, default=spec.default, metavar=spec.name.upper(), help=help_text)
 
 
 def config_from_flags(args: argparse.Namespace) -> OffloadConfig:

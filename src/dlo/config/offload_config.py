@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dlo.errors import ConfigError
 
@@ -59,6 +61,21 @@ class OffloadConfig:
             "(shared page cache) when the checkpoint can stand in for the runtime tensors"
         },
     )
+    host_weight_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "dlo.load_transformer publishes the final weights once per node to a content-addressed "
+            "cache and streams from its shared read-only mapping (rank-local mode only)"
+        },
+    )
+    cache_dir: str = field(
+        default=str(Path("~/.cache/dlo/host-weights").expanduser()),
+        metadata={"help": "root of the host weight cache (local disk)"},
+    )
+    cache_lock_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "seconds to wait for another process publishing the same cache entry"},
+    )
     pack_threads: int = field(
         default=0,
         metadata={
@@ -75,3 +92,14 @@ class OffloadConfig:
         _require_bool("use_allgather", self.use_allgather)
         _require_bool("checkpoint_mmap", self.checkpoint_mmap)
         _require_int("pack_threads", self.pack_threads, minimum=0)
+        _require_bool("host_weight_cache", self.host_weight_cache)
+        if not isinstance(self.cache_dir, str) or not self.cache_dir:
+            raise ConfigError(f"OffloadConfig.cache_dir must be a non-empty path string, got {self.cache_dir!r}")
+        timeout = self.cache_lock_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ConfigError(f"OffloadConfig.cache_lock_timeout_s must be a finite number > 0, got {timeout!r}")
+        if self.host_weight_cache and self.use_allgather:
+            raise ConfigError(
+                "OffloadConfig.host_weight_cache=True needs rank-local mode: the cache maps whole weights per node, "
+                "all-gather mode keeps 1/G per rank. Set use_allgather=False, or host_weight_cache=False"
+            )

@@ -23,6 +23,9 @@ class Topology:
     sp_size: int = 1
     sp_rank: int = 0
     hsdp: bool = False
+    ep_size: int = 1  # expert parallel
+    pp_size: int = 1  # pipeline parallel
+    cfg_size: int = 1  # classifier-free-guidance parallel (cond / uncond on different ranks)
 
     def __post_init__(self) -> None:
         for dim in ("tp", "dp", "sp"):
@@ -31,5 +34,9 @@ class Topology:
                 raise ConfigError(f"Topology.{dim}_size must be an int >= 1, got {size!r}")
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
                 raise ConfigError(f"Topology.{dim}_rank must be an int in [0, {size}), got {rank!r}")
+        for name in ("ep_size", "pp_size", "cfg_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Topology.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.hsdp, bool):
             raise ConfigError(f"Topology.hsdp must be True or False, got {self.hsdp!r}")

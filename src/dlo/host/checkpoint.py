@@ -85,13 +85,16 @@ def _check_index(index_path: Path, weight_map: dict[str, str], tensors: dict[str
 class Checkpoint:
     """Every tensor of a model directory's checkpoint, each mapped exactly once."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, files: list[str] | None = None) -> None:
+        """`files`: read exactly these safetensors files of `directory` (a cache entry);
+        default: the diffusers layout (one file, or the shards its index lists)."""
         self.directory = Path(directory)
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, SourceTensor] = {}
         try:
-            weight_map = _weight_map(self.directory)
-            for name in sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]:
+            weight_map = _weight_map(self.directory) if files is None else None
+            names = files if files is not None else sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
+            for name in names:
                 shard = SafetensorsFile(self.directory / name)
                 self.files.append(shard)
                 for key, entry in shard.entries.items():

@@ -145,6 +145,7 @@ def load_transformer(
     *,
     fuse_qkv: bool = False,
     topology: Topology | None = None,
+    loader_inputs: dict | None = None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """Load a diffusers transformer (a model directory or a pipeline's `transformer/`).
 
@@ -160,9 +161,19 @@ def load_transformer(
     the checkpoint's most common float dtype for every float tensor, its class's fp32-kept
     modules aside: it has no per-tensor "as saved" mode.) fuse_qkv=True runs diffusers' fuse_qkv_projections(): the fused
     q/k/v projections are concatenated from the checkpoint's separate tensors.
+
+    With `config.host_weight_cache`, the model is loaded the ordinary way, its final tensors
+    are published once per node to a content-addressed cache under `config.cache_dir` (or an
+    existing equal entry is validated), and the model's own tensors are swapped in place for
+    the entry's read-only mapping; the plan streams from it. `loader_inputs` (JSON-stable) are
+    anything else that changed the weights (e.g. LoRA names), part of the entry's identity.
     """
     config = OffloadConfig() if config is None else config
     directory = find_transformer_dir(model_dir)
+    if config.host_weight_cache:
+        from dlo.host.cache.consume import load_through_cache
+
+        return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
     if config.checkpoint_mmap:
         result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
         if isinstance(result, MappedLoad):
@@ -180,9 +191,14 @@ def load_transformer(
             directory,
             extra={"dlo_fallback": result.code},
         )
+    return ordinary_load(directory, torch_dtype, fuse_qkv), None
+
+
+def ordinary_load(directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
+    """diffusers' own loader; torch_dtype=None takes the checkpoint's float dtype."""
     cls = model_class(read_model_config(directory).get("_class_name"), directory)
     dtype = torch_dtype if torch_dtype is not None else _checkpoint_float_dtype(directory)
     model = cls.from_pretrained(directory, torch_dtype=dtype)
     if fuse_qkv:
         model.fuse_qkv_projections()
-    return model.eval(), None
+    return model.eval()

@@ -16,10 +16,26 @@ from dlo.planning.offload_plan import OffloadPlan
 from dlo.planning.tensor_walk import owned_tensors
 
 FALLBACK_CODES = (
+    # checkpoint mmap plans (SPEC §5.1)
     "unsupported_tp",
     "unsupported_hsdp",
     "unsupported_online_quantization",
     "checkpoint_plan_incompatible",
+    # the host weight cache (SPEC §5.2)
+    "unsupported_load_format",
+    "unsupported_expert_parallel",
+    "unsupported_quantization",
+    "unsupported_cfg_parallel",
+    "unsupported_pp",
+    "invalid_configuration",
+    "ambiguous_ownership",
+    "unsupported_tensor",
+    "unsupported_alias",
+    "unstable_identity",
+    "insufficient_disk",
+    "lock_failed",
+    "lock_timeout",
+    "cache_operation_failed",
 )
 
 

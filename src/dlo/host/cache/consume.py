@@ -1,0 +1,128 @@
+"""Loading through the host weight cache: ordinary load, publish or join the entry, then map
+it in place of the private tensors (SPEC §5.2). Any failure keeps the ordinary tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlo.config import OffloadConfig, Topology
+from dlo.host.cache.collect import collect_tensors
+from dlo.host.cache.entry_store import CacheUnavailable, EntryStore
+from dlo.host.cache.identity import build_identity, content_digest
+from dlo.host.checkpoint import Checkpoint, read_model_config
+from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.preflight import Fallback
+from dlo.host.tensor_source import TensorSource
+from dlo.planning.offload_plan import discover
+from dlo.planning.tensor_walk import owned_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
+    checks = [
+        (topology.hsdp, "unsupported_hsdp", "HSDP shards weights across replicas"),
+        (topology.ep_size > 1, "unsupported_expert_parallel", f"expert parallel size {topology.ep_size}"),
+        (topology.pp_size > 1, "unsupported_pp", f"pipeline parallel size {topology.pp_size}"),
+        (topology.cfg_size > 1, "unsupported_cfg_parallel", f"CFG parallel size {topology.cfg_size}"),
+        (bool(model_config.get("quantization_config")), "unsupported_quantization", "the model is quantized"),
+    ]
+    return next((Fallback(code, reason) for hit, code, reason in checks if hit), None)
+
+
+def _release_private_memory() -> None:
+    """Return the freed private copies to the OS (glibc keeps them in its heap otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _map_entry(model: nn.Module, tensors: dict[str, torch.Tensor], entry, identity: dict) -> Checkpoint | Fallback:
+    """Map the entry and check it against the model's tensors before anything changes."""
+    if entry.manifest.get("identity") != identity:
+        return Fallback("cache_operation_failed", "the entry's identity differs from this load's")
+    checkpoint = Checkpoint(entry.path, sorted(entry.manifest["files"]))
+    problem = None
+    if set(checkpoint.tensors) != set(tensors):
+        problem = "the entry's tensor names differ from the model's"
+    else:
+        for name, tensor in tensors.items():
+            mapped = checkpoint.tensors[name].entry
+            if mapped.dtype != tensor.dtype or mapped.shape != tuple(tensor.shape) or not mapped.aligned:
+                problem = f"{name!r} maps as {mapped.dtype} {list(mapped.shape)}"
+                break
+    if problem is not None:
+        checkpoint.close()
+        return Fallback("cache_operation_failed", problem)
+    return checkpoint
+
+
+def load_through_cache(
+    directory: Path,
+    config: OffloadConfig,
+    torch_dtype: torch.dtype | None,
+    fuse_qkv: bool,
+    topology: Topology,
+    loader_inputs: dict | None,
+) -> tuple[nn.Module, HostWeightPlan | None]:
+    from dlo.host.loader import model_class, ordinary_load
+
+    model_config = read_model_config(directory)
+    cls = model_class(model_config.get("_class_name"), directory)
+    model = ordinary_load(directory, torch_dtype, fuse_qkv)
+    result = _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topology, loader_inputs, model_config)
+    if isinstance(result, Fallback):
+        logger.warning(
+            "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
+            result.code,
+            result.reason,
+            extra={"dlo_fallback": result.code},
+        )
+        return model, None
+    return model, result
+
+
+def _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topology, loader_inputs, model_config):
+    fallback = _topology_fallback(topology, model_config)
+    if fallback is not None:
+        return fallback
+    tensors = collect_tensors(model)
+    if isinstance(tensors, Fallback):
+        return tensors
+    dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
+    inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
+    built = build_identity(directory, cls, dtype, inputs, topology, content_digest(tensors))
+    if isinstance(built, Fallback):
+        return built
+    identity, key = built
+    try:
+        entry = EntryStore(config.cache_dir).publish(key, tensors, identity, config.cache_lock_timeout_s)
+    except CacheUnavailable as err:
+        return Fallback(err.code, err.reason)
+    checkpoint = _map_entry(model, tensors, entry, identity)
+    if isinstance(checkpoint, Fallback):
+        return checkpoint
+    # Everything is mapped and checked: swap the storage in place. The Parameter objects (and
+    # their attributes) stay; no post-load hook runs again.
+    with torch.no_grad():
+        for owned in owned_tensors(model):
+            if owned.tensor is tensors.get(owned.name):
+                owned.tensor.data = checkpoint.view(owned.name)
+    del tensors
+    _release_private_memory()
+    offload_plan = discover(model)
+    prefixes = tuple(f"{path}." for path in offload_plan.block_lists)
+    bindings = {
+        owned.name: TensorSource((owned.name,), tuple(owned.tensor.shape), owned.tensor.dtype)
+        for owned in owned_tensors(model)
+        if owned.name.startswith(prefixes) and owned.name in checkpoint.tensors
+    }
+    return HostWeightPlan("host_weight_cache", offload_plan, checkpoint, bindings)

@@ -1,0 +1,169 @@
+"""Loading through the host weight cache (SPEC §5.2): one entry per node for equivalent loads,
+in-place mapping that keeps Parameter objects, exact streaming, fail-closed fallbacks."""
+
+import fcntl
+import logging
+import os
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import dlo
+from dlo.host.cache.collect import collect_tensors
+from dlo.host.cache.identity import build_identity
+from dlo.host.preflight import Fallback
+from dlo.models.tiny import TINY_MODELS
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def save(tmp_path, name):
+    directory = tmp_path / name
+    TINY_MODELS[name].build(seed=2).save_pretrained(directory)
+    return directory
+
+
+def cached(tmp_path, **fields):
+    return dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"), **fields)
+
+
+def entries(tmp_path):
+    root = tmp_path / "cache" / "v1"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def run(model, name, seeds=(1, 2)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
+
+
+@pytest.mark.parametrize("name", ["wan", "flux", "sd3"])
+def test_streaming_from_the_cache_matches_resident_and_keeps_parameters(tmp_path, name):
+    directory = save(tmp_path, name)
+    reference = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory).eval()
+    with torch.no_grad():
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.clone()
+    expected = run(reference, name)
+    model, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert plan is not None and plan.backing == "host_weight_cache"
+    parameters = {n: p for n, p in model.named_parameters()}
+    with dlo.enable(model, "cpu", cached(tmp_path), plan=plan) as handle:
+        got = run(model, name)
+        assert handle.stats().host_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(p is parameters[n] for n, p in model.named_parameters())  # same objects throughout
+
+
+def test_equivalent_loads_share_one_entry(tmp_path):
+    directory = save(tmp_path, "flux")
+    dlo.load_transformer(directory, cached(tmp_path))
+    (key,) = entries(tmp_path)
+    manifest = tmp_path / "cache" / "v1" / key / "manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    os.symlink(directory, tmp_path / "alias")  # another spelling of the same model path
+    _, plan = dlo.load_transformer(tmp_path / "alias", cached(tmp_path))
+    assert plan is not None and entries(tmp_path) == [key] and manifest.stat().st_mtime_ns == stamp
+
+
+def test_one_changed_weight_is_a_new_entry(tmp_path):
+    directory = save(tmp_path, "wan")
+    dlo.load_transformer(directory, cached(tmp_path))
+    path = directory / "diffusion_pytorch_model.safetensors"
+    weights = safetensors.torch.load_file(path)
+    weights["blocks.0.attn1.to_q.bias"][0] += 1
+    safetensors.torch.save_file(weights, path, metadata={"format": "pt"})
+    dlo.load_transformer(directory, cached(tmp_path))
+    assert len(entries(tmp_path)) == 2
+
+
+def test_identity_splits_on_tp_coordinates_and_sp_size_but_not_dp_or_sp_rank(tmp_path):
+    def key(**topology):
+        identity = build_identity(tmp_path, nn.Linear, "bf16", {}, dlo.Topology(**topology), "c0ffee")
+        return identity[1]
+
+    base = key()
+    assert key(dp_size=4, dp_rank=3) == base and key(sp_size=2, sp_rank=1) == key(sp_size=2, sp_rank=0)
+    assert len({base, key(tp_size=2, tp_rank=0), key(tp_size=2, tp_rank=1), key(sp_size=2)}) == 4
+
+
+def fallback_codes(caplog):
+    return [r.dlo_fallback for r in caplog.records if hasattr(r, "dlo_fallback")]
+
+
+@pytest.mark.parametrize(
+    ("topology", "code"),
+    [
+        (dict(hsdp=True), "unsupported_hsdp"),
+        (dict(ep_size=2), "unsupported_expert_parallel"),
+        (dict(pp_size=2), "unsupported_pp"),
+        (dict(cfg_size=2), "unsupported_cfg_parallel"),
+    ],
+)
+def test_unsupported_layouts_fail_closed_and_write_nothing(tmp_path, caplog, topology, code):
+    directory = save(tmp_path, "wan")
+    with caplog.at_level(logging.WARNING):
+        model, plan = dlo.load_transformer(directory, cached(tmp_path), topology=dlo.Topology(**topology))
+    assert plan is None and fallback_codes(caplog) == [code] and entries(tmp_path) == []
+    assert all(p.numel() > 0 and p.is_contiguous() for p in model.parameters())  # ordinary tensors
+
+
+def test_unstable_loader_inputs_fail_closed(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    with caplog.at_level(logging.WARNING):
+        _, plan = dlo.load_transformer(directory, cached(tmp_path), loader_inputs={"lora": {"a", "b"}})
+    assert plan is None and fallback_codes(caplog) == ["unstable_identity"] and entries(tmp_path) == []
+
+
+def test_a_held_lock_times_out_and_keeps_the_ordinary_tensors(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    dlo.load_transformer(directory, dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "probe")))
+    (key,) = os.listdir(tmp_path / "probe" / "v1")  # the key does not depend on the cache root
+    (tmp_path / "cache" / ".locks").mkdir(parents=True)
+    holder = os.open(tmp_path / "cache" / ".locks" / f"{key}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with caplog.at_level(logging.WARNING):
+            model, plan = dlo.load_transformer(directory, cached(tmp_path, cache_lock_timeout_s=0.3))
+    finally:
+        os.close(holder)
+    assert plan is None and fallback_codes(caplog) == ["lock_timeout"] and entries(tmp_path) == []
+    with torch.inference_mode():
+        model(**TINY_MODELS["wan"].inputs(0))  # a working, ordinarily loaded model
+
+
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize(
+    ("break_it", "code", "reason"),
+    [
+        (lambda m: setattr(m.b, "weight", m.a.weight), "unsupported_alias", "shares its storage"),
+        (lambda m: setattr(m.b, "weight", nn.Parameter(m.a.weight.detach().t())), "unsupported_tensor", "not contiguous"),
+        (lambda m: setattr(m.b, "weight", nn.Parameter(torch.zeros(8, 4)[:4])), "unsupported_alias", "larger storage"),
+        (lambda m: setattr(m.b, "weight", nn.Parameter(torch.zeros(4, 4, device="meta"))), "unsupported_tensor", "meta"),
+        (lambda m: m.b.register_buffer("c", torch.zeros(2, dtype=torch.complex64)), "unsupported_tensor", "complex64"),
+        (lambda m: [delattr(m, "a"), delattr(m, "b")], "unsupported_tensor", "no parameters"),
+    ],
+)
+def test_collection_rejects_what_it_cannot_map_back(break_it, code, reason):
+    model = _Pair()
+    break_it(model)
+    found = collect_tensors(model)
+    assert isinstance(found, Fallback) and found.code == code and reason in found.reason
+
+
+def test_config_rules_for_the_cache():
+    with pytest.raises(dlo.ConfigError, match="host_weight_cache=True needs rank-local mode"):
+        dlo.OffloadConfig(host_weight_cache=True, use_allgather=True)
+    for bad in (0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(dlo.ConfigError, match="cache_lock_timeout_s must be a finite number > 0"):
+            dlo.OffloadConfig(cache_lock_timeout_s=bad)
+    with pytest.raises(dlo.ConfigError, match="cache_dir must be a non-empty path"):
+        dlo.OffloadConfig(cache_dir="")
