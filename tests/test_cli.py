@@ -77,7 +77,7 @@ def test_help_lists_every_config_field(capsys):
 def test_demo_from_a_temporary_checkpoint(capsys):
     assert main(["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--from-checkpoint"]) == 0
     out = capsys.readouterr().out
-    assert "bit-identical" in out and "checkpoint mapping" in out and "shared read-only" in out
+    assert "bit-identical" in out and "checkpoint_mmap" in out and "shared read-only" in out
 
 
 def test_demo_writes_then_reuses_a_checkpoint_dir(tmp_path, capsys):

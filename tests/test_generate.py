@@ -53,7 +53,7 @@ def test_generate_writes_a_png_identical_to_the_plain_pipeline(flux_dir, tmp_pat
     out = tmp_path / "cube.png"
     assert main(["generate", str(flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux")]) == 0
     printed = capsys.readouterr().out
-    assert "transformer" in printed and "checkpoint mapping" in printed and f"wrote {out}" in printed
+    assert "transformer" in printed and "checkpoint_mmap" in printed and f"wrote {out}" in printed
     written = Image.open(out)
     assert written.format == "PNG" and written.size == (64, 64)
     expected = reference_call(plain_pipeline(flux_dir), "flux").images[0]

@@ -52,7 +52,8 @@ def test_streaming_from_the_cache_matches_resident_and_keeps_parameters(tmp_path
     parameters = {n: p for n, p in model.named_parameters()}
     with dlo.enable(model, "cpu", cached(tmp_path), plan=plan) as handle:
         got = run(model, name)
-        assert handle.stats().host_bytes == 0
+        stats = handle.stats()
+        assert stats.host_bytes == 0 and stats.backing == "host_weight_cache"
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert all(p is parameters[n] for n, p in model.named_parameters())  # same objects throughout
 

@@ -59,6 +59,7 @@ class OffloadHandle:
         device_weight_bytes: int,
         setup_s: float,
         checkpoint: Checkpoint | None = None,
+        backing: str = "pinned",
     ) -> None:
         self.module = module
         self.device = device
@@ -73,6 +74,7 @@ class OffloadHandle:
         self._device_weight_bytes = device_weight_bytes
         self._setup_s = setup_s
         self._checkpoint = checkpoint
+        self._backing = backing
         self._final_stats: OffloadStats | None = None
         # Root hooks are bound methods: the module keeps its handle alive through them, even
         # when the caller drops the handle (the registry only holds it weakly).
@@ -121,6 +123,7 @@ class OffloadHandle:
             slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
             host_bytes=sum(block.source.host_bytes for block in runtime.blocks),
             pinned=any(block.source.pinned for block in runtime.blocks),
+            backing=self._backing,
             mapped_bytes=self._checkpoint.nbytes if self._checkpoint is not None else 0,
             staging_bytes=runtime.stager.staging_bytes if runtime.stager is not None else 0,
             pack_s=runtime.pack_s,

@@ -143,8 +143,8 @@ def run_demo(
 
 def _backing(stats: OffloadStats) -> str:
     if stats.mapped_bytes:
-        return f"checkpoint mapping, {human_bytes(stats.mapped_bytes)} shared read-only"
-    return f"{human_bytes(stats.host_bytes)} private, {'pinned' if stats.pinned else 'pageable'}"
+        return f"{stats.backing}, {human_bytes(stats.mapped_bytes)} mapped shared read-only"
+    return f"{human_bytes(stats.host_bytes)} private, {stats.backing}"
 
 
 def render(result: DemoResult) -> str:

@@ -21,6 +21,9 @@ class OffloadStats:
         bytes dlo keeps on the device (no allocator to ask).
     device_weight_bytes: non-streamed parts + resident blocks + slots.
     host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
+    backing: where the streamed blocks live on the host: "pinned" or "pageable" (private
+        packed copies), "checkpoint_mmap", "host_weight_cache" (shared read-only mappings),
+        or "shards" (all-gather mode: this rank's 1/G).
     mapped_bytes: size of the read-only checkpoint mapping blocks stream from (shared page
         cache, not private memory);
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
@@ -45,6 +48,7 @@ class OffloadStats:
     slot_bytes: int
     host_bytes: int
     pinned: bool
+    backing: str
     mapped_bytes: int
     staging_bytes: int
     pack_s: float
