@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from dlo.cli import demo, generate, inspect_plan
+from dlo.cli import cache_cmd, demo, generate, inspect_plan
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(generate_parser)
     add_config_flags(generate_parser)
     generate_parser.set_defaults(run=generate.run)
+
+    cache_cmd.add_parser(commands)
 
     inspect_parser = commands.add_parser(
         "inspect",

@@ -76,6 +76,10 @@ class OffloadConfig:
         default=600.0,
         metadata={"help": "seconds to wait for another process publishing the same cache entry"},
     )
+    cache_allow_any_filesystem: bool = field(
+        default=False,
+        metadata={"help": "accept a cache root on tmpfs or a network filesystem (tests only)"},
+    )
     pack_threads: int = field(
         default=0,
         metadata={
@@ -93,6 +97,7 @@ class OffloadConfig:
         _require_bool("checkpoint_mmap", self.checkpoint_mmap)
         _require_int("pack_threads", self.pack_threads, minimum=0)
         _require_bool("host_weight_cache", self.host_weight_cache)
+        _require_bool("cache_allow_any_filesystem", self.cache_allow_any_filesystem)
         if not isinstance(self.cache_dir, str) or not self.cache_dir:
             raise ConfigError(f"OffloadConfig.cache_dir must be a non-empty path string, got {self.cache_dir!r}")
         timeout = self.cache_lock_timeout_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class Checkpoint:
         self.directory = Path(directory)
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, SourceTensor] = {}
+        self.on_close: list[Callable[[], None]] = []  # e.g. release a cache entry's hold
         try:
             weight_map = _weight_map(self.directory) if files is None else None
             names = files if files is not None else sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
@@ -122,3 +124,6 @@ class Checkpoint:
     def close(self) -> None:
         for shard in self.files:
             shard.close()
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            callback()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from dlo.config import OffloadConfig, Topology
 from dlo.host.cache.collect import collect_tensors
 from dlo.host.cache.entry_store import CacheUnavailable, EntryStore
 from dlo.host.cache.identity import build_identity, content_digest
+from dlo.host.cache.trust import root_refusal
 from dlo.host.checkpoint import Checkpoint, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.preflight import Fallback
@@ -103,13 +105,23 @@ def _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topol
     if isinstance(built, Fallback):
         return built
     identity, key = built
+    store = EntryStore(config.cache_dir)
+    refusal = root_refusal(store.root, config.cache_allow_any_filesystem)
+    if refusal is not None:
+        return Fallback("invalid_configuration", refusal)
     try:
-        entry = EntryStore(config.cache_dir).publish(key, tensors, identity, config.cache_lock_timeout_s)
+        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s)
+        hold = store.hold(key)  # held while mapped: eviction refuses entries in use
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
-    checkpoint = _map_entry(model, tensors, entry, identity)
-    if isinstance(checkpoint, Fallback):
-        return checkpoint
+    except OSError as err:
+        return Fallback("cache_operation_failed", f"holding {key}: {err}")
+    # Re-validate now that it is held: an eviction between publish and hold removed it.
+    checkpoint = _map_entry(model, tensors, entry, identity) if entry.path.exists() else None
+    if not isinstance(checkpoint, Checkpoint):
+        os.close(hold)
+        return checkpoint or Fallback("cache_operation_failed", f"{key} was evicted while being joined")
+    checkpoint.on_close.append(lambda: os.close(hold))
     # Everything is mapped and checked: swap the storage in place. The Parameter objects (and
     # their attributes) stay; no post-load hook runs again.
     with torch.no_grad():

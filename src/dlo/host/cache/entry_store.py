@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from dlo.errors import DloError
+from dlo.host.cache.trust import untrusted_reason
 
 SCHEMA = "dlo-host-weight-cache/1"
 MANIFEST = "manifest.json"
@@ -88,6 +89,55 @@ class EntryStore:
     def entry_path(self, key: str) -> Path:
         return self.root / "v1" / key
 
+    # -- consumers --------------------------------------------------------------------
+
+    def hold(self, key: str) -> int:
+        """Mark `key` in use by this process until the returned fd is closed: an flock on a
+        file of its own under .users/<key>/. Eviction refuses entries with a held file."""
+        users = self.root / ".users" / key
+        users.mkdir(parents=True, exist_ok=True)
+        fd = os.open(users / f"{os.getpid()}.{uuid.uuid4().hex}", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.utime(users)  # "last used"
+        return fd
+
+    def users(self, key: str) -> int:
+        """How many processes hold `key` (files whose owner is gone are removed)."""
+        count = 0
+        for path in (self.root / ".users" / key).glob("*"):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink(missing_ok=True)  # nobody holds it: a consumer that is gone
+            except BlockingIOError:
+                count += 1
+            finally:
+                os.close(fd)
+        return count
+
+    def last_used(self, key: str) -> float:
+        users = self.root / ".users" / key
+        return users.stat().st_mtime if users.exists() else self.entry_path(key).stat().st_mtime
+
+    def keys(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "v1").iterdir()) if (self.root / "v1").exists() else []
+
+    def size(self, key: str) -> int:
+        return sum(p.stat().st_size for p in self.entry_path(key).iterdir())
+
+    def evict(self, key: str, lock_timeout_s: float = 0.0) -> bool:
+        """Remove `key` unless a process holds it; returns whether it was removed."""
+        with self._lock(key, lock_timeout_s):
+            if self.users(key):
+                return False
+            path = self.entry_path(key)
+            if path.exists():
+                doomed = self.root / ".tmp" / f"{key}.evicted.{uuid.uuid4().hex}"
+                (self.root / ".tmp").mkdir(parents=True, exist_ok=True)
+                path.rename(doomed)  # atomic: readers see the whole entry or none
+                shutil.rmtree(doomed, ignore_errors=True)
+            return True
+
     # -- validation ---------------------------------------------------------------------
 
     def validate(self, key: str) -> Entry | str:
@@ -95,6 +145,10 @@ class EntryStore:
         path = self.entry_path(key)
         if not path.is_dir() or path.is_symlink():
             return "missing"
+        for checked in [path, *path.iterdir()]:
+            reason = untrusted_reason(checked)
+            if reason is not None:
+                return f"untrusted: {reason}"
         manifest_path = path / MANIFEST
         try:
             if manifest_path.is_symlink() or manifest_path.stat().st_size > MANIFEST_SIZE_CAP:
@@ -203,13 +257,14 @@ class EntryStore:
             raise CacheUnavailable("insufficient_disk", f"{key} needs {need} bytes, {free} are free under {self.root}")
 
         temp = self.root / ".tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex}"
-        temp.mkdir()
+        temp.mkdir(mode=0o755)
         try:
             shards = _split(sorted(tensors), tensors, shard_bytes)
             files, index = {}, {}
             for i, names in enumerate(shards, start=1):
                 name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
+                os.chmod(temp / name, 0o644)  # whatever the umask: validation refuses group-writable files
                 with open(temp / name, "rb") as handle:
                     os.fsync(handle.fileno())
                 files[name] = {"size": (temp / name).stat().st_size, "sha256": sha256_file(temp / name)}
@@ -230,6 +285,8 @@ class EntryStore:
                 json.dump(manifest, handle, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
+            os.chmod(temp / MANIFEST, 0o644)
+            os.chmod(temp, 0o755)
             _fsync_dir(temp)
             final = self.entry_path(key)
             if final.exists():  # invalid (we validated under the lock): move it aside first
