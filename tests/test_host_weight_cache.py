@@ -168,3 +168,45 @@ def test_config_rules_for_the_cache():
             dlo.OffloadConfig(cache_lock_timeout_s=bad)
     with pytest.raises(dlo.ConfigError, match="cache_dir must be a non-empty path"):
         dlo.OffloadConfig(cache_dir="")
+
+
+def warm_started(caplog):
+    return any("warm start" in r.getMessage() for r in caplog.records)
+
+
+def test_warm_start_maps_the_entry_without_loading(tmp_path, caplog):
+    directory = save(tmp_path, "flux")
+    model, plan = dlo.load_transformer(directory, cached(tmp_path))
+    expected = None
+    with dlo.enable(model, "cpu", cached(tmp_path), plan=plan):
+        expected = run(model, "flux")
+    with caplog.at_level(logging.INFO):
+        model, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert warm_started(caplog) and plan.backing == "host_weight_cache"
+    with dlo.enable(model, "cpu", cached(tmp_path), plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "flux")))
+    assert len(entries(tmp_path)) == 1
+
+
+def test_a_touched_checkpoint_is_loaded_cold_again(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    dlo.load_transformer(directory, cached(tmp_path))
+    os.utime(directory / "diffusion_pytorch_model.safetensors")  # same bytes, new mtime
+    with caplog.at_level(logging.INFO):
+        _, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert plan is not None and not warm_started(caplog)
+    assert len(entries(tmp_path)) == 1  # same content: the cold path joined the same entry
+
+
+def test_a_corrupted_entry_is_not_warm_started(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    dlo.load_transformer(directory, cached(tmp_path))
+    (key,) = entries(tmp_path)
+    shard = next((tmp_path / "cache" / "v1" / key).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO):
+        _, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert plan is not None and not warm_started(caplog)
+    assert not isinstance(dlo.host.cache.entry_store.EntryStore(tmp_path / "cache").validate(key), str)  # rebuilt

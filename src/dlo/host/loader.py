@@ -58,7 +58,7 @@ def _runtime_dtype_rule(cls: type[nn.Module], torch_dtype: torch.dtype | None):
     return runtime_dtype
 
 
-def _skeleton(cls: type[nn.Module], model_config: dict, fuse_qkv: bool) -> nn.Module:
+def skeleton(cls: type[nn.Module], model_config: dict, fuse_qkv: bool) -> nn.Module:
     """The model with meta parameters and real buffers (RoPE tables and other
     non-persistent buffers are computed by the constructor and must survive)."""
     from accelerate import init_empty_weights
@@ -124,10 +124,10 @@ def preflight(
         return fallback
     checkpoint = Checkpoint(directory)
     try:
-        skeleton = _skeleton(cls, model_config, fuse_qkv)
-        offload_plan = discover(skeleton)
+        model = skeleton(cls, model_config, fuse_qkv)
+        offload_plan = discover(model)
         sources = plan_checkpoint_sources(
-            skeleton, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(skeleton)
+            model, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
         )
     except BaseException:
         checkpoint.close()
@@ -135,7 +135,7 @@ def preflight(
     if isinstance(sources, Fallback):
         checkpoint.close()
         return sources
-    return MappedLoad(directory, skeleton, offload_plan, checkpoint, sources)
+    return MappedLoad(directory, model, offload_plan, checkpoint, sources)
 
 
 def load_transformer(

@@ -14,7 +14,8 @@ from torch import nn
 
 from dlo.config import OffloadConfig, Topology
 from dlo.host.cache.collect import collect_tensors
-from dlo.host.cache.entry_store import CacheUnavailable, EntryStore
+from dlo.host.cache.entry_store import CacheUnavailable, Entry, EntryStore
+from dlo.host.cache.source_index import SourceIndex, source_key
 from dlo.host.cache.identity import build_identity, content_digest
 from dlo.host.cache.trust import root_refusal
 from dlo.host.checkpoint import Checkpoint, read_model_config
@@ -79,8 +80,16 @@ def load_through_cache(
 
     model_config = read_model_config(directory)
     cls = model_class(model_config.get("_class_name"), directory)
+    fallback = _topology_fallback(topology, model_config)
+    dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
+    inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
+    source = source_key(directory, cls, dtype, inputs, topology) if fallback is None else None
+    if source is not None:
+        warm = _warm_start(directory, cls, model_config, config, fuse_qkv, source)
+        if warm is not None:
+            return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
-    result = _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topology, loader_inputs, model_config)
+    result = fallback or _publish_and_map(model, directory, cls, config, dtype, inputs, topology)
     if isinstance(result, Fallback):
         logger.warning(
             "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
@@ -92,15 +101,10 @@ def load_through_cache(
     return model, result
 
 
-def _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topology, loader_inputs, model_config):
-    fallback = _topology_fallback(topology, model_config)
-    if fallback is not None:
-        return fallback
+def _publish_and_map(model, directory, cls, config, dtype, inputs, topology):
     tensors = collect_tensors(model)
     if isinstance(tensors, Fallback):
         return tensors
-    dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
-    inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
     built = build_identity(directory, cls, dtype, inputs, topology, content_digest(tensors))
     if isinstance(built, Fallback):
         return built
@@ -130,6 +134,13 @@ def _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topol
                 owned.tensor.data = checkpoint.view(owned.name)
     del tensors
     _release_private_memory()
+    source = source_key(directory, cls, dtype, inputs, topology)
+    if source is not None:
+        SourceIndex(store.root).record(source, key)
+    return _plan(model, checkpoint)
+
+
+def _plan(model: nn.Module, checkpoint: Checkpoint) -> HostWeightPlan:
     offload_plan = discover(model)
     prefixes = tuple(f"{path}." for path in offload_plan.block_lists)
     bindings = {
@@ -138,3 +149,45 @@ def _publish_and_map(model, directory, cls, config, torch_dtype, fuse_qkv, topol
         if owned.name.startswith(prefixes) and owned.name in checkpoint.tensors
     }
     return HostWeightPlan("host_weight_cache", offload_plan, checkpoint, bindings)
+
+
+def _warm_start(directory, cls, model_config, config, fuse_qkv, source):
+    """The model built empty and bound to the entry its sources produced last time, without
+    running the ordinary loader; None (and the cold path) whenever anything does not match."""
+    from dlo.host.loader import skeleton
+
+    store = EntryStore(config.cache_dir)
+    key = SourceIndex(store.root).lookup(source)
+    if key is None or root_refusal(store.root, config.cache_allow_any_filesystem) is not None:
+        return None
+    try:
+        hold = store.hold(key)
+    except OSError:
+        return None
+    entry = store.validate(key)  # every byte, in parallel threads
+    if not isinstance(entry, Entry):
+        os.close(hold)
+        return None
+    checkpoint = Checkpoint(entry.path, sorted(entry.manifest["files"]))
+    model = skeleton(cls, model_config, fuse_qkv)
+    persistent = [
+        o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set
+    ]
+    shapes_match = {o.name for o in persistent} == set(checkpoint.tensors) and all(
+        checkpoint.tensors[o.name].entry.shape == tuple(o.tensor.shape) and checkpoint.tensors[o.name].entry.aligned
+        for o in persistent
+    )
+    if not shapes_match:
+        checkpoint.close()
+        os.close(hold)
+        return None
+    made: dict[int, torch.Tensor] = {}
+    for owned in persistent:
+        if id(owned.tensor) not in made:
+            view = checkpoint.view(owned.name)
+            made[id(owned.tensor)] = nn.Parameter(view, owned.tensor.requires_grad) if owned.is_parameter else view
+        table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
+        table[owned.key] = made[id(owned.tensor)]
+    checkpoint.on_close.append(lambda: os.close(hold))
+    logger.info("dlo: warm start from cache entry %s (loading skipped)", key[:16])
+    return model.eval(), _plan(model, checkpoint)
