@@ -83,7 +83,7 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     )
 
 
-def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results) -> None:
+def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results, cache_dir: str | None = None) -> None:
     """Load, enable on cpu, run one forward; report smaps_rollup before loading and after
     the forward, measured while every worker holds its mapping."""
     try:
@@ -100,7 +100,9 @@ def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results) -> 
         before = dlo.read_smaps_rollup()
         barrier.wait(BARRIER_TIMEOUT_S)
 
-        config = dlo.OffloadConfig(checkpoint_mmap=mmap)
+        config = dlo.OffloadConfig(
+            checkpoint_mmap=mmap, host_weight_cache=cache_dir is not None, cache_dir=cache_dir or "unused"
+        )
         model, plan = dlo.load_transformer(directory, config=config)
         handle = dlo.enable(model, "cpu", config, plan=plan)
         with torch.inference_mode():
@@ -118,6 +120,7 @@ def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results) -> 
                 after=after,
                 mapped_bytes=stats.mapped_bytes,
                 host_bytes=stats.host_bytes,
+                backing=stats.backing,
                 slot_bytes=stats.slot_bytes,
                 finite=bool(torch.isfinite(output).all()),
             )
@@ -136,12 +139,15 @@ class Delta:
     rss: int
 
 
-def _run_workers(directory: Path, workers: int, mmap: bool) -> tuple[list[dict], list[Delta]]:
+def _run_workers(
+    directory: Path, workers: int, mmap: bool, cache_dir: Path | None = None
+) -> tuple[list[dict], list[Delta]]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     results = ctx.Queue()
+    cache = str(cache_dir) if cache_dir is not None else None
     processes = [
-        ctx.Process(target=_sharing_worker, args=(rank, str(directory), mmap, barrier, results), daemon=True)
+        ctx.Process(target=_sharing_worker, args=(rank, str(directory), mmap, barrier, results, cache), daemon=True)
         for rank in range(workers)
     ]
     for process in processes:
@@ -255,3 +261,19 @@ def test_private_load_gives_every_worker_its_own_copy(checkpoint):
             f"worker {delta.rank}: Private_Dirty grew only {delta.private_dirty / MB:.1f} MB "
             f"for a {checkpoint.model_bytes / MB:.1f} MB model"
         )
+
+
+def test_cache_workers_map_one_entry(checkpoint, tmp_path):
+    """Four processes load through the host weight cache at once: one publishes, the others
+    join, and all map the same entry, so the weights cost about one copy in total."""
+    reports, deltas = _run_workers(checkpoint.directory, 4, mmap=False, cache_dir=tmp_path / "cache")
+    _print_table("host_weight_cache=True, 4 workers", checkpoint, reports, deltas)
+    assert all(r["plan"] and r["backing"] == "host_weight_cache" and r["host_bytes"] == 0 for r in reports)
+    assert len(list((tmp_path / "cache" / "v1").iterdir())) == 1
+    # As above, summed Pss_File counts each shared page once: ~ the entry's bytes (the
+    # checkpoint's own pages, mapped by diffusers' loader, are dropped with the tensors it
+    # made). The ordinary load's private copies are freed (gc + malloc_trim), so no worker
+    # keeps a model-sized Private_Dirty.
+    entry_bytes = reports[0]["mapped_bytes"]
+    assert 0.6 * entry_bytes < sum(d.pss_file for d in deltas) < 1.4 * entry_bytes
+    assert all(d.private_dirty < 0.5 * checkpoint.model_bytes for d in deltas)
