@@ -161,3 +161,25 @@ def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(t
         assert not isinstance(EntryStore(root).validate(KEY), str)
         assert not list((root / ".tmp").iterdir())
     assert caught_mid_write >= 3  # the kills did land inside publication, not only around it
+
+
+@pytest.fixture
+def full_filesystem(tmp_path):
+    """A real 1 MiB filesystem (tmpfs, mounted for the test: needs root)."""
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_full_disk_fails_cleanly_with_insufficient_disk(full_filesystem):
+    with pytest.raises(CacheUnavailable) as raised:
+        publish(full_filesystem)  # 12 MiB of tensors for 1 MiB of room
+    assert raised.value.code == "insufficient_disk"
+    assert not (full_filesystem / "v1" / KEY).exists()
+    assert not list((full_filesystem / ".tmp").iterdir())
