@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.media_output import check_output, write_image, write_video
 from dlo.errors import ConfigError
+from dlo.host.checkpoint import read_json_object
 
 
 def pipeline_class(model_dir: Path) -> tuple[type, dict]:
@@ -25,12 +25,7 @@ def pipeline_class(model_dir: Path) -> tuple[type, dict]:
     index_path = model_dir / "model_index.json"
     if not index_path.is_file():
         raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise ConfigError(f"{index_path} is not readable JSON ({err})") from None
-    if not isinstance(index, dict):
-        raise ConfigError(f"{index_path} is not a JSON object")
+    index = read_json_object(index_path)
     import diffusers
 
     cls = getattr(diffusers, str(index.get("_class_name")), None)

@@ -17,8 +17,12 @@ INDEX_NAME = WEIGHTS_NAME + ".index.json"
 
 
 def read_model_config(directory: Path) -> dict:
-    """config.json of a model directory, which must be a JSON object."""
-    path = directory / "config.json"
+    """config.json of a model directory."""
+    return read_json_object(directory / "config.json")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; anything else is a ConfigError naming the file."""
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as err:
