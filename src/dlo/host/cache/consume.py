@@ -48,7 +48,7 @@ def _release_private_memory() -> None:
         pass
 
 
-def _map_entry(model: nn.Module, tensors: dict[str, torch.Tensor], entry, identity: dict) -> Checkpoint | Fallback:
+def _map_entry(tensors: dict[str, torch.Tensor], entry: Entry, identity: dict) -> Checkpoint | Fallback:
     """Map the entry and check it against the model's tensors before anything changes."""
     if entry.manifest.get("identity") != identity:
         return Fallback("cache_operation_failed", "the entry's identity differs from this load's")
@@ -120,8 +120,8 @@ def _publish_and_map(model, directory, cls, config, dtype, inputs, topology):
         return Fallback(err.code, err.reason)
     except OSError as err:
         return Fallback("cache_operation_failed", f"holding {key}: {err}")
-    # Re-validate now that it is held: an eviction between publish and hold removed it.
-    checkpoint = _map_entry(model, tensors, entry, identity) if entry.path.exists() else None
+    # Entries never change in place, but an eviction between publish and hold removes one.
+    checkpoint = _map_entry(tensors, entry, identity) if entry.path.exists() else None
     if not isinstance(checkpoint, Checkpoint):
         os.close(hold)
         return checkpoint or Fallback("cache_operation_failed", f"{key} was evicted while being joined")
