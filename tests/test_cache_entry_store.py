@@ -69,16 +69,16 @@ def _edit_manifest(path):
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["total_bytes"] += 1
     name = next(iter(manifest["files"]))
-    manifest["files"][name]["sha256"] = "0" * 64
+    manifest["files"][name]["sha256_chunked"] = "0" * 64
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize(
     ("corrupt", "reason"),
     [
-        (_flip_byte, "does not hash to its manifest SHA-256"),
+        (_flip_byte, "does not hash to its manifest digest"),
         (_truncate, "bytes, the manifest says"),
-        (_edit_manifest, "does not hash to its manifest SHA-256"),
+        (_edit_manifest, "does not hash to its manifest digest"),
         (lambda p: (p / "extra.bin").write_bytes(b"x"), "files differ from the manifest"),
         (lambda p: sorted(p.glob("*.safetensors"))[0].unlink(), "files differ from the manifest"),
         (lambda p: (p / MANIFEST).write_text("{"), "manifest unreadable"),
@@ -183,3 +183,21 @@ def test_a_full_disk_fails_cleanly_with_insufficient_disk(full_filesystem):
     assert raised.value.code == "insufficient_disk"
     assert not (full_filesystem / "v1" / KEY).exists()
     assert not list((full_filesystem / ".tmp").iterdir())
+
+
+def test_file_digests_cover_every_chunk_of_every_file(tmp_path):
+    import hashlib
+
+    from dlo.host.cache.entry_store import HASH_CHUNK, file_digests
+
+    big, small = tmp_path / "big", tmp_path / "small"
+    data = os.urandom(HASH_CHUNK + 10)
+    big.write_bytes(data)
+    small.write_bytes(b"")
+    chunks = [hashlib.sha256(data[:HASH_CHUNK]).digest(), hashlib.sha256(data[HASH_CHUNK:]).digest()]
+    expected = [hashlib.sha256(b"".join(chunks)).hexdigest(), hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()]
+    assert file_digests([big, small], threads=2) == expected
+    flipped = bytearray(data)
+    flipped[-1] ^= 1  # in the second chunk
+    big.write_bytes(bytes(flipped))
+    assert file_digests([big], threads=2)[0] != expected[0]

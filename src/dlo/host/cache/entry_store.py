@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from dlo.errors import DloError
 from dlo.host.cache.trust import untrusted_reason
 
-SCHEMA = "dlo-host-weight-cache/1"
+SCHEMA = "dlo-host-weight-cache/2"  # 2: chunked file digests
 MANIFEST = "manifest.json"
 MANIFEST_SIZE_CAP = 64 * 2**20
 HASH_CHUNK = 64 * 2**20
@@ -55,12 +55,25 @@ class Entry:
     manifest: dict
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):  # hashlib releases the GIL on large chunks
-            digest.update(chunk)
-    return digest.hexdigest()
+def _chunk_digest(path: Path, offset: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return hashlib.sha256(os.pread(fd, HASH_CHUNK, offset)).digest()  # both release the GIL
+    finally:
+        os.close(fd)
+
+
+def file_digests(paths: list[Path], threads: int) -> list[str]:
+    """One digest per file: SHA-256 over the SHA-256s of its 64 MiB chunks, in order. Every
+    byte is hashed, and the chunks of all files are hashed in parallel, so one large shard
+    does not serialize validation on one core."""
+    jobs = [(i, path, offset) for i, path in enumerate(paths) for offset in range(0, max(path.stat().st_size, 1), HASH_CHUNK)]
+    with ThreadPoolExecutor(threads) as pool:
+        chunks = list(pool.map(lambda job: _chunk_digest(job[1], job[2]), jobs))
+    per_file: list[list[bytes]] = [[] for _ in paths]
+    for (i, _, _), chunk in zip(jobs, chunks):
+        per_file[i].append(chunk)
+    return [hashlib.sha256(b"".join(parts)).hexdigest() for parts in per_file]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,9 +95,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 class EntryStore:
-    def __init__(self, root: str | Path, hash_threads: int = 8) -> None:
+    def __init__(self, root: str | Path, hash_threads: int | None = None) -> None:
         self.root = Path(root).expanduser().resolve()
-        self.hash_threads = hash_threads
+        self.hash_threads = hash_threads or max(1, len(os.sched_getaffinity(0)))
 
     def entry_path(self, key: str) -> Path:
         return self.root / "v1" / key
@@ -173,11 +186,11 @@ class EntryStore:
                 return f"{name} is not a regular file"
             if file_path.stat().st_size != meta.get("size"):
                 return f"{name} has {file_path.stat().st_size} bytes, the manifest says {meta.get('size')}"
-        with ThreadPoolExecutor(self.hash_threads) as pool:
-            digests = dict(zip(files, pool.map(lambda n: sha256_file(path / n), files)))
+        names = list(files)
+        digests = dict(zip(names, file_digests([path / n for n in names], self.hash_threads)))
         for name, meta in files.items():
-            if digests[name] != meta.get("sha256"):
-                return f"{name} does not hash to its manifest SHA-256"
+            if digests[name] != meta.get("sha256_chunked"):
+                return f"{name} does not hash to its manifest digest"
         return Entry(path, manifest)
 
     # -- publication --------------------------------------------------------------------
@@ -267,12 +280,15 @@ class EntryStore:
                 os.chmod(temp / name, 0o644)  # whatever the umask: validation refuses group-writable files
                 with open(temp / name, "rb") as handle:
                     os.fsync(handle.fileno())
-                files[name] = {"size": (temp / name).stat().st_size, "sha256": sha256_file(temp / name)}
+                files[name] = {"size": (temp / name).stat().st_size}
                 for n in names:
                     t = tensors[n]
                     index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+            for name, digest in zip(files, file_digests([temp / n for n in files], self.hash_threads)):
+                files[name]["sha256_chunked"] = digest
             manifest = {
                 "schema": SCHEMA,
+                "digest": f"sha256 over the sha256 of each {HASH_CHUNK}-byte chunk, in order",
                 "key": key,
                 "identity": identity,
                 "total_bytes": total,
