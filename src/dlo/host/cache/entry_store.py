@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from dlo.errors import DloError
 from dlo.host.cache.trust import untrusted_reason
@@ -68,8 +69,15 @@ def file_digests(paths: list[Path], threads: int) -> list[str]:
     byte is hashed, and the chunks of all files are hashed in parallel, so one large shard
     does not serialize validation on one core."""
     jobs = [(i, path, offset) for i, path in enumerate(paths) for offset in range(0, max(path.stat().st_size, 1), HASH_CHUNK)]
-    with ThreadPoolExecutor(threads) as pool:
-        chunks = list(pool.map(lambda job: _chunk_digest(job[1], job[2]), jobs))
+    total = sum(path.stat().st_size for path in paths)
+    chunks = []
+    # A progress bar on a terminal only (tqdm's disable=None): hashing a large model takes seconds.
+    with ThreadPoolExecutor(threads) as pool, tqdm(
+        total=total, unit="B", unit_scale=True, desc="dlo: hashing", disable=None, leave=False
+    ) as progress:
+        for (_, path, offset), chunk in zip(jobs, pool.map(lambda job: _chunk_digest(job[1], job[2]), jobs)):
+            chunks.append(chunk)
+            progress.update(min(HASH_CHUNK, path.stat().st_size - offset))
     per_file: list[list[bytes]] = [[] for _ in paths]
     for (i, _, _), chunk in zip(jobs, chunks):
         per_file[i].append(chunk)
