@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import multiprocessing
-import os
 import queue as queue_module
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -85,7 +85,7 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
     errors = {r: rep["error"] for r, rep in reports.items() if "error" in rep}
     if errors:
         for rank, text in sorted(errors.items()):
-            print(f"rank {rank} failed: {text}", file=os.sys.stderr)
+            print(f"rank {rank} failed: {text}", file=sys.stderr)
         return 1
     rows = [
         [rank, human_bytes(rep["host_bytes"]), human_bytes(rep["block_bytes"] / nproc), rep["collectives"],
