@@ -1,0 +1,136 @@
+"""Registering host memory with the device driver, all or nothing (SPEC §5.3).
+
+Platform-neutral: a `RegistrationDriver` does the platform calls; `HostRegistration` owns the
+policy. Ranges are page-aligned and merged only within one backing file, checked against the
+ceiling before any driver call, registered read-only one by one; any failure unregisters what
+was registered, in reverse, and reports why, so the caller keeps its staging path. If that
+rollback itself fails, startup must abort: the driver may still own memory the caller would
+otherwise unmap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dlo.errors import DloError
+
+READ_ONLY = 0x08  # cudaHostRegisterReadOnly: default flags on a file mapping break page sharing
+
+
+class RegistrationError(DloError):
+    """Registration was refused or failed; nothing is registered (use the staging path)."""
+
+
+class RegistrationCleanupError(DloError):
+    """Unregistering failed: some memory may still belong to the driver. Abort startup and do
+    not unmap those ranges."""
+
+
+@dataclass(frozen=True)
+class HostRange:
+    """A page-aligned range [start, end) of one backing file's mapping."""
+
+    file: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def coalesce(pieces: Iterable[tuple[str, int, int]], page: int) -> list[HostRange]:
+    """(file, address, nbytes) pieces -> page-aligned ranges, overlapping or adjacent ones
+    merged, but never across two files (each file is its own mapping)."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for file, address, nbytes in pieces:
+        if nbytes > 0:
+            start = address - address % page
+            end = -(-(address + nbytes) // page) * page
+            by_file.setdefault(file, []).append((start, end))
+    merged: list[HostRange] = []
+    for file, spans in by_file.items():
+        spans.sort()
+        current_start, current_end = spans[0]
+        for start, end in spans[1:]:
+            if start <= current_end:
+                current_end = max(current_end, end)
+            else:
+                merged.append(HostRange(file, current_start, current_end))
+                current_start, current_end = start, end
+        merged.append(HostRange(file, current_start, current_end))
+    return merged
+
+
+class RegistrationDriver(Protocol):
+    def read_only_supported(self) -> bool: ...
+
+    def register(self, address: int, nbytes: int, flags: int) -> int: ...  # 0: success
+
+    def unregister(self, address: int) -> int: ...  # 0: success
+
+    def is_registered(self, address: int) -> bool: ...
+
+    def clear_error(self, code: int) -> None: ...  # clear the pending error `code` left, only it
+
+
+class HostRegistration:
+    """Registered ranges, created all or nothing, released in reverse by close()."""
+
+    def __init__(
+        self, driver: RegistrationDriver, ranges: Sequence[HostRange], limit_bytes: int, probes: Sequence[int] = ()
+    ) -> None:
+        """`probes`: addresses (e.g. every mapped tensor's) that must read as registered."""
+        self._driver = driver
+        total = sum(r.nbytes for r in ranges)
+        if limit_bytes and total > limit_bytes:
+            raise RegistrationError(
+                f"registering {total} bytes exceeds OffloadConfig.pin_limit_gib ({limit_bytes / 2**30:g} GiB)"
+            )
+        if not driver.read_only_supported():
+            raise RegistrationError("the device does not support read-only host registration (attribute 113)")
+        self._ranges: list[HostRange] = []
+        try:
+            for host_range in ranges:
+                code = driver.register(host_range.start, host_range.nbytes, READ_ONLY)
+                if code != 0:
+                    driver.clear_error(code)
+                    raise RegistrationError(f"registering {host_range} failed with error {code}")
+                self._ranges.append(host_range)
+            unregistered = [hex(a) for a in probes if not driver.is_registered(a)]
+            if unregistered:
+                raise RegistrationError(f"{len(unregistered)} mapped tensors do not read as pinned: {unregistered[:3]}")
+        except BaseException as err:
+            failures = self.close()
+            if failures:
+                raise RegistrationCleanupError(
+                    f"rollback after a failed registration ({err}) could not unregister: {'; '.join(failures)}"
+                ) from err
+            if isinstance(err, RegistrationError):
+                raise
+            raise RegistrationError(f"host registration failed: {err!r}") from err
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self._ranges)
+
+    @property
+    def region_count(self) -> int:
+        return len(self._ranges)
+
+    def close(self) -> list[str]:
+        """Unregister in reverse order; idempotent. Returns the failures, whose ranges are
+        kept so a later close() retries them; their mappings must stay open until then."""
+        failures, kept = [], []
+        for host_range in reversed(self._ranges):
+            try:
+                code = self._driver.unregister(host_range.start)
+            except Exception as err:  # a driver that raises is a failure like any other
+                code = repr(err)
+            if code != 0:
+                failures.append(f"{host_range}: {code}")
+                kept.append(host_range)
+        self._ranges = list(reversed(kept))
+        return failures

@@ -1,0 +1,144 @@
+"""All-or-nothing host registration with a fake driver (SPEC §5.3): the policy, on CPU."""
+
+import pytest
+
+import dlo
+from dlo.host.registration import (
+    READ_ONLY,
+    HostRange,
+    HostRegistration,
+    RegistrationCleanupError,
+    RegistrationError,
+    coalesce,
+)
+
+PAGE = 4096
+
+
+class FakeDriver:
+    """Records every call; fails where told to."""
+
+    def __init__(self, read_only=True, fail_register_at=None, fail_unregister=(), raise_at=None):
+        self.calls = []
+        self.registered = set()
+        self.read_only = read_only
+        self.fail_register_at = fail_register_at  # index of the register call that fails
+        self.fail_unregister = set(fail_unregister)  # addresses whose unregister fails (once)
+        self.raise_at = raise_at
+        self.cleared = []
+
+    def read_only_supported(self):
+        self.calls.append(("attribute", 113))
+        return self.read_only
+
+    def register(self, address, nbytes, flags):
+        index = sum(1 for c in self.calls if c[0] == "register")
+        self.calls.append(("register", address, nbytes, flags))
+        if index == self.raise_at:
+            raise RuntimeError("driver exploded")
+        if index == self.fail_register_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.add(address)
+        return 0
+
+    def unregister(self, address):
+        self.calls.append(("unregister", address))
+        if address in self.fail_unregister:
+            self.fail_unregister.discard(address)
+            return 1
+        self.registered.discard(address)
+        return 0
+
+    def is_registered(self, address):
+        return any(start <= address < start + PAGE * 16 for start in self.registered)
+
+    def clear_error(self, code):
+        self.cleared.append(code)
+
+
+RANGES = [HostRange("a", 0x1000, 0x3000), HostRange("a", 0x9000, 0xA000), HostRange("b", 0x20000, 0x21000)]
+
+
+def test_coalescing_pages_within_one_file():
+    pieces = [("f", 0x1003, 4096), ("f", 0x2800, 1024), ("f", 0x9001, 1)]
+    assert coalesce(pieces, PAGE) == [HostRange("f", 0x1000, 0x3000), HostRange("f", 0x9000, 0xA000)]
+
+
+def test_adjacent_ranges_of_two_files_stay_separate():
+    pieces = [("a", 0x1000, 0x1000), ("b", 0x2000, 0x1000), ("a", 0x2000, 0x10)]
+    assert coalesce(pieces, PAGE) == [HostRange("a", 0x1000, 0x3000), HostRange("b", 0x2000, 0x3000)]
+
+
+def test_all_ranges_registered_read_only():
+    driver = FakeDriver()
+    registration = HostRegistration(driver, RANGES, limit_bytes=0, probes=[0x1008, 0x20010])
+    assert registration.total_bytes == 0x2000 + 0x1000 + 0x1000 and registration.region_count == 3
+    assert [c[3] for c in driver.calls if c[0] == "register"] == [READ_ONLY] * 3
+
+
+def test_the_ceiling_is_checked_before_any_driver_call():
+    driver = FakeDriver()
+    with pytest.raises(RegistrationError, match="exceeds OffloadConfig.pin_limit_gib"):
+        HostRegistration(driver, RANGES, limit_bytes=0x1000)
+    assert driver.calls == []
+
+
+def test_no_read_only_support_registers_nothing():
+    driver = FakeDriver(read_only=False)
+    with pytest.raises(RegistrationError, match="attribute 113"):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert [c for c in driver.calls if c[0] == "register"] == []
+
+
+def test_a_failure_midway_rolls_back_in_reverse_and_clears_its_error():
+    driver = FakeDriver(fail_register_at=2)
+    with pytest.raises(RegistrationError, match="failed with error 2"):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x9000, 0x1000]
+    assert driver.registered == set() and driver.cleared == [2]
+
+
+def test_a_driver_exception_is_wrapped_after_the_rollback():
+    driver = FakeDriver(raise_at=1)
+    with pytest.raises(RegistrationError, match="driver exploded"):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert driver.registered == set()
+
+
+def test_a_tensor_that_does_not_read_as_pinned_rolls_back():
+    driver = FakeDriver()
+    with pytest.raises(RegistrationError, match="do not read as pinned"):
+        HostRegistration(driver, RANGES, limit_bytes=0, probes=[0x500000])
+    assert driver.registered == set()
+
+
+def test_a_failed_rollback_is_a_cleanup_error():
+    driver = FakeDriver(fail_register_at=2, fail_unregister=[0x1000])
+    with pytest.raises(RegistrationCleanupError, match="could not unregister"):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+
+
+def test_close_is_reverse_idempotent_and_retries_failures():
+    driver = FakeDriver(fail_unregister=[0x9000])
+    registration = HostRegistration(driver, RANGES, limit_bytes=0)
+    failures = registration.close()
+    assert failures == ["HostRange(file='a', start=36864, end=40960): 1"]  # 0x9000..0xA000
+    assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x20000, 0x9000, 0x1000]
+    assert registration.region_count == 1  # kept for a retry
+    assert registration.close() == [] and registration.region_count == 0
+    assert registration.close() == []  # idempotent
+    assert [c[1] for c in driver.calls if c[0] == "unregister"][-1] == 0x9000
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(pin_limit_gib=-1), "pin_limit_gib must be a finite number >= 0"),
+        (dict(pin_limit_gib=float("inf")), "pin_limit_gib must be a finite number >= 0"),
+        (dict(pin_limit_gib=8), "needs host_weight_cache=True"),
+    ],
+)
+def test_pin_limit_rules(fields, message):
+    with pytest.raises(dlo.ConfigError, match=message):
+        dlo.OffloadConfig(**fields)
+    assert dlo.OffloadConfig(pin_limit_gib=8, host_weight_cache=True).pin_limit_gib == 8
