@@ -2,7 +2,6 @@
 
 import pytest
 
-import dlo
 from dlo.host.registration import (
     READ_ONLY,
     HostRange,
@@ -78,7 +77,7 @@ def test_all_ranges_registered_read_only():
 
 def test_the_ceiling_is_checked_before_any_driver_call():
     driver = FakeDriver()
-    with pytest.raises(RegistrationError, match="exceeds OffloadConfig.pin_limit_gib"):
+    with pytest.raises(RegistrationError, match="exceeds the registration ceiling"):
         HostRegistration(driver, RANGES, limit_bytes=0x1000)
     assert driver.calls == []
 
@@ -128,17 +127,3 @@ def test_close_is_reverse_idempotent_and_retries_failures():
     assert registration.close() == [] and registration.region_count == 0
     assert registration.close() == []  # idempotent
     assert [c[1] for c in driver.calls if c[0] == "unregister"][-1] == 0x9000
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        (dict(pin_limit_gib=-1), "pin_limit_gib must be a finite number >= 0"),
-        (dict(pin_limit_gib=float("inf")), "pin_limit_gib must be a finite number >= 0"),
-        (dict(pin_limit_gib=8), "needs host_weight_cache=True"),
-    ],
-)
-def test_pin_limit_rules(fields, message):
-    with pytest.raises(dlo.ConfigError, match=message):
-        dlo.OffloadConfig(**fields)
-    assert dlo.OffloadConfig(pin_limit_gib=8, host_weight_cache=True).pin_limit_gib == 8

@@ -6,6 +6,10 @@ ceiling before any driver call, registered read-only one by one; any failure unr
 was registered, in reverse, and reports why, so the caller keeps its staging path. If that
 rollback itself fails, startup must abort: the driver may still own memory the caller would
 otherwise unmap.
+
+Not wired into dlo.enable() yet: the CUDA driver (attribute 113, pointer attributes through
+cuda-bindings, since torch 2.11's Tensor.is_pinned() does not see registered memory) and the
+direct-copy hot path come with their GPU validation.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class HostRegistration:
         total = sum(r.nbytes for r in ranges)
         if limit_bytes and total > limit_bytes:
             raise RegistrationError(
-                f"registering {total} bytes exceeds OffloadConfig.pin_limit_gib ({limit_bytes / 2**30:g} GiB)"
+                f"registering {total} bytes exceeds the registration ceiling ({limit_bytes / 2**30:g} GiB)"
             )
         if not driver.read_only_supported():
             raise RegistrationError("the device does not support read-only host registration (attribute 113)")
