@@ -10,8 +10,10 @@ digest (call index, plan digest, a "poisoned" flag) and compare: any difference 
 StreamingError on every rank at once. A rank whose forward then leaves the schedule (skips
 or reorders a block, or ends the call early) first issues the rest of the call's collectives
 so its peers can finish, marks itself poisoned and raises; the next agreement fails on every
-rank. A rank that dies makes its peers' next collective fail (Gloo: at once; NCCL: after the
-process group's timeout), and dlo re-raises that as StreamingError naming the group.
+rank. A rank that dies makes its peers' next collective fail; with Gloo at once (tested), and
+dlo re-raises that as StreamingError naming the group. With NCCL the failure surfaces through
+the process group's timeout and error handling (NCCL's watchdog may abort the process
+instead); that path is untested (it needs several GPUs).
 """
 
 from __future__ import annotations

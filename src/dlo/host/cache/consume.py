@@ -89,7 +89,7 @@ def load_through_cache(
         if warm is not None:
             return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
-    result = fallback or _publish_and_map(model, directory, cls, config, dtype, inputs, topology)
+    result = fallback or _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source)
     if isinstance(result, Fallback):
         logger.warning(
             "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
@@ -101,7 +101,7 @@ def load_through_cache(
     return model, result
 
 
-def _publish_and_map(model, directory, cls, config, dtype, inputs, topology):
+def _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source):
     tensors = collect_tensors(model)
     if isinstance(tensors, Fallback):
         return tensors
@@ -134,7 +134,6 @@ def _publish_and_map(model, directory, cls, config, dtype, inputs, topology):
                 owned.tensor.data = checkpoint.view(owned.name)
     del tensors
     _release_private_memory()
-    source = source_key(directory, cls, dtype, inputs, topology)
     if source is not None:
         SourceIndex(store.root).record(source, key)
     return _plan(model, checkpoint)
