@@ -196,15 +196,13 @@ def _place_rest(
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _backing(
-    host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, config: OffloadConfig, device: torch.device
-) -> str:
+def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool) -> str:
     """Where the streamed blocks live on the host, for stats and reports."""
     if gather_group is not None:
         return "shards"
     if host_plan is not None:
         return host_plan.backing
-    return "pinned" if config.pin_memory and device.type == "cuda" else "pageable"
+    return "pinned" if pin else "pageable"
 
 
 def _slot_bytes(block: StreamedBlock) -> int:
@@ -369,7 +367,7 @@ def enable(
         device_weight_bytes=device_weight_bytes + slot_bytes * len(slots),
         setup_s=time.perf_counter() - started,
         checkpoint=weights.checkpoint if weights is not None else None,
-        backing=_backing(host_plan, gather_group, config, device),
+        backing=_backing(host_plan, gather_group, pin),
     )
 
 
