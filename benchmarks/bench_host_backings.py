@@ -1,25 +1,34 @@
-"""Streaming from a checkpoint mapping (staged) vs from private pinned memory.
+"""Streaming from shared mappings (checkpoint mmap, host weight cache: staged or registered)
+vs from private pinned memory.
 
-The Wan-14B-shaped model of bench_streaming.py (12 layers, bf16, random weights) is saved as
-a sharded safetensors checkpoint, then loaded back two ways and streamed on one GPU:
+A model of bench_streaming.py (Wan-14B-shaped 12 layers, or Flux-shaped 6+12; bf16, random
+weights) is saved as a sharded safetensors checkpoint, then loaded back several ways and
+streamed on one GPU:
 
-  pinned      dlo.load_transformer(dir, OffloadConfig(checkpoint_mmap=False)): the ordinary
-              load; dlo packs every block into private page-locked memory. One H2D per block.
-  mmap/tN     dlo.load_transformer(dir): the blocks stay in the read-only checkpoint mapping
-              (page cache, shared by every process mapping the files); each load packs the
-              block into a pinned staging buffer with N threads, then copies it.
+  pinned          dlo.load_transformer(dir, OffloadConfig(checkpoint_mmap=False)): the
+                  ordinary load; dlo packs every block into private page-locked memory.
+  mmap/tN         dlo.load_transformer(dir): blocks stay in the read-only checkpoint mapping;
+                  each load packs the block into a pinned staging buffer with N threads.
+  cache/tN        OffloadConfig(host_weight_cache=True) with registration refused (a tiny
+                  pin_limit_gib): the cache entry's mapping, staged like mmap/tN. t1 is the
+                  naive staged copy (one host thread).
+  cache/registered the cache entry's mapping registered read-only with the driver: every
+                  tensor is copied straight from the shared page-cache pages into its slot.
 
-Two inputs per variant: "480p" (1x16x21x60x104 latents, 512 text tokens: compute-bound, the
-copies should hide) and "tiny" (1x16x1x8x8 latents, 16 text tokens: compute is negligible,
-so a forward takes as long as streaming the blocks; its effective rate is the throughput).
-Effective GB/s = block bytes / forward median. The page cache is hot (the files were just
-written). dlo's outputs are checked bit-identical between the variants.
+Inputs: Wan "480p" (1x16x21x60x104 latents, 512 text tokens: compute-bound) and "tiny"
+(1x16x1x8x8 latents, 16 text tokens: a forward takes as long as streaming the blocks); Flux
+"1024px" (4096 image + 512 text tokens: transfer-bound on the H200, SPEC §9). Effective GB/s =
+block bytes / forward median. The page cache is hot (the files were just written). Outputs are
+checked bit-identical to the pinned variant. Host memory (smaps_rollup) is read while the
+variant is enabled: Private_Dirty is this process's private memory, Pss_File its share of the
+mapped files.
 
 On the GPU machine, from the repository root (diffusers from the wheels in .whl/):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
-  python3 benchmarks/bench_host_backings.py --dir /tmp/wan-ckpt
+  python3 benchmarks/bench_host_backings.py --shape wan --dir /tmp/wan-ckpt
+  python3 benchmarks/bench_host_backings.py --shape flux --dir /tmp/flux-ckpt --threads ""
 """
 
 from __future__ import annotations
@@ -38,10 +47,11 @@ import bench_streaming as bench
 import dlo
 
 GB = 1e9
-INPUTS = {
+WAN_INPUTS = {
     "480p": dict(latent=(1, 16, 21, 60, 104), text=512),
     "tiny": dict(latent=(1, 16, 1, 8, 8), text=16),
 }
+INPUT_KINDS = {"wan": tuple(WAN_INPUTS), "flux": ("1024px",)}
 
 
 @dataclass(frozen=True)
@@ -54,14 +64,18 @@ class Row:
     h2d_gbps: float
     pack_gbps: float | None
     exposed_s: float
+    host_pss_gib: float
     host_private_dirty_gib: float
     host_pss_file_gib: float
+    registered_gib: float
     identical_to_pinned: bool | None
 
 
-def make_inputs(kind: str, device: torch.device) -> dict:
-    spec = INPUTS[kind]
+def make_inputs(shape: str, kind: str, device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(1)
+    if shape == "flux":
+        return bench.to_device(bench.SHAPES["flux"].make_inputs(generator), device)
+    spec = WAN_INPUTS[kind]
     return bench.to_device(
         dict(
             hidden_states=bench._randn(generator, *spec["latent"]),
@@ -73,18 +87,18 @@ def make_inputs(kind: str, device: torch.device) -> dict:
     )
 
 
-def save_checkpoint(directory: Path, device: torch.device) -> int:
-    model = bench.build_model(bench.SHAPES["wan"], seed=0, device=device)
+def save_checkpoint(shape: str, directory: Path, device: torch.device) -> int:
+    model = bench.build_model(bench.SHAPES[shape], seed=0, device=device)
     model.save_pretrained(directory, max_shard_size="2GB")
-    block_bytes = sum(t.numel() * t.element_size() for t in model.blocks.parameters())
     del model
     bench.release(device)
-    return block_bytes
+    return bench.block_bytes(bench.SHAPES[shape])
 
 
 def run_variant(
     name: str, config: dlo.OffloadConfig, directory: Path, block_bytes: int, device: torch.device, args
 ) -> tuple[list[Row], dict[str, torch.Tensor]]:
+    """Load, enable and time one variant on every input kind of the shape."""
     started = time.perf_counter()
     model, plan = dlo.load_transformer(directory, config=config)
     handle = dlo.enable(model, device, config, plan=plan)
@@ -92,8 +106,8 @@ def run_variant(
     rows, outputs = [], {}
     try:
         with torch.inference_mode():
-            for kind in INPUTS:
-                inputs = make_inputs(kind, device)
+            for kind in INPUT_KINDS[args.shape]:
+                inputs = make_inputs(args.shape, kind, device)
                 for _ in range(args.warmup):
                     model(**inputs)
                 before = handle.stats()
@@ -113,8 +127,10 @@ def run_variant(
                         h2d_gbps=copied / (after.copy_s - before.copy_s) / GB,
                         pack_gbps=copied / packed_s / GB if packed_s > 0 else None,
                         exposed_s=(after.exposed_copy_s - before.exposed_copy_s) / args.iters,
+                        host_pss_gib=memory.pss / 2**30 if memory else float("nan"),
                         host_private_dirty_gib=memory.private_dirty / 2**30 if memory else float("nan"),
                         host_pss_file_gib=memory.pss_file / 2**30 if memory else float("nan"),
+                        registered_gib=after.registered_bytes / 2**30,
                         identical_to_pinned=None,
                     )
                 )
@@ -128,44 +144,55 @@ def run_variant(
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| variant | inputs | setup s | median s | effective GB/s | H2D GB/s | pack GB/s | exposed s/fwd | host Private_Dirty GiB | host Pss_File GiB | output vs pinned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | inputs | setup s | median s | effective GB/s | H2D GB/s | pack GB/s | exposed s/fwd | registered GiB "
+        "| host Pss GiB | host Private_Dirty GiB | host Pss_File GiB | output vs pinned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pack = f"{r.pack_gbps:.1f}" if r.pack_gbps else "-"
         same = "reference" if r.identical_to_pinned is None else ("bit-identical" if r.identical_to_pinned else "DIFFERENT")
         lines.append(
             f"| {r.variant} | {r.inputs} | {r.setup_s:.2f} | {r.median_s:.4f} | {r.effective_gbps:.1f} | "
-            f"{r.h2d_gbps:.1f} | {pack} | {r.exposed_s:.4f} | {r.host_private_dirty_gib:.2f} | "
-            f"{r.host_pss_file_gib:.2f} | {same} |"
+            f"{r.h2d_gbps:.1f} | {pack} | {r.exposed_s:.4f} | {r.registered_gib:.2f} | {r.host_pss_gib:.2f} | "
+            f"{r.host_private_dirty_gib:.2f} | {r.host_pss_file_gib:.2f} | {same} |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/dlo-wan-checkpoint"), help="where to save the checkpoint")
-    parser.add_argument("--threads", default="1,4,8", help="pack_threads values for the mmap variants")
+    parser.add_argument("--shape", choices=sorted(INPUT_KINDS), default="wan")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/dlo-bench-checkpoint"), help="where to save the checkpoint")
+    parser.add_argument("--threads", default="1,4,8", help="pack_threads values for the mmap variants ('' for none)")
+    parser.add_argument("--cache-threads", default=f"1,{os.cpu_count()}", help="pack_threads values for the staged cache variants")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     device = torch.device("cuda")
-    block_bytes = save_checkpoint(args.dir, device)
-    print(f"checkpoint: {args.dir}, block bytes {block_bytes / GB:.2f} GB", flush=True)
+    block_bytes = save_checkpoint(args.shape, args.dir, device)
+    cache_dir = str(args.dir / "host-weight-cache")
+    print(f"{args.shape}: checkpoint {args.dir}, block bytes {block_bytes / GB:.2f} GB", flush=True)
 
+    variants = [(f"mmap/t{t}", dlo.OffloadConfig(pack_threads=int(t))) for t in args.threads.split(",") if t]
+    cache = dict(host_weight_cache=True, cache_dir=cache_dir)
+    variants += [
+        (f"cache/t{t}", dlo.OffloadConfig(**cache, pack_threads=int(t), pin_limit_gib=1e-9))  # refused: staged
+        for t in args.cache_threads.split(",")
+        if t
+    ]
+    variants.append(("cache/registered", dlo.OffloadConfig(**cache)))
     rows, reference = run_variant("pinned", dlo.OffloadConfig(checkpoint_mmap=False), args.dir, block_bytes, device, args)
-    for threads in (int(t) for t in args.threads.split(",")):
-        config = dlo.OffloadConfig(pack_threads=threads)
-        mapped, outputs = run_variant(f"mmap/t{threads}", config, args.dir, block_bytes, device, args)
+    for name, config in variants:
+        measured, outputs = run_variant(name, config, args.dir, block_bytes, device, args)
         rows += [
             Row(**{**asdict(row), "identical_to_pinned": torch.equal(outputs[row.inputs], reference[row.inputs])})
-            for row in mapped
+            for row in measured
         ]
-        print(table(rows[-2:]), flush=True)
+        print(table(rows[-len(measured):]), flush=True)
     report = table(rows)
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_host_backings.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        Path(out, f"bench_host_backings_{args.shape}.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     print(report)
 
 

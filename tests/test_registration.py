@@ -2,6 +2,8 @@
 
 import pytest
 
+from fake_driver import FakeDriver
+
 from dlo.host.registration import (
     READ_ONLY,
     HostRange,
@@ -12,49 +14,6 @@ from dlo.host.registration import (
 )
 
 PAGE = 4096
-
-
-class FakeDriver:
-    """Records every call; fails where told to."""
-
-    def __init__(self, read_only=True, fail_register_at=None, fail_unregister=(), raise_at=None):
-        self.calls = []
-        self.registered = set()
-        self.read_only = read_only
-        self.fail_register_at = fail_register_at  # index of the register call that fails
-        self.fail_unregister = set(fail_unregister)  # addresses whose unregister fails (once)
-        self.raise_at = raise_at
-        self.cleared = []
-
-    def read_only_supported(self):
-        self.calls.append(("attribute", 113))
-        return self.read_only
-
-    def register(self, address, nbytes, flags):
-        index = sum(1 for c in self.calls if c[0] == "register")
-        self.calls.append(("register", address, nbytes, flags))
-        if index == self.raise_at:
-            raise RuntimeError("driver exploded")
-        if index == self.fail_register_at:
-            return 2  # cudaErrorMemoryAllocation
-        self.registered.add(address)
-        return 0
-
-    def unregister(self, address):
-        self.calls.append(("unregister", address))
-        if address in self.fail_unregister:
-            self.fail_unregister.discard(address)
-            return 1
-        self.registered.discard(address)
-        return 0
-
-    def is_registered(self, address):
-        return any(start <= address < start + PAGE * 16 for start in self.registered)
-
-    def clear_error(self, code):
-        self.cleared.append(code)
-
-
 RANGES = [HostRange("a", 0x1000, 0x3000), HostRange("a", 0x9000, 0xA000), HostRange("b", 0x20000, 0x21000)]
 
 
@@ -91,24 +50,24 @@ def test_no_read_only_support_registers_nothing():
 
 def test_a_failure_midway_rolls_back_in_reverse_and_clears_its_error():
     driver = FakeDriver(fail_register_at=2)
-    with pytest.raises(RegistrationError, match="failed with error 2"):
+    with pytest.raises(RegistrationError, match="4096 bytes of b failed: fake error 2"):
         HostRegistration(driver, RANGES, limit_bytes=0)
     assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x9000, 0x1000]
-    assert driver.registered == set() and driver.cleared == [2]
+    assert driver.registered == {} and driver.cleared == [2]
 
 
 def test_a_driver_exception_is_wrapped_after_the_rollback():
     driver = FakeDriver(raise_at=1)
     with pytest.raises(RegistrationError, match="driver exploded"):
         HostRegistration(driver, RANGES, limit_bytes=0)
-    assert driver.registered == set()
+    assert driver.registered == {}
 
 
 def test_a_tensor_that_does_not_read_as_pinned_rolls_back():
     driver = FakeDriver()
     with pytest.raises(RegistrationError, match="do not read as pinned"):
         HostRegistration(driver, RANGES, limit_bytes=0, probes=[0x500000])
-    assert driver.registered == set()
+    assert driver.registered == {}
 
 
 def test_a_failed_rollback_is_a_cleanup_error():
@@ -121,7 +80,7 @@ def test_close_is_reverse_idempotent_and_retries_failures():
     driver = FakeDriver(fail_unregister=[0x9000])
     registration = HostRegistration(driver, RANGES, limit_bytes=0)
     failures = registration.close()
-    assert failures == ["HostRange(file='a', start=36864, end=40960): 1"]  # 0x9000..0xA000
+    assert failures == ["HostRange(file='a', start=36864, end=40960): fake error 1"]  # 0x9000..0xA000
     assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x20000, 0x9000, 0x1000]
     assert registration.region_count == 1  # kept for a retry
     assert registration.close() == [] and registration.region_count == 0

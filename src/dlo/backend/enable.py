@@ -12,12 +12,14 @@ from torch import nn
 
 from dlo.backend.device import resolve_device
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
+from dlo.backend.mapping_registration import RegistrationOutcome, register_mapping, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
 from dlo.backend.gather_group import GatherGroup, ParallelGroups, check_backend, resolve_gather_group
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.registration import RegistrationCleanupError
 from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.gather import BlockGather
 from dlo.hotpath.runtime import StreamingRuntime
@@ -242,9 +244,10 @@ def enable(
     """Stream the blocks of `module` to `device`; returns the handle that undoes it.
 
     Non-streamed parts and the first `config.resident_layers` blocks move to `device`; the
-    other blocks are packed into (pinned) host memory, or read from the checkpoint mapping of
-    a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device slots
-    just before they run. Call the model under torch.inference_mode() or torch.no_grad().
+    other blocks are packed into (pinned) host memory, or read from the checkpoint or cache
+    mapping of a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device
+    slots just before they run. A host weight cache mapping is registered with the driver
+    when it can be (SPEC §5.3), so its blocks are copied straight from the shared pages. Call the model under torch.inference_mode() or torch.no_grad().
 
     With `config.use_allgather`, each rank keeps 1/G of every streamed block and the group
     chosen from `groups` (default: an initialized torch.distributed world, as pure data
@@ -283,6 +286,8 @@ def enable(
                 "Load the model again with dlo.load_transformer"
             )
     planned: dict[int, TensorSource] = {}
+    registered = RegistrationOutcome(None, "", 0.0)
+    cleanup_pending = None  # a registration whose rollback failed: its mapping must stay
     stand_ins: list[torch.Tensor] = []
     bound: list[StreamedBlock] = []
     sharded: list[StreamedBlock] = []  # all-gather mode: bound at the very end, see below
@@ -290,6 +295,12 @@ def enable(
     try:
         if weights is not None:
             _bind_planned(module, weights, device, planned, stand_ins)
+            if host_plan.backing == "host_weight_cache" and gather_group is None:
+                try:
+                    registered = register_mapping(weights.checkpoint, config, device)
+                except RegistrationCleanupError as err:
+                    cleanup_pending = err.registration
+                    raise
         streamed_tensors = [_collect(ref) for ref in streamed_refs]
         skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
         rest = unique_tensors(module, skip)
@@ -316,11 +327,12 @@ def enable(
             slot_bytes = max((_slot_bytes(b) for b in bound + sharded), default=0)
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
             mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
-            if mapped and isinstance(transfer, CudaTransfer):
+            direct = registered.registration is not None  # no staging buffers at all
+            if mapped and isinstance(transfer, CudaTransfer) and not direct:
                 stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
             ledger = TransferLedger(transfer, config.record_timeline)
             gather = BlockGather(gather_group, transfer) if gather_group is not None else None
-            runtime = StreamingRuntime(bound + sharded, slots, transfer, ledger, stager, gather)
+            runtime = StreamingRuntime(bound + sharded, slots, transfer, ledger, stager, gather, direct)
     except BaseException:
         # Nothing is lost: every bound block gets its weights back as ordinary tensors, and
         # no stand-in of a planned tensor survives with an undefined value. See [Note: plan hand-off]
@@ -336,8 +348,8 @@ def enable(
             stager.close()
         for block in sharded:
             block.source.release()
-        if weights is not None:
-            weights.checkpoint.close()
+        if weights is not None:  # See [Note: mapping lifetime]
+            release_mapping(weights.checkpoint, registered.registration or cleanup_pending)
         raise
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
@@ -368,6 +380,7 @@ def enable(
         setup_s=time.perf_counter() - started,
         checkpoint=weights.checkpoint if weights is not None else None,
         backing=_backing(host_plan, gather_group, pin),
+        registration=registered,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo.backend.mapping_registration import RegistrationOutcome, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
@@ -60,6 +61,7 @@ class OffloadHandle:
         setup_s: float,
         checkpoint: Checkpoint | None = None,
         backing: str = "pinned",
+        registration: RegistrationOutcome | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -75,6 +77,7 @@ class OffloadHandle:
         self._setup_s = setup_s
         self._checkpoint = checkpoint
         self._backing = backing
+        self._registration = registration or RegistrationOutcome(None, "", 0.0)
         self._final_stats: OffloadStats | None = None
         # Root hooks are bound methods: the module keeps its handle alive through them, even
         # when the caller drops the handle (the registry only holds it weakly).
@@ -105,6 +108,7 @@ class OffloadHandle:
         runtime.transfer.synchronize()
         ledger = runtime.ledger
         ledger.settle()
+        registered = self._registration.registration
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -122,13 +126,17 @@ class OffloadHandle:
             device_weight_bytes=self._device_weight_bytes,
             slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
             host_bytes=sum(block.source.host_bytes for block in runtime.blocks),
-            pinned=any(block.source.pinned for block in runtime.blocks),
+            pinned=any(block.source.pinned for block in runtime.blocks) or registered is not None,
             backing=self._backing,
             mapped_bytes=self._checkpoint.nbytes if self._checkpoint is not None else 0,
             staging_bytes=runtime.stager.staging_bytes if runtime.stager is not None else 0,
             pack_s=runtime.pack_s,
             gather_group_size=runtime.gather.size if runtime.gather is not None else 1,
             collectives=runtime.gather.collectives if runtime.gather is not None else 0,
+            registered_bytes=registered.total_bytes if registered is not None else 0,
+            registered_ranges=registered.region_count if registered is not None else 0,
+            register_s=self._registration.seconds,
+            registration_fallback=self._registration.fallback,
             setup_s=self._setup_s,
             host_memory=read_smaps_rollup(),
         )
@@ -146,34 +154,40 @@ class OffloadHandle:
         tensors (their packed host copies, unpinned, or private copies of the mapped
         checkpoint tensors); everything else stays on the device.
 
-        Order: synchronize the device (stats() does), unpin host memory, remove hooks,
-        repoint tensors, close the checkpoint mapping, free the slots. Destroy process groups
-        only after this returned. Returns the final statistics."""
+        Order: synchronize the device (stats() does), unregister a registered mapping, unpin
+        host memory, remove hooks, repoint tensors, close the mapping (kept open if it could
+        not be unregistered: see [Note: mapping lifetime]), free the slots. Destroy process
+        groups only after this returned. Returns the final statistics."""
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats
         final = self.stats()
         runtime = self._runtime
-        unpin_errors = []
+        errors = []
+        registered = self._registration.registration
+        if registered is not None:
+            registered.close()  # failed ranges are kept and retried when the mapping closes
         for release in [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         ):
             try:
                 release()
             except EnableError as err:  # the bytes stay valid: the tensors below keep them alive
-                unpin_errors.append(str(err))
+                errors.append(str(err))
         for hook in self._hooks:
             hook.remove()
         with torch.no_grad():
             runtime.restore_blocks()
         if self._checkpoint is not None:
-            self._checkpoint.close()
+            failures = release_mapping(self._checkpoint, registered)
+            if failures:
+                errors.append(f"cudaHostUnregister failed ({'; '.join(failures)}), so the mapping stays open")
         for sub in self._managed:
             _MANAGED.pop(sub, None)
         self._hooks.clear()
         self._final_stats = final
         self.state = HandleState.DISABLED
         self._runtime = None  # type: ignore[assignment]  # drops slots, views and events
-        if unpin_errors:
-            raise EnableError("disable() could not unpin host buffers: " + "; ".join(unpin_errors))
+        if errors:
+            raise EnableError("disable() could not release host memory: " + "; ".join(errors))
         return final

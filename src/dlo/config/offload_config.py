@@ -80,6 +80,13 @@ class OffloadConfig:
         default=False,
         metadata={"help": "accept a cache root on tmpfs or a network filesystem (tests only)"},
     )
+    pin_limit_gib: float = field(
+        default=0.0,
+        metadata={
+            "help": "most GiB of the host weight cache mapping this process may register (page-lock) for "
+            "direct copies; above it blocks stream through staging buffers (0: no ceiling besides the OS's)"
+        },
+    )
     pack_threads: int = field(
         default=0,
         metadata={
@@ -103,6 +110,14 @@ class OffloadConfig:
         timeout = self.cache_lock_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ConfigError(f"OffloadConfig.cache_lock_timeout_s must be a finite number > 0, got {timeout!r}")
+        limit = self.pin_limit_gib
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit < 0:
+            raise ConfigError(f"OffloadConfig.pin_limit_gib must be a finite number >= 0, got {limit!r}")
+        if limit > 0 and not self.host_weight_cache:
+            raise ConfigError(
+                f"OffloadConfig.pin_limit_gib={limit} limits registration of the host weight cache mapping; it needs "
+                "host_weight_cache=True (or leave pin_limit_gib=0)"
+            )
         if self.host_weight_cache and self.use_allgather:
             raise ConfigError(
                 "OffloadConfig.host_weight_cache=True needs rank-local mode: the cache maps whole weights per node, "

@@ -1,5 +1,5 @@
-"""Where a streamed block's bytes come from: a private packed host buffer, or the checkpoint
-mapping (packed into a staging buffer on every load)."""
+"""Where a streamed block's bytes come from: a private packed host buffer, or a read-only
+mapping (packed into a staging buffer on every load, or, registered, copied from directly)."""
 
 from __future__ import annotations
 
@@ -57,12 +57,16 @@ class MappedSource:
         """Private bytes only: the mapped ones are shared page cache."""
         return sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
 
-    def copy_tasks(self, layout: BlockLayout, buffer: torch.Tensor) -> list[CopyTask]:
+    def copy_tasks(self, layout: BlockLayout, buffer: torch.Tensor, whole: bool = False) -> list[CopyTask]:
+        """Tasks that fill `buffer` (laid out as `layout`); large tensors are split in chunks
+        for several host threads unless `whole` (one copy per tensor: direct device copies)."""
         tasks: list[CopyTask] = []
         for source, placement in zip(self.sources, layout.placements):
             target = view_placement(buffer, placement)
             if isinstance(source, torch.Tensor):
                 tasks.append(CopyTask(target, source))
+            elif whole:
+                tasks.extend(source.pieces(self.checkpoint, target))
             else:
                 tasks.extend(source.copy_tasks(self.checkpoint, target))
         return tasks

@@ -7,9 +7,8 @@ was registered, in reverse, and reports why, so the caller keeps its staging pat
 rollback itself fails, startup must abort: the driver may still own memory the caller would
 otherwise unmap.
 
-Not wired into dlo.enable() yet: the CUDA driver (attribute 113, pointer attributes through
-cuda-bindings, since torch 2.11's Tensor.is_pinned() does not see registered memory) and the
-direct-copy hot path come with their GPU validation.
+The CUDA driver is `dlo.backend.cuda_registration`; `dlo.backend.mapping_registration` applies
+this to a host weight cache mapping at enable() and owns the mapping's lifetime.
 """
 
 from __future__ import annotations
@@ -29,7 +28,11 @@ class RegistrationError(DloError):
 
 class RegistrationCleanupError(DloError):
     """Unregistering failed: some memory may still belong to the driver. Abort startup and do
-    not unmap those ranges."""
+    not unmap those ranges; `registration` still lists them (its close() retries)."""
+
+    def __init__(self, message: str, registration: HostRegistration) -> None:
+        super().__init__(message)
+        self.registration = registration
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class RegistrationDriver(Protocol):
 
     def clear_error(self, code: int) -> None: ...  # clear the pending error `code` left, only it
 
+    def error_name(self, code: int) -> str: ...
+
 
 class HostRegistration:
     """Registered ranges, created all or nothing, released in reverse by close()."""
@@ -101,7 +106,9 @@ class HostRegistration:
                 code = driver.register(host_range.start, host_range.nbytes, READ_ONLY)
                 if code != 0:
                     driver.clear_error(code)
-                    raise RegistrationError(f"registering {host_range} failed with error {code}")
+                    raise RegistrationError(
+                        f"registering {host_range.nbytes} bytes of {host_range.file} failed: {driver.error_name(code)}"
+                    )
                 self._ranges.append(host_range)
             unregistered = [hex(a) for a in probes if not driver.is_registered(a)]
             if unregistered:
@@ -110,7 +117,7 @@ class HostRegistration:
             failures = self.close()
             if failures:
                 raise RegistrationCleanupError(
-                    f"rollback after a failed registration ({err}) could not unregister: {'; '.join(failures)}"
+                    f"rollback after a failed registration ({err}) could not unregister: {'; '.join(failures)}", self
                 ) from err
             if isinstance(err, RegistrationError):
                 raise
@@ -134,7 +141,7 @@ class HostRegistration:
             except Exception as err:  # a driver that raises is a failure like any other
                 code = repr(err)
             if code != 0:
-                failures.append(f"{host_range}: {code}")
+                failures.append(f"{host_range}: {code if isinstance(code, str) else self._driver.error_name(code)}")
                 kept.append(host_range)
         self._ranges = list(reversed(kept))
         return failures

@@ -81,17 +81,21 @@ class TensorSource:
             steps.append("cast")
         return tuple(steps)
 
-    def copy_tasks(self, checkpoint: Checkpoint, target: torch.Tensor) -> list[CopyTask]:
-        """Tasks that fill `target` (a view shaped and typed like the runtime tensor)."""
+    def pieces(self, checkpoint: Checkpoint, target: torch.Tensor) -> list[CopyTask]:
+        """One task per checkpoint tensor, filling its part of `target` (a view shaped and
+        typed like the runtime tensor)."""
         tasks = []
         row = 0
         for key in self.keys:
             source = checkpoint.view(key)
             rows = source.shape[0] if source.dim() else 1
-            part = target[row : row + rows] if len(self.keys) > 1 else target
-            tasks.extend(_chunks(part, source))
+            tasks.append(CopyTask(target[row : row + rows] if len(self.keys) > 1 else target, source))
             row += rows
         return tasks
+
+    def copy_tasks(self, checkpoint: Checkpoint, target: torch.Tensor) -> list[CopyTask]:
+        """`pieces`, large ones split in chunks for several host threads."""
+        return [chunk for piece in self.pieces(checkpoint, target) for chunk in _chunks(piece.target, piece.source)]
 
     def materialize(self, checkpoint: Checkpoint) -> torch.Tensor:
         """An ordinary (private, writable) CPU tensor holding this source's value."""

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import PackedSource, ShardSource
+from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
+from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import BlockGather, plan_digest
 from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -30,7 +31,10 @@ class StreamingRuntime:
         ledger: TransferLedger,
         stager: Stager | None = None,
         gather: BlockGather | None = None,
+        direct: bool = False,
     ) -> None:
+        """`stager`: packs mapped blocks into pinned staging buffers. `direct`: the mapping is
+        registered, so mapped blocks are copied tensor by tensor straight into the slot."""
         self.blocks = tuple(blocks)
         self.slots = tuple(slots)
         self.transfer = transfer
@@ -50,6 +54,8 @@ class StreamingRuntime:
             [tuple(view_placement(slot.buffer, p) for p in block.layout.placements) for block in self.blocks]
             for slot in self.slots
         ]
+        # Registered mapping: each (slot, block)'s per-tensor copies, made once like the views.
+        self._direct = [[_direct_tasks(b, slot) for b in self.blocks] for slot in self.slots] if direct else None
         self._copy_end: list[Any] = [None] * len(self.slots)
         self._staged: dict[int, list[tuple[str, int, Future[StagedCopy]]]] = {}
         self._compute_start: dict[int, Any] = {}
@@ -190,6 +196,8 @@ class StreamingRuntime:
                 assert self.gather is not None
                 start, end = self.gather.load(slot, source)
                 nbytes = source.shard_bytes  # what crossed this rank's link
+            elif self._direct is not None:
+                start, end = self.transfer.copy_pieces_into(slot, self._direct[load.slot][load.block])
             elif self.stager is not None:  # See [Note: staged loads]
                 future = self.stager.submit(nbytes, partial(source.copy_tasks, block.layout), slot)
                 self._staged.setdefault(load.slot, []).append((block.name, nbytes, future))
@@ -208,3 +216,9 @@ class StreamingRuntime:
             self.pack_s += staged.pack_s
             self._copy_end[slot_index] = staged.end
             self.ledger.copied(name, nbytes, staged.start, staged.end)
+
+
+def _direct_tasks(block: StreamedBlock, slot: DeviceSlot) -> list[CopyTask]:
+    """A mapped block's per-tensor copies from the (registered) mapping into `slot`."""
+    source = block.source
+    return source.copy_tasks(block.layout, slot.buffer, whole=True) if isinstance(source, MappedSource) else []

@@ -9,12 +9,14 @@ Marks are opaque timestamps: CUDA timing events, or `perf_counter` floats on the
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dlo.host.pinned_buffer import aligned_empty
+from dlo.host.tensor_source import CopyTask
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,17 @@ class CudaTransfer:
 
     def copy_into(self, slot: DeviceSlot, source: torch.Tensor) -> tuple[Any, Any]:
         """Enqueue `source` -> slot after the slot's last use; returns (start, end) marks."""
+        return self.copy_pieces_into(slot, [CopyTask(slot.buffer[: source.numel()], source)])
+
+    def copy_pieces_into(self, slot: DeviceSlot, tasks: Sequence[CopyTask]) -> tuple[Any, Any]:
+        """Enqueue every task's host -> slot view copy after the slot's last use, as one load.
+        Sources must be page-locked (pinned or registered) for the copies to be asynchronous."""
         stream = self.copy_stream
         stream.wait_event(slot.free)
         start = self.mark(stream)
         with torch.cuda.stream(stream):
-            slot.buffer[: source.numel()].copy_(source, non_blocking=True)
+            for task in tasks:
+                task.target.copy_(task.source, non_blocking=True)
         slot.ready.record(stream)
         return start, self.mark(stream)
 
@@ -91,8 +99,12 @@ class SyncTransfer:
         return time.perf_counter()
 
     def copy_into(self, slot: DeviceSlot, source: torch.Tensor) -> tuple[float, float]:
+        return self.copy_pieces_into(slot, [CopyTask(slot.buffer[: source.numel()], source)])
+
+    def copy_pieces_into(self, slot: DeviceSlot, tasks: Sequence[CopyTask]) -> tuple[float, float]:
         start = time.perf_counter()
-        slot.buffer[: source.numel()].copy_(source)
+        for task in tasks:
+            task.run()
         return start, time.perf_counter()
 
     def wait_ready(self, slot: DeviceSlot) -> None:

@@ -28,6 +28,10 @@ class OffloadStats:
         cache, not private memory);
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
         spent packing them (in background threads, overlapping copies and compute).
+    registered_bytes / registered_ranges / register_s: the host weight cache mapping
+        registered read-only with the driver (SPEC §5.3): blocks are then copied straight
+        from its shared pages, and staging_bytes is 0. registration_fallback: why it is not
+        registered ("" when it is, or when nothing is mapped).
     gather_group_size / collectives: all-gather mode's group size (1: rank-local or a group
         of one) and the collectives issued (block all-gathers and per-call agreements); in
         that mode bytes_streamed counts this rank's shards, what crossed its own link.
@@ -52,6 +56,10 @@ class OffloadStats:
     mapped_bytes: int
     staging_bytes: int
     pack_s: float
+    registered_bytes: int
+    registered_ranges: int
+    register_s: float
+    registration_fallback: str
     gather_group_size: int
     collectives: int
     setup_s: float

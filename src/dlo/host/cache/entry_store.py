@@ -20,6 +20,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -34,6 +35,8 @@ from tqdm.auto import tqdm
 
 from dlo.errors import DloError
 from dlo.host.cache.trust import untrusted_reason
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = "dlo-host-weight-cache/2"  # 2: chunked file digests
 MANIFEST = "manifest.json"
@@ -70,6 +73,7 @@ def file_digests(paths: list[Path], threads: int) -> list[str]:
     does not serialize validation on one core."""
     jobs = [(i, path, offset) for i, path in enumerate(paths) for offset in range(0, max(path.stat().st_size, 1), HASH_CHUNK)]
     total = sum(path.stat().st_size for path in paths)
+    started = time.perf_counter()
     chunks = []
     # A progress bar on a terminal only (tqdm's disable=None): hashing a large model takes seconds.
     with ThreadPoolExecutor(threads) as pool, tqdm(
@@ -78,6 +82,10 @@ def file_digests(paths: list[Path], threads: int) -> list[str]:
         for (_, path, offset), chunk in zip(jobs, pool.map(lambda job: _chunk_digest(job[1], job[2]), jobs)):
             chunks.append(chunk)
             progress.update(min(HASH_CHUNK, path.stat().st_size - offset))
+    seconds = time.perf_counter() - started
+    logger.info(
+        "dlo: hashed %.2f GB in %.2f s (%.1f GB/s on %d threads)", total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9), threads
+    )
     per_file: list[list[bytes]] = [[] for _ in paths]
     for (i, _, _), chunk in zip(jobs, chunks):
         per_file[i].append(chunk)
@@ -282,16 +290,18 @@ class EntryStore:
         try:
             shards = _split(sorted(tensors), tensors, shard_bytes)
             files, index = {}, {}
-            for i, names in enumerate(shards, start=1):
-                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
-                os.chmod(temp / name, 0o644)  # whatever the umask: validation refuses group-writable files
-                with open(temp / name, "rb") as handle:
-                    os.fsync(handle.fileno())
-                files[name] = {"size": (temp / name).stat().st_size}
-                for n in names:
-                    t = tensors[n]
-                    index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+            with tqdm(total=total, unit="B", unit_scale=True, desc="dlo: publishing", disable=None, leave=False) as progress:
+                for i, names in enumerate(shards, start=1):
+                    name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                    save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
+                    os.chmod(temp / name, 0o644)  # whatever the umask: validation refuses group-writable files
+                    with open(temp / name, "rb") as handle:
+                        os.fsync(handle.fileno())
+                    files[name] = {"size": (temp / name).stat().st_size}
+                    for n in names:
+                        t = tensors[n]
+                        index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+                    progress.update(sum(index[n]["nbytes"] for n in names))
             for name, digest in zip(files, file_digests([temp / n for n in files], self.hash_threads)):
                 files[name]["sha256_chunked"] = digest
             manifest = {

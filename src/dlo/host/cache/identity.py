@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,9 +24,9 @@ from dlo.host.preflight import Fallback
 SCHEMA_VERSION = 1
 
 
-def content_digest(tensors: Mapping[str, torch.Tensor], threads: int = 8) -> str:
+def content_digest(tensors: Mapping[str, torch.Tensor], threads: int | None = None) -> str:
     """SHA-256 over every tensor's name, dtype, shape and bytes, in name order; the tensors
-    are hashed in parallel (hashlib releases the GIL)."""
+    are hashed in parallel (hashlib releases the GIL), on every usable core by default."""
 
     def one(name: str) -> bytes:
         tensor = tensors[name]
@@ -34,7 +35,7 @@ def content_digest(tensors: Mapping[str, torch.Tensor], threads: int = 8) -> str
         return digest.digest()
 
     names = sorted(tensors)
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
         parts = list(pool.map(one, names))
     return hashlib.sha256(b"".join(parts)).hexdigest()
 

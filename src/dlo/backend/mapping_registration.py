@@ -1,0 +1,94 @@
+"""Registering a host weight cache mapping at enable(), and closing it in the right order.
+
+[Note: mapping lifetime]
+Registered pages belong to the driver until they are unregistered: unmapping them first
+leaves the driver pinning pages of a mapping that no longer exists. So a mapping is closed
+only after a clean unregister (`release_mapping`); when unregistering fails, the mapping is
+kept open for the life of the process (`_STILL_REGISTERED` holds it, so not even garbage
+collection unmaps it) and the error is reported. The same holds when a failed registration's
+own rollback fails: enable() aborts and the mapping stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dlo.backend import cuda_registration
+from dlo.config import OffloadConfig
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.registration import HostRegistration, RegistrationError, coalesce
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+# Mappings whose unregister failed, with their registrations. See [Note: mapping lifetime]
+_STILL_REGISTERED: list[tuple[HostRegistration, Checkpoint]] = []
+
+
+@dataclass(frozen=True)
+class RegistrationOutcome:
+    """enable()'s registration decision. `registration` is None when the staging path is
+    used; `fallback` then says why ("" when registration was not applicable at all)."""
+
+    registration: HostRegistration | None
+    fallback: str
+    seconds: float
+
+
+def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torch.device) -> RegistrationOutcome:
+    """Register every tensor of the mapping read-only, all or nothing (SPEC §5.3). A refusal
+    is logged and returned as a fallback; RegistrationCleanupError (a failed rollback)
+    propagates: startup must abort. See [Note: mapping lifetime]"""
+    if not config.pin_memory:
+        return RegistrationOutcome(None, "OffloadConfig.pin_memory=False", 0.0)
+    driver = cuda_registration.registration_driver(device)
+    if isinstance(driver, str):
+        return _fall_back(driver, 0.0)
+    mapped = [(source, checkpoint.view(key)) for key, source in checkpoint.tensors.items() if source.entry.nbytes]
+    pieces = [(str(source.file.path), view.data_ptr(), source.entry.nbytes) for source, view in mapped]
+    started = time.perf_counter()
+    try:
+        registration = HostRegistration(
+            driver,
+            coalesce(pieces, mmap.PAGESIZE),
+            limit_bytes=int(config.pin_limit_gib * GIB),
+            probes=[view.data_ptr() for _, view in mapped],
+        )
+    except RegistrationError as err:
+        return _fall_back(str(err), time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    logger.info(
+        "dlo: registered %.2f GiB of the host weight cache mapping read-only (%d ranges, %.3f s): "
+        "blocks copy straight from the shared pages",
+        registration.total_bytes / GIB,
+        registration.region_count,
+        seconds,
+    )
+    return RegistrationOutcome(registration, "", seconds)
+
+
+def _fall_back(reason: str, seconds: float) -> RegistrationOutcome:
+    logger.warning(
+        "dlo: host registration not used (%s); blocks stream through pinned staging buffers",
+        reason,
+    )
+    return RegistrationOutcome(None, reason, seconds)
+
+
+def release_mapping(checkpoint: Checkpoint, registration: HostRegistration | None) -> list[str]:
+    """Unregister (again, if an earlier attempt failed), then unmap; returns the unregister
+    failures, in which case the mapping stays open. See [Note: mapping lifetime]"""
+    failures = registration.close() if registration is not None else []
+    if failures:
+        assert registration is not None
+        _STILL_REGISTERED.append((registration, checkpoint))
+        logger.error("dlo: could not unregister host memory, keeping its mapping open: %s", "; ".join(failures))
+    else:
+        checkpoint.close()
+    return failures
