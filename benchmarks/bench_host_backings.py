@@ -103,6 +103,13 @@ def run_variant(
     model, plan = dlo.load_transformer(directory, config=config)
     handle = dlo.enable(model, device, config, plan=plan)
     setup_s = time.perf_counter() - started
+    first = handle.stats()
+    print(
+        f"{name}: backing {first.backing}, registered {first.registered_bytes / 2**30:.2f} GiB in "
+        f"{first.registered_ranges} ranges ({first.register_s:.3f} s), staging {first.staging_bytes / 2**30:.2f} GiB, "
+        f"fallback {first.registration_fallback or '-'}",
+        flush=True,
+    )
     rows, outputs = [], {}
     try:
         with torch.inference_mode():
