@@ -12,6 +12,7 @@ from dlo.config import OffloadConfig, Topology
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.loader import load_transformer
 from dlo.host.memory_accounting import HostMemory, process_tree_memory, read_smaps_rollup
+from dlo.host.registration import RegistrationCleanupError
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.errors import ConfigError, DiscoveryError, DloError, EnableError, StreamingError
 from dlo.observe.stats import OffloadStats
@@ -32,6 +33,7 @@ __all__ = [
     "OffloadPlan",
     "OffloadStats",
     "PipelineHandle",
+    "RegistrationCleanupError",
     "ParallelGroups",
     "StreamingError",
     "Topology",
