@@ -1,0 +1,682 @@
+"""All-gather streaming on real ranks (SPEC §4): parity, speed and memory of a data-parallel
+wave, and what the survivors do when a rank dies mid-wave.
+
+Run under torchrun, one process per GPU (NCCL), or per CPU process with --device cpu (Gloo).
+Every rank builds the same model from one seed (bench_streaming's SHAPES and build_model: the
+Wan-14B-shaped and Flux-shaped transformers, random bf16 weights, nothing downloaded) and its
+own inputs, seeded by its rank: a DP wave of different prompts with identical step counts. Per
+shape, three variants run one after the other on every rank, each freed before the next so
+that every peak belongs to one variant:
+
+  resident    the whole model moved to the rank's device: the compute-only reference.
+  rank-local  dlo.enable(model, device) with the default OffloadConfig: every rank streams
+              whole blocks from its own pinned host copy over its own link.
+  all-gather  dlo.enable(model, device, OffloadConfig(use_allgather=True)): every rank holds
+              1/G of each block in pinned host memory, copies its shard over its link and
+              the group rebuilds the block with an NCCL all-gather.
+
+Per variant and rank: --warmup untimed forwards, then --iters timed ones, each started
+together on all ranks (a barrier, then the device synchronized) and ended by synchronizing
+the device. The wave's time per forward is the slowest rank's median. Reported:
+
+  parity      every forward's output (warmup ones too) torch.equal to the rank's resident
+              output, for rank-local and all-gather, and all-gather to rank-local. The ranks'
+              resident outputs must differ from each other (different prompts really ran).
+  speed       s per forward, ratios (x resident, speed-up over rank-local), the bytes that
+              crossed the ranks' host->device links per forward (handle.stats() deltas: in
+              all-gather mode a rank's own shards), summed over ranks and divided by the
+              wave's time ("link GB/s"), and the block bytes landed in the ranks' slots
+              per second, the rate rank-local streaming would need for the same time
+              ("delivered GB/s").
+  memory      per rank: handle.stats().host_bytes against the model's block bytes / G, and
+              peak HBM (torch.cuda.max_memory_allocated; for dlo variants counted from the
+              end of enable(), as handle.stats().peak_device_bytes) plus the device memory in
+              use at the end of the timed forwards (cudaMemGetInfo: NCCL's buffers and the
+              CUDA context too).
+
+Targets (issue 8): all-gather at least 1.7x faster than rank-local on 2 GPUs for Flux (it is
+transfer-bound: each rank moves half the bytes), and at most 1.05x resident for Wan (it is
+compute-bound: the streaming must hide behind compute).
+
+--kill-rank R runs the failure test instead: all ranks stream the first --shapes model in
+all-gather mode and rank R calls os._exit(1) in its second call, just before a middle block
+(after some of the call's collectives, before the rest). The survivors must fail, not hang.
+A survivor prints, relative to the victim's death: each second it is still alive, when
+torchrun's agent sent it SIGTERM (noted and ignored, so that what dlo and NCCL do on their own
+shows within the 30 s torchrun waits before SIGKILL), and any exception (dlo's StreamingError
+names the group) before it exits with status 2. A process the NCCL watchdog aborts prints
+nothing more itself: its last "alive" line bounds the time. The process group's timeout is
+--pg-timeout seconds (default 10 with --kill-rank); try it with TORCH_NCCL_BLOCKING_WAIT=1 or
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 set, and bound every run with an outer `timeout`.
+
+On the GPU machine, from the repository root (diffusers comes from the wheels in .whl/):
+
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+  export NCCL_NVLS_ENABLE=0
+  python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py --shapes flux,wan
+  timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py \\
+      --shapes tiny --kill-rank 1
+
+CPU smoke test (Gloo, the tiny Wan):
+
+  torchrun --nproc-per-node 2 benchmarks/bench_allgather.py --device cpu --shapes tiny --iters 1 --warmup 0
+
+Rank 0 prints the markdown table last and writes the report as JSON to --json, by default
+$OUT/bench_allgather.json when OUT is set, rewritten after each shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The sibling benchmark's models and helpers (benchmarks/ is sys.path[0] when run as a script).
+from bench_streaming import (
+    SHAPES,
+    Inputs,
+    Shape,
+    block_bytes,
+    build_model,
+    release,
+    synchronize,
+    to_device,
+)
+from torch import nn
+
+import dlo
+
+GB = 1e9
+GIB = 2**30
+VARIANTS = ("resident", "rank-local", "all-gather")
+FLUX_SPEEDUP_TARGET = 1.7  # all-gather over rank-local, 2 GPUs
+WAN_RESIDENT_TARGET = 1.05  # all-gather over resident
+TORCHRUN_GRACE_S = 30  # torchrun's agent: SIGTERM, then SIGKILL this much later
+
+
+# ---------------------------------------------------------------------------------- ranks
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_ranks(device_type: str, timeout_s: float) -> Ranks:
+    if "RANK" not in os.environ:
+        sys.exit("bench_allgather.py runs under torchrun: torchrun --nproc-per-node 2 benchmarks/bench_allgather.py")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+        # Eager NCCL communicator on this rank's GPU: setup costs stay out of the first forward.
+        device_id=device if device.type == "cuda" else None,
+    )
+    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def align(ranks: Ranks) -> None:
+    """Start the next step together on every rank: rank-local links are then busy at the
+    same time (they share host memory), as in a real wave."""
+    if ranks.is_cuda:
+        dist.barrier(device_ids=[ranks.device.index])
+    else:
+        dist.barrier()
+    synchronize(ranks.device)
+
+
+def to_rank0(value: Any, ranks: Ranks) -> list[Any] | None:
+    gathered = [None] * ranks.world if ranks.rank == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def rank_inputs(shape: Shape, seed: int, ranks: Ranks) -> Inputs:
+    """A different prompt per rank (rank 0's equals bench_streaming's inputs)."""
+    return to_device(shape.make_inputs(torch.Generator().manual_seed(seed + 1 + 1000 * ranks.rank)), ranks.device)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------- one variant
+
+
+def open_variant(variant: str, model: nn.Module, device: torch.device) -> dlo.OffloadHandle | None:
+    if variant == "resident":
+        model.to(device)
+        return None
+    return dlo.enable(model, device, dlo.OffloadConfig(use_allgather=variant == "all-gather"))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rank, one variant. Outputs stay on this rank (CPU); only verdicts travel."""
+
+    forward_s: tuple[float, ...]
+    outputs: list[torch.Tensor] = field(repr=False)  # every forward, warmup ones first
+    peak_allocated: int | None
+    peak_reserved: int | None
+    device_in_use: int | None  # cudaMemGetInfo: everything on the GPU, NCCL and context too
+    host_bytes: int
+    link_bytes_per_forward: int  # what crossed this rank's host->device link
+    delivered_bytes_per_forward: int  # block bytes that landed in this rank's slots
+    ledger_h2d_gbps: float | None  # dlo's own rate; in all-gather mode the H2D and gather together
+    exposed_s_per_forward: float | None
+    collectives: int
+    gather_group_size: int
+    backing: str | None
+
+
+def measure(shape: Shape, variant: str, ranks: Ranks, args: argparse.Namespace) -> Measured:
+    device = ranks.device
+    model = build_model(shape, args.seed, device)  # one seed on every rank: identical weights
+    inputs = rank_inputs(shape, args.seed, ranks)
+    release(device)
+    if ranks.is_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    align(ranks)
+    handle = open_variant(variant, model, device)
+    try:
+        outputs: list[torch.Tensor] = []
+        seconds: list[float] = []
+        with torch.inference_mode():
+            for _ in range(args.warmup):
+                outputs.append(model(**inputs)[0].cpu())
+            before = handle.stats() if handle is not None else None
+            for _ in range(args.iters):
+                align(ranks)
+                started = time.perf_counter()
+                output = model(**inputs)[0]
+                synchronize(device)
+                seconds.append(time.perf_counter() - started)
+                outputs.append(output.cpu())
+        after = handle.stats() if handle is not None else None
+        in_use = None
+        if ranks.is_cuda:
+            free, total = torch.cuda.mem_get_info(device)
+            in_use = total - free
+        return _measured(seconds, outputs, ranks, in_use, before, after, args.iters)
+    finally:
+        if handle is not None:
+            handle.disable()  # collective in all-gather mode: every rank gets here
+
+
+def _measured(
+    seconds: list[float],
+    outputs: list[torch.Tensor],
+    ranks: Ranks,
+    in_use: int | None,
+    before: dlo.OffloadStats | None,
+    after: dlo.OffloadStats | None,
+    iters: int,
+) -> Measured:
+    device = ranks.device
+    peak_allocated = torch.cuda.max_memory_allocated(device) if ranks.is_cuda else None
+    peak_reserved = torch.cuda.max_memory_reserved(device) if ranks.is_cuda else None
+    if before is None or after is None:  # resident: nothing streams
+        return Measured(tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, 0, 0, None, None, 0, 1, None)
+    link = (after.bytes_streamed - before.bytes_streamed) // iters
+    copy_s = after.copy_s - before.copy_s
+    return Measured(
+        forward_s=tuple(seconds),
+        outputs=outputs,
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        device_in_use=in_use,
+        host_bytes=after.host_bytes,
+        link_bytes_per_forward=link,
+        # A rank's shard is 1/G of the padded block: the gather lands G times what it copied.
+        delivered_bytes_per_forward=link * after.gather_group_size,
+        ledger_h2d_gbps=link * iters / copy_s / GB if copy_s > 0 else None,
+        exposed_s_per_forward=(after.exposed_copy_s - before.exposed_copy_s) / iters,
+        collectives=after.collectives,
+        gather_group_size=after.gather_group_size,
+        backing=after.backing,
+    )
+
+
+# ------------------------------------------------------------------------- one shape
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank sends to rank 0 for one variant."""
+
+    rank: int
+    median_s: float
+    forward_s: tuple[float, ...]
+    peak_allocated: int | None
+    peak_reserved: int | None
+    device_in_use: int | None
+    host_bytes: int
+    link_bytes_per_forward: int
+    delivered_bytes_per_forward: int
+    ledger_h2d_gbps: float | None
+    exposed_s_per_forward: float | None
+    collectives: int
+    gather_group_size: int
+    backing: str | None
+    repeatable: bool  # every forward of the variant gave the same output
+    equal_to_resident: bool | None
+    equal_to_rank_local: bool | None
+    first_output_digest: str
+
+
+def all_equal(outputs: list[torch.Tensor], reference: torch.Tensor) -> bool:
+    return all(torch.equal(output, reference) for output in outputs)
+
+
+def rank_reports(runs: dict[str, Measured], rank: int) -> dict[str, RankReport]:
+    resident = runs["resident"].outputs[0]
+    local = runs["rank-local"].outputs[0] if "rank-local" in runs else None
+    reports = {}
+    for variant, run in runs.items():
+        reports[variant] = RankReport(
+            rank=rank,
+            median_s=statistics.median(run.forward_s),
+            forward_s=run.forward_s,
+            peak_allocated=run.peak_allocated,
+            peak_reserved=run.peak_reserved,
+            device_in_use=run.device_in_use,
+            host_bytes=run.host_bytes,
+            link_bytes_per_forward=run.link_bytes_per_forward,
+            delivered_bytes_per_forward=run.delivered_bytes_per_forward,
+            ledger_h2d_gbps=run.ledger_h2d_gbps,
+            exposed_s_per_forward=run.exposed_s_per_forward,
+            collectives=run.collectives,
+            gather_group_size=run.gather_group_size,
+            backing=run.backing,
+            repeatable=all_equal(run.outputs, run.outputs[0]),
+            equal_to_resident=None if variant == "resident" else all_equal(run.outputs, resident),
+            equal_to_rank_local=(
+                all_equal(run.outputs, local) if variant == "all-gather" and local is not None else None
+            ),
+            first_output_digest=digest(run.outputs[0]),
+        )
+    return reports
+
+
+@dataclass(frozen=True)
+class Row:
+    """One shape x variant over all ranks, as printed and written to JSON."""
+
+    shape: str
+    variant: str
+    wave_s: float  # the slowest rank's median: the wave ends when its last rank does
+    x_resident: float
+    speedup_over_rank_local: float
+    link_gb_per_forward: float  # summed over ranks
+    link_gbps: float  # summed over ranks / wave_s
+    delivered_gbps: float  # block bytes landed in all ranks' slots / wave_s
+    host_bytes_per_rank: tuple[int, ...]
+    blocks_over_g_bytes: int
+    peak_allocated_per_rank: tuple[int | None, ...]
+    device_in_use_per_rank: tuple[int | None, ...]
+    exposed_s_per_forward: float | None  # the largest over ranks
+    equal_to_resident: bool | None  # on every rank
+    equal_to_rank_local: bool | None
+    repeatable: bool
+    prompts_differ: bool  # the ranks' first outputs all differ
+    ranks: tuple[RankReport, ...]
+
+
+def make_rows(shape: str, reports: list[dict[str, RankReport]], world: int) -> list[Row]:
+    def wave(variant: str) -> float:
+        return max(per_rank[variant].median_s for per_rank in reports)
+
+    def every(values: list[bool | None]) -> bool | None:
+        return None if values[0] is None else all(values)
+
+    blocks_over_g = block_bytes(SHAPES[shape]) // world
+    rows = []
+    for variant in reports[0]:
+        per = tuple(per_rank[variant] for per_rank in reports)
+        seconds = wave(variant)
+        exposed = [r.exposed_s_per_forward for r in per if r.exposed_s_per_forward is not None]
+        rows.append(Row(
+            shape=shape,
+            variant=variant,
+            wave_s=seconds,
+            x_resident=seconds / wave("resident"),
+            speedup_over_rank_local=wave("rank-local") / seconds if "rank-local" in reports[0] else float("nan"),
+            link_gb_per_forward=sum(r.link_bytes_per_forward for r in per) / GB,
+            link_gbps=sum(r.link_bytes_per_forward for r in per) / seconds / GB,
+            delivered_gbps=sum(r.delivered_bytes_per_forward for r in per) / seconds / GB,
+            host_bytes_per_rank=tuple(r.host_bytes for r in per),
+            blocks_over_g_bytes=blocks_over_g,
+            peak_allocated_per_rank=tuple(r.peak_allocated for r in per),
+            device_in_use_per_rank=tuple(r.device_in_use for r in per),
+            exposed_s_per_forward=max(exposed) if exposed else None,
+            equal_to_resident=every([r.equal_to_resident for r in per]),
+            equal_to_rank_local=every([r.equal_to_rank_local for r in per]),
+            repeatable=all(r.repeatable for r in per),
+            prompts_differ=len({r.first_output_digest for r in per}) == len(per),
+            ranks=per,
+        ))
+    return rows
+
+
+def run_shape(shape: Shape, ranks: Ranks, args: argparse.Namespace) -> list[Row] | None:
+    runs: dict[str, Measured] = {}
+    for variant in VARIANTS:
+        runs[variant] = measure(shape, variant, ranks, args)
+        release(ranks.device)  # the next variant's peak is its own
+        median = statistics.median(runs[variant].forward_s)
+        print(f"rank {ranks.rank} {shape.name}/{variant}: median {median:.4f} s", flush=True)
+    gathered = to_rank0(rank_reports(runs, ranks.rank), ranks)
+    return None if gathered is None else make_rows(shape.name, gathered, ranks.world)
+
+
+# ------------------------------------------------------------------------- reporting
+
+
+def _gib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def _per_rank(values: tuple[int | None, ...]) -> str:
+    return " / ".join(_gib(v) for v in values)
+
+
+def _same(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def markdown_table(rows: list[Row]) -> str:
+    header = (
+        "| shape | variant | s/forward (slowest rank) | x resident | speed-up over rank-local | link GB/fwd (sum) "
+        "| link GB/s (sum) | delivered GB/s (sum) | exposed s/fwd | host GiB/rank | blocks/G GiB "
+        "| peak HBM GiB/rank | GPU in use GiB/rank | = resident | = rank-local |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in rows:
+        exposed = "n/a" if r.exposed_s_per_forward is None else f"{r.exposed_s_per_forward:.4f}"
+        cells = [
+            r.shape, r.variant, f"{r.wave_s:.4f}", f"{r.x_resident:.2f}", f"{r.speedup_over_rank_local:.2f}",
+            f"{r.link_gb_per_forward:.2f}", f"{r.link_gbps:.1f}", f"{r.delivered_gbps:.1f}", exposed,
+            _per_rank(r.host_bytes_per_rank), _gib(r.blocks_over_g_bytes), _per_rank(r.peak_allocated_per_rank),
+            _per_rank(r.device_in_use_per_rank), _same(r.equal_to_resident), _same(r.equal_to_rank_local),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[Row], world: int) -> list[str]:
+    """Issue 8's targets, one line each, for the shapes that ran."""
+    by = {(r.shape, r.variant): r for r in rows}
+    lines = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        gather, local = by[(shape, "all-gather")], by[(shape, "rank-local")]
+        parity = gather.equal_to_resident and gather.equal_to_rank_local and local.equal_to_resident
+        repeatable = all(by[(shape, v)].repeatable for v in VARIANTS)
+        lines.append(
+            f"{shape}: parity (all-gather = rank-local = resident on every rank, every forward): "
+            f"{'met' if parity else 'NOT met'}; forwards repeatable: {repeatable}; "
+            f"ranks ran different prompts: {gather.prompts_differ}"
+        )
+        host = max(gather.host_bytes_per_rank) / gather.blocks_over_g_bytes
+        lines.append(f"{shape}: all-gather host bytes per rank = {host:.4f} x (block bytes / {world})")
+        if shape == "flux":
+            met = gather.speedup_over_rank_local >= FLUX_SPEEDUP_TARGET
+            lines.append(
+                f"flux: all-gather {gather.speedup_over_rank_local:.2f}x faster than rank-local "
+                f"(target >= {FLUX_SPEEDUP_TARGET} on 2 GPUs): {'met' if met else 'NOT met'}"
+            )
+        if shape == "wan":
+            met = gather.x_resident <= WAN_RESIDENT_TARGET
+            lines.append(
+                f"wan: all-gather {gather.x_resident:.3f}x resident (target <= {WAN_RESIDENT_TARGET}): "
+                f"{'met' if met else 'NOT met'}"
+            )
+    return lines
+
+
+def environment(ranks: Ranks) -> dict[str, str]:
+    import diffusers
+
+    env = {
+        "device": torch.cuda.get_device_name(ranks.device) if ranks.is_cuda else "cpu",
+        "ranks": str(ranks.world),
+        "backend": str(dist.get_backend()),
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ranks.is_cuda else "n/a",
+        "diffusers": diffusers.__version__,
+        "dlo": dlo.__version__,
+    }
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_NVLS_ENABLE"):
+        env[name] = os.environ.get(name, "unset")
+    return env
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
+    env = environment(ranks)
+    if ranks.rank == 0:
+        print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    rows: list[Row] = []
+    for name in args.shapes:
+        shape_rows = run_shape(SHAPES[name], ranks, args)
+        if shape_rows is None:  # not rank 0
+            continue
+        rows += shape_rows
+        if args.json is not None:
+            write_json(args.json, {
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "environment": env,
+                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed},
+                "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
+                "verdicts": verdicts(rows, ranks.world),
+                "table": markdown_table(rows),
+                "rows": [asdict(row) for row in rows],
+            })
+    if ranks.rank == 0:
+        print()
+        for line in verdicts(rows, ranks.world):
+            print(line)
+        if args.json is not None:
+            print(f"report: {args.json}")
+        print(markdown_table(rows), flush=True)
+
+
+# ------------------------------------------------------------------------- kill test
+
+
+def kill_stamp() -> Path:
+    """Where the victim notes the time of its death for the survivors (one host)."""
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '0')}"
+    return Path(tempfile.gettempdir()) / f"dlo-bench-allgather-kill-{run}.json"
+
+
+def death_time(stamp: Path) -> float | None:
+    try:
+        return float(json.loads(stamp.read_text())["time"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def since_death(stamp: Path) -> str:
+    died = death_time(stamp)
+    return "before the victim died" if died is None else f"+{time.time() - died:.1f} s after the victim died"
+
+
+class SurvivorWatch:
+    """A survivor's clock: a daemon thread prints once a second, from the victim's death on,
+    that this rank is still alive, and at once when a SIGTERM arrives. The Python handler
+    only keeps the process running (torchrun SIGKILLs it TORCHRUN_GRACE_S later anyway); the
+    arrival is seen through the wakeup fd, which the C-level handler writes to even while the
+    main thread is blocked inside a CUDA or NCCL call."""
+
+    def __init__(self, rank: int, stamp: Path) -> None:
+        self.rank = rank
+        self.stamp = stamp
+        self._wakeup, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.set_wakeup_fd(write_end)
+        threading.Thread(target=self._watch, daemon=True, name="survivor-watch").start()
+
+    def _watch(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._wakeup], [], [], 1.0)
+            if ready:
+                signals = os.read(self._wakeup, 64)
+                if signal.SIGTERM in signals:
+                    print(
+                        f"[kill] rank {self.rank}: SIGTERM (torchrun's agent closing the group) "
+                        f"{since_death(self.stamp)}; ignored, watching what dlo and NCCL do",
+                        flush=True,
+                    )
+            elif death_time(self.stamp) is not None:
+                print(f"[kill] rank {self.rank}: alive {since_death(self.stamp)}", flush=True)
+
+
+def arm_victim(block: nn.Module, name: str, rank: int, stamp: Path, calls: list[int], kill_call: int) -> None:
+    """Exit in call `kill_call` before `block` runs. Registered before dlo's hook, so this
+    rank has issued the collectives up to the prefetch of `block` and none after."""
+
+    def die(*_: object) -> None:
+        if len(calls) == kill_call:
+            now = time.time()
+            stamp.write_text(json.dumps({"time": now, "rank": rank, "block": name}))
+            print(f"[kill] rank {rank}: os._exit(1) in call {kill_call} before {name} at t={now:.3f}", flush=True)
+            os._exit(1)
+
+    block.register_forward_pre_hook(die, prepend=True)
+
+
+def survivor_failed(err: BaseException, call: int, ranks: Ranks, stamp: Path, json_path: Path | None) -> None:
+    died = death_time(stamp)
+    after = None if died is None else time.time() - died
+    chain = []
+    cause: BaseException | None = err
+    while cause is not None:
+        chain.append(type(cause).__name__)
+        cause = cause.__cause__
+    print(
+        f"[kill] rank {ranks.rank}: {' <- '.join(chain)} in call {call}, {since_death(stamp)}: {err}",
+        flush=True,
+    )
+    if json_path is not None:
+        write_json(json_path, {
+            "rank": ranks.rank, "call": call, "exception": chain, "message": str(err),
+            "seconds_after_death": after, "environment": environment(ranks),
+        })
+
+
+def kill_test(ranks: Ranks, args: argparse.Namespace) -> None:
+    if ranks.world < 2 or not 0 <= args.kill_rank < ranks.world:
+        sys.exit(f"--kill-rank {args.kill_rank} needs a rank of a group of at least 2 (world {ranks.world})")
+    shape = SHAPES[args.shapes[0]]
+    stamp = kill_stamp()
+    if ranks.rank == 0:
+        stamp.unlink(missing_ok=True)
+        print(" | ".join(f"{k} {v}" for k, v in environment(ranks).items()), flush=True)
+    model = build_model(shape, args.seed, ranks.device)
+    inputs = rank_inputs(shape, args.seed, ranks)
+    handle = dlo.enable(model, ranks.device, dlo.OffloadConfig(use_allgather=True))
+    blocks = model.get_submodule(handle.plan.block_lists[0])
+    middle = len(blocks) // 2
+    calls: list[int] = []
+    if ranks.rank == args.kill_rank:
+        arm_victim(blocks[middle], f"{handle.plan.block_lists[0]}.{middle}", ranks.rank, stamp, calls, 1)
+    else:
+        SurvivorWatch(ranks.rank, stamp)
+    align(ranks)  # the last collective outside dlo: from here on only dlo's own
+    for call in range(args.kill_calls):
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                model(**inputs)
+            synchronize(ranks.device)
+        except BaseException as err:  # noqa: BLE001  (whatever surfaces is the finding)
+            survivor_failed(err, call, ranks, stamp, args.json)
+            os._exit(2)  # no teardown: disable() and destroy_process_group() are collectives
+        calls.append(call)
+        print(f"[kill] rank {ranks.rank}: call {call} done in {time.perf_counter() - started:.3f} s", flush=True)
+    print(f"[kill] rank {ranks.rank}: all {args.kill_calls} calls finished: no failure surfaced", flush=True)
+    os._exit(3)
+
+
+# ------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--shapes", type=lambda text: text.split(","), default=["flux", "wan"],
+        help=f"comma-separated, from {', '.join(SHAPES)} (default: flux,wan; tiny is the smoke-test Wan)",
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: one GPU per rank, NCCL; cpu: Gloo (default: cuda)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per variant (default: 2)")
+    parser.add_argument("--iters", type=int, default=5, help="timed forwards per variant (default: 5)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights (all ranks); rank r's inputs use seed + 1 + 1000 r (default: 0)")
+    parser.add_argument("--kill-rank", type=int, default=None,
+                        help="run the failure test: this rank exits in its second call, mid-wave")
+    parser.add_argument("--kill-calls", type=int, default=4, help="calls the kill test makes (default: 4)")
+    parser.add_argument("--pg-timeout", type=float, default=None,
+                        help="process group timeout in seconds (default: 10 with --kill-rank, else 600)")
+    out = os.environ.get("OUT")
+    parser.add_argument(
+        "--json", type=Path, default=None,
+        help="JSON report (default: $OUT/bench_allgather.json, or $OUT/bench_allgather_kill.json with "
+        "--kill-rank, if OUT is set, else none)",
+    )
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
+    if args.warmup < 0 or args.iters < 1:
+        parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    if args.kill_calls < 2:
+        parser.error("--kill-calls must be >= 2: the victim dies in the second call")
+    if args.pg_timeout is None:
+        args.pg_timeout = 10.0 if args.kill_rank is not None else 600.0
+    if args.json is None and out:
+        args.json = Path(out) / ("bench_allgather_kill.json" if args.kill_rank is not None else "bench_allgather.json")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ranks = init_ranks(args.device, args.pg_timeout)
+    if args.kill_rank is not None:
+        kill_test(ranks, args)  # never returns
+    benchmark(ranks, args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
