@@ -201,3 +201,17 @@ def test_file_digests_cover_every_chunk_of_every_file(tmp_path):
     flipped[-1] ^= 1  # in the second chunk
     big.write_bytes(bytes(flipped))
     assert file_digests([big], threads=2)[0] != expected[0]
+
+
+def test_an_io_error_while_hashing_is_a_reason_not_an_exception(tmp_path, monkeypatch):
+    import errno
+
+    from dlo.host.cache import entry_store
+
+    publish(tmp_path)
+
+    def failing_map(path):  # the disk failing under the entry (EIO): injected, no real fault
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(entry_store, "_map_file", failing_map)
+    assert EntryStore(tmp_path).validate(KEY).startswith("hashing failed ([Errno 5] Input/output error")
