@@ -11,9 +11,10 @@ StreamingError on every rank at once. A rank whose forward then leaves the sched
 or reorders a block, or ends the call early) first issues the rest of the call's collectives
 so its peers can finish, marks itself poisoned and raises; the next agreement fails on every
 rank. A rank that dies makes its peers' next collective fail; with Gloo at once (tested), and
-dlo re-raises that as StreamingError naming the group. With NCCL the failure surfaces through
-the process group's timeout and error handling (NCCL's watchdog may abort the process
-instead); that path is untested (it needs several GPUs).
+dlo re-raises that as StreamingError naming the group. With NCCL no Python call sees it: the
+survivors' collectives are queued without waiting, and on 2 H200s NCCL's watchdog reported the
+timeout but did not end the process within 30 s; the launcher (torchrun) is what stops the
+survivors (benchmarks/RESULTS.md, issue 8).
 """
 
 from __future__ import annotations
