@@ -16,3 +16,24 @@ def tiny_pair():
         return reference, copy.deepcopy(reference), entry
 
     return make
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """Mounts a real tmpfs with the given options for the test (needs root)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(options):
+        mount_point = tmp_path / f"fs{len(mounted)}"
+        mount_point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+        mounted.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in mounted:
+        subprocess.run(["umount", str(mount_point)], check=False)

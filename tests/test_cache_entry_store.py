@@ -163,26 +163,24 @@ def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(t
     assert caught_mid_write >= 3  # the kills did land inside publication, not only around it
 
 
-@pytest.fixture
-def full_filesystem(tmp_path):
-    """A real 1 MiB filesystem (tmpfs, mounted for the test: needs root)."""
-    import subprocess
-
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=False)
-
-
-def test_a_full_disk_fails_cleanly_with_insufficient_disk(full_filesystem):
+def test_a_full_disk_fails_cleanly_with_insufficient_disk(small_filesystem):
+    root = small_filesystem("size=1m")
     with pytest.raises(CacheUnavailable) as raised:
-        publish(full_filesystem)  # 12 MiB of tensors for 1 MiB of room
+        publish(root)  # 12 MiB of tensors for 1 MiB of room: refused by the free-space check
     assert raised.value.code == "insufficient_disk"
-    assert not (full_filesystem / "v1" / KEY).exists()
-    assert not list((full_filesystem / ".tmp").iterdir())
+    assert not (root / "v1" / KEY).exists()
+    assert not list((root / ".tmp").iterdir())
+
+
+def test_running_out_of_space_mid_write_fails_cleanly_with_insufficient_disk(small_filesystem):
+    # Bytes to spare, but 8 inodes: the root, .locks, the lock file, .tmp, v1 and the temp dir
+    # take 6, two shards the last 2, and creating the third fails with a real ENOSPC.
+    root = small_filesystem("size=128m,nr_inodes=8")
+    with pytest.raises(CacheUnavailable) as raised:
+        publish(root)  # 6 shards of 2 MiB
+    assert raised.value.code == "insufficient_disk" and "No space left on device" in raised.value.reason
+    assert not (root / "v1" / KEY).exists()
+    assert not list((root / ".tmp").iterdir())  # the two written shards went with their temp dir
 
 
 def test_file_digests_cover_every_chunk_of_every_file(tmp_path):

@@ -210,3 +210,18 @@ def test_a_corrupted_entry_is_not_warm_started(tmp_path, caplog):
         _, plan = dlo.load_transformer(directory, cached(tmp_path))
     assert plan is not None and not warm_started(caplog)
     assert not isinstance(dlo.host.cache.entry_store.EntryStore(tmp_path / "cache").validate(key), str)  # rebuilt
+
+
+def test_a_disk_full_mid_publication_keeps_the_ordinary_tensors(tmp_path, small_filesystem, caplog):
+    directory = save(tmp_path, "wan")
+    # Room for the bytes, not for the files: the root, .locks, the lock file, .tmp, v1 and the
+    # temp dir take all 6 inodes, so creating the entry's shard fails with a real ENOSPC.
+    root = small_filesystem("size=128m,nr_inodes=6,mode=0700")
+    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(root), cache_allow_any_filesystem=True)
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        model, plan = dlo.load_transformer(directory, config)
+    assert plan is None and fallback_codes(caplog) == ["insufficient_disk"]
+    assert not (root / "v1").exists() or not list((root / "v1").iterdir())
+    assert not list((root / ".tmp").iterdir())
+    assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
+    run(model, "wan", seeds=(1,))  # the ordinary tensors work

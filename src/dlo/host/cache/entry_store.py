@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -250,9 +251,8 @@ class EntryStore:
                 return found
             try:
                 return self._write(key, tensors, identity, shard_bytes)
-            except OSError as err:
-                code = "insufficient_disk" if err.errno == errno.ENOSPC else "cache_operation_failed"
-                raise CacheUnavailable(code, f"publishing {key}: {err}") from err
+            except (OSError, SafetensorError) as err:
+                raise CacheUnavailable(_failure_code(err), f"publishing {key}: {err}") from err
 
     def _lock(self, key: str, timeout_s: float):
         store = self
@@ -350,6 +350,17 @@ class EntryStore:
             shutil.rmtree(temp, ignore_errors=True)
             raise
         return Entry(final, manifest)
+
+
+def _failure_code(err: OSError | SafetensorError) -> str:
+    """insufficient_disk for a full filesystem, else cache_operation_failed. safetensors'
+    writer reports I/O errors as SafetensorError, whose text carries the OS error as Rust
+    prints it ("... (os error 28)"), not an errno."""
+    if isinstance(err, OSError):
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    else:
+        full = any(f"(os error {code})" in str(err) for code in (errno.ENOSPC, errno.EDQUOT))
+    return "insufficient_disk" if full else "cache_operation_failed"
 
 
 def _split(names: list[str], tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
