@@ -2,6 +2,7 @@
 in-place mapping that keeps Parameter objects, exact streaming, fail-closed fallbacks."""
 
 import fcntl
+import json
 import logging
 import os
 
@@ -225,3 +226,16 @@ def test_a_disk_full_mid_publication_keeps_the_ordinary_tensors(tmp_path, small_
     assert not list((root / ".tmp").iterdir())
     assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
     run(model, "wan", seeds=(1,))  # the ordinary tensors work
+
+
+def test_a_quantized_model_fails_closed_before_its_loader_runs(tmp_path, caplog):
+    directory = save(tmp_path, "wan")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (directory / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING), pytest.raises(Exception) as raised:
+        dlo.load_transformer(directory, cached(tmp_path))
+    # The code is logged first; then diffusers' own quantizing loader runs, which needs
+    # bitsandbytes and a GPU here: its error, and no cache entry.
+    assert fallback_codes(caplog) == ["unsupported_quantization"] and entries(tmp_path) == []
+    assert not isinstance(raised.value, dlo.DloError)

@@ -81,24 +81,33 @@ def load_through_cache(
     model_config = read_model_config(directory)
     cls = model_class(model_config.get("_class_name"), directory)
     fallback = _topology_fallback(topology, model_config)
+    if fallback is not None:
+        # Logged before loading: the ordinary loader may fail on its own (a quantized model
+        # needs its quantization backend).
+        _log_fallback(fallback)
+        return ordinary_load(directory, torch_dtype, fuse_qkv), None
     dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
     inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
-    source = source_key(directory, cls, dtype, inputs, topology) if fallback is None else None
+    source = source_key(directory, cls, dtype, inputs, topology)
     if source is not None:
         warm = _warm_start(directory, cls, model_config, config, fuse_qkv, source)
         if warm is not None:
             return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
-    result = fallback or _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source)
+    result = _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source)
     if isinstance(result, Fallback):
-        logger.warning(
-            "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
-            result.code,
-            result.reason,
-            extra={"dlo_fallback": result.code},
-        )
+        _log_fallback(result)
         return model, None
     return model, result
+
+
+def _log_fallback(fallback: Fallback) -> None:
+    logger.warning(
+        "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
+        fallback.code,
+        fallback.reason,
+        extra={"dlo_fallback": fallback.code},
+    )
 
 
 def _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source):
