@@ -237,3 +237,13 @@ def test_the_cuda_driver_calls_on_the_target_device_and_clears_only_its_own_erro
     driver.clear_error(code)
     assert runtime.pending == runtime.cudaError_t.cudaSuccess
     assert driver.unregister(0x1000) == 0 and runtime.log[-1] == ("unregister", 1)
+
+
+def test_resident_blocks_are_read_from_the_registered_mapping_too(tmp_path, wan, driver):
+    directory, expected = wan
+    model, plan = load(tmp_path, directory)
+    with dlo.enable(model, "cpu", config(tmp_path, resident_layers=2), plan=plan) as handle:
+        got = run(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.resident_blocks == 2 and stats.registered_bytes > 0

@@ -108,3 +108,13 @@ def test_the_ceiling_keeps_staging_on_cuda(tmp_path, wan):
         got = run(model)
         assert "ceiling" in handle.stats().registration_fallback
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_resident_blocks_copy_straight_from_the_registered_mapping(tmp_path, wan):
+    directory, expected = wan
+    model, plan = dlo.load_transformer(directory, config(tmp_path))
+    with dlo.enable(model, "cuda", config(tmp_path, resident_layers=2), plan=plan) as handle:
+        got = run(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.resident_blocks == 2 and stats.registered_bytes > 0

@@ -184,14 +184,24 @@ def _shard(block: _BlockTensors, mapped: MappedSource | None, group: GatherGroup
 
 
 def _place_rest(
-    tensors: list[torch.Tensor], device: torch.device, weights: HostWeights | None, planned: dict[int, TensorSource]
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    weights: HostWeights | None,
+    planned: dict[int, TensorSource],
+    registered: bool,
 ) -> int:
     """Move non-streamed tensors to `device` in place (ties survive: one tensor object each).
     On "cpu" they are copied too: mmap'd or oddly aligned storage becomes an ordinary
-    allocation. Planned tensors of resident blocks are read from the mapping."""
+    allocation. Planned tensors of resident blocks are read from the mapping: straight from
+    its pages when it is registered, else through a private copy."""
     for tensor in tensors:
         source = planned.get(id(tensor))
-        if source is not None and weights is not None:
+        if source is not None and weights is not None and registered:
+            value = torch.empty(source.shape, dtype=source.dtype, device=device)
+            for piece in source.pieces(weights.checkpoint, value):
+                piece.target.copy_(piece.source)
+            tensor.data = value
+        elif source is not None and weights is not None:
             tensor.data = source.materialize(weights.checkpoint).to(device)
         else:
             tensor.data = tensor.data.to(device) if device.type != "cpu" else tensor.data.clone()
@@ -322,7 +332,9 @@ def enable(
                     sharded.append(_streamed(block, layout, shard, placeholder))
                 else:
                     bound.append(_bind_block(block, weights, planned, pin, placeholder))
-            device_weight_bytes = _place_rest(rest_tensors, device, weights, planned)
+            device_weight_bytes = _place_rest(
+                rest_tensors, device, weights, planned, registered.registration is not None
+            )
             transfer = make_transfer(device)
             slot_bytes = max((_slot_bytes(b) for b in bound + sharded), default=0)
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
