@@ -247,3 +247,18 @@ def test_resident_blocks_are_read_from_the_registered_mapping_too(tmp_path, wan,
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.resident_blocks == 2 and stats.registered_bytes > 0
+
+
+def test_a_module_dropped_without_disable_still_unregisters_before_unmapping(tmp_path, wan, driver):
+    directory, _ = wan
+    model, plan = load(tmp_path, directory)
+    (path,) = entry_files(tmp_path)
+    seen = []
+    driver.on_unregister = lambda address: seen.append(mapped(path))
+    dlo.enable(model, "cpu", config(tmp_path), plan=plan)
+    run(model, seeds=(1,))
+    del model, plan  # the handle lives as long as the module (its hooks hold it)
+    gc.collect()
+    assert seen == [True] and driver.registered == {}
+    gc.collect()
+    assert not mapped(path)

@@ -2,6 +2,8 @@
 from the shared pages, exact outputs, unregistered by disable(), a second enable, and a
 failed registration that falls back to staging with identical outputs."""
 
+import gc
+
 import pytest
 import torch
 
@@ -118,3 +120,15 @@ def test_resident_blocks_copy_straight_from_the_registered_mapping(tmp_path, wan
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.resident_blocks == 2 and stats.registered_bytes > 0
+
+
+def test_a_module_dropped_without_disable_gives_its_registration_back(tmp_path, wan):
+    directory, _ = wan
+    model, plan = dlo.load_transformer(directory, config(tmp_path))
+    addresses = mapped_addresses(model)
+    dlo.enable(model, "cuda", config(tmp_path), plan=plan)
+    run(model, seeds=(1,))  # ends with the next call's first block prefetched: a copy in flight
+    assert all(registered(a) for a in addresses)
+    del model, plan
+    gc.collect()
+    assert not any(registered(a) for a in addresses)

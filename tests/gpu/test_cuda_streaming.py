@@ -1,6 +1,7 @@
 """The same parity checks on CUDA, with the real copy stream, events and pinned memory."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -58,6 +59,16 @@ def test_host_buffers_are_page_locked_while_enabled_and_released_by_disable():
     handle.disable()
     weight = streamed.blocks[0].attn1.to_q.weight
     assert weight.device.type == "cpu" and weight.numel() > 0 and not page_locked(weight)
+
+
+def test_host_buffers_of_a_module_dropped_without_disable_are_unpinned():
+    _, streamed, entry = pair("wan", torch.float32)
+    handle = dlo.enable(streamed, "cuda")
+    buffers = [block.source.host.tensor for block in handle._runtime.blocks]
+    outputs(streamed, entry, [1], torch.float32)
+    del handle, streamed
+    gc.collect()  # the module and its handle go; the finalizer unpins, the buffers outlive it here
+    assert buffers and not any(page_locked(buffer) for buffer in buffers)
 
 
 def test_pageable_host_memory_streams_identically():

@@ -257,7 +257,8 @@ def enable(
     other blocks are packed into (pinned) host memory, or read from the checkpoint or cache
     mapping of a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device
     slots just before they run. A host weight cache mapping is registered with the driver
-    when it can be (SPEC §5.3), so its blocks are copied straight from the shared pages. Call the model under torch.inference_mode() or torch.no_grad().
+    when it can be (SPEC §5.3), so its blocks are copied straight from the shared pages.
+    Call the model under torch.inference_mode() or torch.no_grad().
 
     With `config.use_allgather`, each rank keeps 1/G of every streamed block and the group
     chosen from `groups` (default: an initialized torch.distributed world, as pure data

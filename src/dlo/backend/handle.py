@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -16,7 +16,9 @@ from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
+from dlo.host.registration import HostRegistration
 from dlo.hotpath.runtime import StreamingRuntime
+from dlo.hotpath.transfer import Transfer
 from dlo.observe.stats import OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
@@ -79,6 +81,15 @@ class OffloadHandle:
         self._backing = backing
         self._registration = registration or RegistrationOutcome(None, "", 0.0)
         self._final_stats: OffloadStats | None = None
+        self._releases = [block.source.release for block in runtime.blocks] + (
+            [runtime.stager.close] if runtime.stager is not None else []
+        )
+        # A module dropped without disable() must still give its host memory back in order:
+        # the driver would otherwise keep pinning pages whose addresses get reused.
+        self._finalizer = weakref.finalize(
+            self, _abandoned, runtime.transfer, self._registration.registration, self._releases, checkpoint
+        )
+        self._finalizer.atexit = False  # at exit the process's memory goes with it
         # Root hooks are bound methods: the module keeps its handle alive through them, even
         # when the caller drops the handle (the registry only holds it weakly).
         self._hooks.append(module.register_forward_pre_hook(self._call_starts))
@@ -162,18 +173,10 @@ class OffloadHandle:
             assert self._final_stats is not None
             return self._final_stats
         final = self.stats()
+        self._finalizer.detach()
         runtime = self._runtime
-        errors = []
         registered = self._registration.registration
-        if registered is not None:
-            registered.close()  # failed ranges are kept and retried when the mapping closes
-        for release in [block.source.release for block in runtime.blocks] + (
-            [runtime.stager.close] if runtime.stager is not None else []
-        ):
-            try:
-                release()
-            except EnableError as err:  # the bytes stay valid: the tensors below keep them alive
-                errors.append(str(err))
+        errors = _release_host_memory(registered, self._releases)
         for hook in self._hooks:
             hook.remove()
         with torch.no_grad():
@@ -191,3 +194,32 @@ class OffloadHandle:
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
         return final
+
+
+def _release_host_memory(registration: HostRegistration | None, releases: list[Callable[[], None]]) -> list[str]:
+    """After the device is synchronized: unregister the mapping, unpin private and staging
+    buffers. Returns the errors; the bytes stay valid (their tensors keep them alive)."""
+    if registration is not None:
+        registration.close()  # failed ranges are kept and retried when the mapping closes
+    errors = []
+    for release in releases:
+        try:
+            release()
+        except EnableError as err:
+            errors.append(str(err))
+    return errors
+
+
+def _abandoned(
+    transfer: Transfer,
+    registration: HostRegistration | None,
+    releases: list[Callable[[], None]],
+    checkpoint: Checkpoint | None,
+) -> None:
+    """The handle was collected without disable(): nothing can run the module any more, but
+    copies issued before (a prefetch for the next call) may still be in flight. Wait for
+    them, then release in disable()'s order."""
+    transfer.synchronize()
+    _release_host_memory(registration, releases)
+    if checkpoint is not None:
+        release_mapping(checkpoint, registration)
