@@ -239,3 +239,40 @@ def test_a_quantized_model_fails_closed_before_its_loader_runs(tmp_path, caplog)
     # bitsandbytes and a GPU here: its error, and no cache entry.
     assert fallback_codes(caplog) == ["unsupported_quantization"] and entries(tmp_path) == []
     assert not isinstance(raised.value, dlo.DloError)
+
+
+FAILED_ENABLE = """
+import sys, torch, dlo
+from dlo.models.tiny import TINY_MODELS
+directory, cache = sys.argv[1], sys.argv[2]
+config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=cache)
+model, plan = dlo.load_transformer(directory, config)
+model.blocks[1].ffn.net[0].proj.bias = model.blocks[0].ffn.net[0].proj.bias  # a tie dlo refuses
+try:
+    dlo.enable(model, "cpu", config, plan=plan)
+except dlo.EnableError:
+    pass
+with torch.inference_mode():
+    out = model(**TINY_MODELS["wan"].inputs(1))[0]  # reads every weight after the rollback
+torch.save(out, sys.argv[3])
+"""
+
+
+def test_a_failed_enable_leaves_private_tensors_not_views_of_a_closed_mapping(tmp_path):
+    # In a subprocess: reading an unmapped view is a segfault, which must fail this test, not
+    # end the test run.
+    import subprocess
+    import sys
+
+    directory = save(tmp_path, "wan")
+    reference = diffusers.WanTransformer3DModel.from_pretrained(directory).eval()
+    reference.blocks[1].ffn.net[0].proj.bias = reference.blocks[0].ffn.net[0].proj.bias
+    expected = run(reference, "wan", seeds=(1,))[0]
+    out = tmp_path / "out.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", FAILED_ENABLE, str(directory), str(tmp_path / "cache"), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(torch.load(out), expected)

@@ -357,6 +357,10 @@ def enable(
             for tensor in stand_ins:
                 if id(tensor) not in in_bound and weights is not None:
                     tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
+            if weights is not None:  # a cache plan's tensors view the mapping closed below
+                for owned in owned_tensors(module):
+                    if weights.checkpoint.holds(owned.tensor):
+                        owned.tensor.data = owned.tensor.data.clone()
         if stager is not None:
             stager.close()
         for block in sharded:

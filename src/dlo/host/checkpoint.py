@@ -125,6 +125,10 @@ class Checkpoint:
         source = self.tensors[key]
         return source.file.view(key)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views one of the mapped files."""
+        return any(shard.holds(tensor) for shard in self.files)
+
     def close(self) -> None:
         for shard in self.files:
             shard.close()

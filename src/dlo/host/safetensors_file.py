@@ -195,11 +195,19 @@ class SafetensorsFile:
         raw = self._bytes[entry.begin : entry.end]
         return raw.view(entry.dtype).view(entry.shape)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` views this mapping (False once closed)."""
+        if self._bytes is None:
+            return False
+        start = self._bytes.data_ptr()
+        return tensor.device.type == "cpu" and start <= tensor.data_ptr() < start + self.size
+
     def close(self) -> None:
-        """Unmap. Views taken earlier must not be used afterwards."""
+        """Unmap, now: views taken earlier must not be used afterwards. (torch.frombuffer
+        keeps the mmap object alive but does not hold its buffer exported, so close() does
+        not wait for views: callers give live tensors private copies first.)"""
         self._bytes = None  # type: ignore[assignment]
         try:
             self._map.close()
-        except BufferError:
-            # A view still exports the buffer; the mapping lives until the views are gone.
+        except BufferError:  # a buffer export by someone else (e.g. a memoryview) still holds it
             pass
