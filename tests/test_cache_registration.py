@@ -13,6 +13,7 @@ from fake_driver import FakeDriver
 import dlo
 from dlo.backend import cuda_registration
 from dlo.host.registration import READ_ONLY, RegistrationCleanupError
+from dlo.hotpath.transfer import SyncTransfer
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
@@ -60,13 +61,32 @@ def mapped(path):
         return any(line.rstrip().endswith(str(path)) for line in maps)
 
 
-def test_a_registered_mapping_streams_directly_and_exactly(tmp_path, wan, driver):
+@pytest.fixture
+def direct_loads(monkeypatch):
+    """The source addresses of the copies each direct load issued (one list per load). Only
+    addresses: views of a mapping must not outlive it (pytest would print them on failure)."""
+    loads = []
+    issue = SyncTransfer.copy_pieces_into
+
+    def record(self, slot, tasks):
+        loads.append([task.source.data_ptr() for task in tasks])
+        return issue(self, slot, tasks)
+
+    monkeypatch.setattr(SyncTransfer, "copy_pieces_into", record)
+    return loads
+
+
+def test_a_registered_mapping_streams_directly_and_exactly(tmp_path, wan, driver, direct_loads):
     directory, expected = wan
     model, plan = load(tmp_path, directory)
     with dlo.enable(model, "cpu", config(tmp_path), plan=plan) as handle:
         got = run(model)
         stats = handle.stats()
+        # Every load went straight from the registered pages, one copy per tensor of the block.
+        assert all(driver.is_registered(address) for addresses in direct_loads for address in addresses)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    per_block = len(model.blocks[0].state_dict())
+    assert len(direct_loads) == stats.copies and {len(addresses) for addresses in direct_loads} == {per_block}
     registers = [c for c in driver.calls if c[0] == "register"]
     files = entry_files(tmp_path)
     # One range per entry file: its tensors are contiguous, so they coalesce into the pages
@@ -123,11 +143,36 @@ def test_pin_memory_off_registers_nothing(tmp_path, wan, driver):
     assert driver.calls == []
 
 
-def test_without_a_driver_the_reason_is_reported(tmp_path, wan):
+def test_on_the_cpu_registration_does_not_apply(tmp_path, wan, caplog):
     directory, _ = wan
     model, plan = load(tmp_path, directory)
+    with caplog.at_level(logging.INFO, logger="dlo"):
+        with dlo.enable(model, "cpu", config(tmp_path), plan=plan) as handle:
+            stats = handle.stats()
+    assert stats.registration_fallback == "" and stats.registered_bytes == 0
+    assert "registration" not in caplog.text
+
+
+def test_a_driver_that_fails_to_load_falls_back_to_staging(tmp_path, wan, monkeypatch):
+    directory, expected = wan
+
+    def broken(device):
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(cuda_registration, "registration_driver", broken)
+    model, plan = load(tmp_path, directory)
     with dlo.enable(model, "cpu", config(tmp_path), plan=plan) as handle:
-        assert handle.stats().registration_fallback == "host registration is CUDA-only (device cpu)"
+        got = run(model)
+        assert "cudaErrorInsufficientDriver" in handle.stats().registration_fallback
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_tiny_positive_ceiling_is_still_a_ceiling(tmp_path, wan, driver):
+    directory, _ = wan
+    model, plan = load(tmp_path, directory, pin_limit_gib=1e-12)  # 0.001 bytes: rounds up to 1, not to 0
+    with dlo.enable(model, "cpu", config(tmp_path, pin_limit_gib=1e-12), plan=plan) as handle:
+        assert "exceeds the registration ceiling" in handle.stats().registration_fallback
+    assert driver.calls == []
 
 
 def test_a_failed_unregister_keeps_the_mapping_open_and_the_module_usable(tmp_path, wan, driver):
@@ -239,10 +284,17 @@ def test_the_cuda_driver_calls_on_the_target_device_and_clears_only_its_own_erro
     assert driver.unregister(0x1000) == 0 and runtime.log[-1] == ("unregister", 1)
 
 
-def test_resident_blocks_are_read_from_the_registered_mapping_too(tmp_path, wan, driver):
+def test_resident_blocks_are_read_from_the_registered_mapping_too(tmp_path, wan, driver, monkeypatch):
+    from dlo.host.tensor_source import TensorSource
+
     directory, expected = wan
     model, plan = load(tmp_path, directory)
-    with dlo.enable(model, "cpu", config(tmp_path, resident_layers=2), plan=plan) as handle:
+    private_copies = []
+    materialize = TensorSource.materialize
+    monkeypatch.setattr(TensorSource, "materialize", lambda self, c: private_copies.append(self) or materialize(self, c))
+    handle = dlo.enable(model, "cpu", config(tmp_path, resident_layers=2), plan=plan)
+    assert private_copies == []  # resident blocks came straight from the registered pages
+    with handle:
         got = run(model)
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
@@ -262,3 +314,19 @@ def test_a_module_dropped_without_disable_still_unregisters_before_unmapping(tmp
     assert seen == [True] and driver.registered == {}
     gc.collect()
     assert not mapped(path)
+
+
+def test_a_dropped_handle_whose_device_fails_keeps_its_memory(tmp_path, wan, driver, monkeypatch):
+    directory, _ = wan
+    model, plan = load(tmp_path, directory)
+    (path,) = entry_files(tmp_path)
+    dlo.enable(model, "cpu", config(tmp_path), plan=plan)
+
+    def broken_device(self):  # the device faulted: copies from the mapping may be in flight
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+    monkeypatch.setattr(SyncTransfer, "synchronize", broken_device)
+    del model, plan
+    gc.collect()
+    gc.collect()
+    assert len(driver.registered) == 1 and mapped(path)  # nothing unregistered, nothing unmapped

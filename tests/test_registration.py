@@ -86,3 +86,15 @@ def test_close_is_reverse_idempotent_and_retries_failures():
     assert registration.close() == [] and registration.region_count == 0
     assert registration.close() == []  # idempotent
     assert [c[1] for c in driver.calls if c[0] == "unregister"][-1] == 0x9000
+
+
+def test_a_driver_whose_attribute_query_raises_is_a_registration_error():
+    driver = FakeDriver()
+
+    def raising():
+        raise RuntimeError("cudaErrorNoDevice")
+
+    driver.read_only_supported = raising
+    with pytest.raises(RegistrationError, match="cudaErrorNoDevice"):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert driver.registered == {}

@@ -65,13 +65,13 @@ class CudaRegistrationDriver:
         return name.decode() if err == self._success else f"error {code}"
 
 
-def registration_driver(device: torch.device) -> CudaRegistrationDriver | str:
-    """The driver that registers host memory for `device`, or why there is none."""
+def registration_driver(device: torch.device) -> CudaRegistrationDriver | str | None:
+    """The driver that registers host memory for `device`; None where registration does not
+    apply (the CPU: slots are host memory); a reason where it cannot be done."""
     if device.type != "cuda":
-        return f"host registration is CUDA-only (device {device})"
+        return None
     try:
         from cuda.bindings import runtime
     except ImportError:
         return "cuda-bindings is not installed (pip install cuda-bindings)"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return CudaRegistrationDriver(runtime, index)
+    return CudaRegistrationDriver(runtime, device.index if device.index is not None else torch.cuda.current_device())

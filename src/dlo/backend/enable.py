@@ -116,14 +116,15 @@ def _bind_planned(
 
 
 def _mapped_source(
-    block: _BlockTensors, weights: HostWeights | None, planned: dict[int, TensorSource]
+    block: _BlockTensors, weights: HostWeights | None, planned: dict[int, TensorSource], pin_private: bool = False
 ) -> MappedSource | None:
+    """`pin_private`: page-lock the snapshots (direct copies from pageable memory would make
+    the host wait for the copy stream)."""
     if weights is None or not any(id(t) in planned for t in block.tensors):
         return None
     # Tensors the checkpoint does not hold are snapshotted: the live ones become placeholders.
-    return MappedSource(
-        weights.checkpoint, tuple(planned.get(id(t)) or t.detach().clone() for t in block.tensors)
-    )
+    snapshot = (lambda t: t.detach().clone().pin_memory()) if pin_private else (lambda t: t.detach().clone())
+    return MappedSource(weights.checkpoint, tuple(planned.get(id(t)) or snapshot(t) for t in block.tensors))
 
 
 def _streamed(
@@ -145,10 +146,12 @@ def _bind_block(
     planned: dict[int, TensorSource],
     pin: bool,
     placeholder: dict[torch.dtype, torch.Tensor],
+    direct: bool,
 ) -> StreamedBlock:
-    """Give the block its host source and release its original storage."""
+    """Give the block its host source and release its original storage. `direct`: the
+    mapping is registered and copied from straight into the slots."""
     layout = plan_block_layout(block.specs)
-    source: BlockSource | None = _mapped_source(block, weights, planned)
+    source: BlockSource | None = _mapped_source(block, weights, planned, pin_private=direct and pin)
     if source is None:
         try:
             host = HostBuffer(layout.nbytes, pin)
@@ -321,6 +324,7 @@ def enable(
         rest_tensors = [owned.tensor for owned in rest.values()]
 
         pin = config.pin_memory and device.type == "cuda"
+        direct = registered.registration is not None  # copies straight from the mapping: no staging
         placeholder: dict[torch.dtype, torch.Tensor] = {}
         for block in streamed_tensors:
             for tensor in block.tensors:
@@ -332,15 +336,12 @@ def enable(
                     layout, shard = _shard(block, _mapped_source(block, weights, planned), gather_group, pin)
                     sharded.append(_streamed(block, layout, shard, placeholder))
                 else:
-                    bound.append(_bind_block(block, weights, planned, pin, placeholder))
-            device_weight_bytes = _place_rest(
-                rest_tensors, device, weights, planned, registered.registration is not None
-            )
+                    bound.append(_bind_block(block, weights, planned, pin, placeholder, direct))
+            device_weight_bytes = _place_rest(rest_tensors, device, weights, planned, direct)
             transfer = make_transfer(device)
             slot_bytes = max((_slot_bytes(b) for b in bound + sharded), default=0)
             slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
             mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
-            direct = registered.registration is not None  # no staging buffers at all
             if mapped and isinstance(transfer, CudaTransfer) and not direct:
                 stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
             ledger = TransferLedger(transfer, config.record_timeline)

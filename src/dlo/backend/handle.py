@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dlo.backend.mapping_registration import RegistrationOutcome, release_mapping
+from dlo.backend.mapping_registration import RegistrationOutcome, keep_registered, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
@@ -22,6 +23,8 @@ from dlo.hotpath.transfer import Transfer
 from dlo.observe.stats import OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
+
+logger = logging.getLogger(__name__)
 
 # Every module under dlo (roots and blocks) -> a weak reference to its handle. The only state
 # dlo keeps about user modules (nothing is attached to them besides hooks). Weak both ways: a
@@ -173,7 +176,6 @@ class OffloadHandle:
             assert self._final_stats is not None
             return self._final_stats
         final = self.stats()
-        self._finalizer.detach()
         runtime = self._runtime
         registered = self._registration.registration
         errors = _release_host_memory(registered, self._releases)
@@ -185,6 +187,7 @@ class OffloadHandle:
             failures = release_mapping(self._checkpoint, registered)
             if failures:
                 errors.append(f"cudaHostUnregister failed ({'; '.join(failures)}), so the mapping stays open")
+        self._finalizer.detach()  # only now: if a step above raised, it still releases at collection
         for sub in self._managed:
             _MANAGED.pop(sub, None)
         self._hooks.clear()
@@ -218,8 +221,14 @@ def _abandoned(
 ) -> None:
     """The handle was collected without disable(): nothing can run the module any more, but
     copies issued before (a prefetch for the next call) may still be in flight. Wait for
-    them, then release in disable()'s order."""
-    transfer.synchronize()
+    them, then release in disable()'s order. If waiting fails (a broken device), nothing is
+    released: the driver may still be copying from that memory. See [Note: mapping lifetime]"""
+    try:
+        transfer.synchronize()
+    except Exception as err:  # a finalizer cannot raise to anyone
+        keep_registered(registration, releases, checkpoint)
+        logger.error("dlo: dropped handle: device synchronize failed (%s); its host memory stays pinned", err)
+        return
     _release_host_memory(registration, releases)
     if checkpoint is not None:
         release_mapping(checkpoint, registration)

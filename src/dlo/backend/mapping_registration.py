@@ -12,6 +12,7 @@ own rollback fails: enable() aborts and the mapping stays.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import time
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 GIB = 2**30
 
-# Mappings whose unregister failed, with their registrations. See [Note: mapping lifetime]
-_STILL_REGISTERED: list[tuple[HostRegistration, Checkpoint]] = []
+# Memory the driver may still own (mappings whose unregister failed, with their
+# registrations), kept for the life of the process. See [Note: mapping lifetime]
+_STILL_REGISTERED: list[tuple[object, ...]] = []
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,12 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
     propagates: startup must abort. See [Note: mapping lifetime]"""
     if not config.pin_memory:
         return RegistrationOutcome(None, "OffloadConfig.pin_memory=False", 0.0)
-    driver = cuda_registration.registration_driver(device)
+    try:
+        driver = cuda_registration.registration_driver(device)
+    except Exception as err:  # e.g. cuda-bindings built for another driver
+        return _fall_back(f"the CUDA runtime bindings failed: {err!r}", 0.0)
+    if driver is None:  # nothing to register on this device: its slots are host memory
+        return RegistrationOutcome(None, "", 0.0)
     if isinstance(driver, str):
         return _fall_back(driver, 0.0)
     mapped = [(source, checkpoint.view(key)) for key, source in checkpoint.tensors.items() if source.entry.nbytes]
@@ -57,7 +64,7 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
         registration = HostRegistration(
             driver,
             coalesce(pieces, mmap.PAGESIZE),
-            limit_bytes=int(config.pin_limit_gib * GIB),
+            limit_bytes=math.ceil(config.pin_limit_gib * GIB),  # a tiny positive limit stays positive
             probes=[view.data_ptr() for _, view in mapped],
         )
     except RegistrationError as err:
@@ -87,8 +94,14 @@ def release_mapping(checkpoint: Checkpoint, registration: HostRegistration | Non
     failures = registration.close() if registration is not None else []
     if failures:
         assert registration is not None
-        _STILL_REGISTERED.append((registration, checkpoint))
+        keep_registered(registration, checkpoint)
         logger.error("dlo: could not unregister host memory, keeping its mapping open: %s", "; ".join(failures))
     else:
         checkpoint.close()
     return failures
+
+
+def keep_registered(*owners: object) -> None:
+    """Keep these owners of host memory (a mapping, pinned buffers) alive for the life of the
+    process: never unmapped nor freed. See [Note: mapping lifetime]"""
+    _STILL_REGISTERED.append(owners)

@@ -98,10 +98,10 @@ class HostRegistration:
             raise RegistrationError(
                 f"registering {total} bytes exceeds the registration ceiling ({limit_bytes / 2**30:g} GiB)"
             )
-        if not driver.read_only_supported():
-            raise RegistrationError("the device does not support read-only host registration (attribute 113)")
         self._ranges: list[HostRange] = []
         try:
+            if not driver.read_only_supported():
+                raise RegistrationError("the device does not support read-only host registration (attribute 113)")
             for host_range in ranges:
                 code = driver.register(host_range.start, host_range.nbytes, READ_ONLY)
                 if code != 0:
