@@ -140,3 +140,14 @@ def test_out_of_range_counts_are_usage_errors(args, message, capsys):
 def test_nproc_refuses_options_it_does_not_run(capsys):
     assert main(["demo", "--device", "cpu", "--nproc", "2", "--trace", "t.json"]) == 2
     assert "does not take --trace or --from-checkpoint" in capsys.readouterr().err
+
+
+def test_demo_through_a_registered_cache_says_so(tmp_path, monkeypatch, capsys):
+    from fake_driver import FakeDriver
+
+    from dlo.backend import cuda_registration
+
+    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: FakeDriver())
+    args = ["demo", "--model", "wan", "--device", "cpu", "--steps", "2", "--from-checkpoint", "--host-weight-cache"]
+    assert main([*args, "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert "mapped shared read-only, registered: direct copies" in capsys.readouterr().out

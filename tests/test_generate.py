@@ -60,6 +60,20 @@ def test_generate_writes_a_png_identical_to_the_plain_pipeline(flux_dir, tmp_pat
     assert np.array_equal(np.asarray(written.convert("RGB")), np.asarray(expected))
 
 
+def test_generate_through_a_registered_cache_is_identical_and_says_so(flux_dir, tmp_path, capsys, monkeypatch):
+    from fake_driver import FakeDriver
+
+    from dlo.backend import cuda_registration
+
+    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: FakeDriver())
+    out = tmp_path / "cube.png"
+    cache = ["--host-weight-cache", "--cache-dir", str(tmp_path / "cache")]
+    assert main(["generate", str(flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux"), *cache]) == 0
+    assert "host_weight_cache (registered)" in capsys.readouterr().out
+    expected = reference_call(plain_pipeline(flux_dir), "flux").images[0]
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
+
+
 def test_generate_writes_an_mp4(wan_dir, tmp_path):
     import imageio.v3 as iio
 

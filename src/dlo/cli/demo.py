@@ -142,6 +142,8 @@ def run_demo(
 
 
 def _backing(stats: OffloadStats) -> str:
+    if stats.registered_bytes:
+        return f"{stats.backing}, {human_bytes(stats.mapped_bytes)} mapped shared read-only, registered: direct copies"
     if stats.mapped_bytes:
         return f"{stats.backing}, {human_bytes(stats.mapped_bytes)} mapped shared read-only"
     return f"{human_bytes(stats.host_bytes)} private, {stats.backing}"

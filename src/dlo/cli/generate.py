@@ -82,7 +82,7 @@ def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float,
                 f"{s.h2d_gbps:.1f} GB/s",
                 f"{s.exposed_copy_s / max(steps, 1) * 1e3:.1f} ms",
                 human_bytes(s.peak_device_bytes),
-                s.backing,
+                f"{s.backing} (registered)" if s.registered_bytes else s.backing,
             ]
         )
     header = ["component", "blocks (+resident)", "streamed/step", "H2D", "exposed/step", "peak device", "host copy"]
