@@ -102,9 +102,8 @@ def file_digests(paths: list[Path], threads: int) -> list[str]:
             if mapping is not None:
                 mapping.close()
     seconds = time.perf_counter() - started
-    logger.info(
-        "dlo: hashed %.2f GB in %.2f s (%.1f GB/s on %d threads)", total / 1e9, seconds, total / 1e9 / max(seconds, 1e-9), threads
-    )
+    rate = total / 1e9 / max(seconds, 1e-9)
+    logger.info("dlo: hashed %.2f GB in %.2f s (%.1f GB/s on %d threads)", total / 1e9, seconds, rate, threads)
     per_file: list[list[bytes]] = [[] for _ in paths]
     for (i, _), chunk in zip(jobs, chunks):
         per_file[i].append(chunk)
@@ -311,7 +310,8 @@ class EntryStore:
         try:
             shards = _split(sorted(tensors), tensors, shard_bytes)
             files, index = {}, {}
-            with tqdm(total=total, unit="B", unit_scale=True, desc="dlo: publishing", disable=None, leave=False) as progress:
+            progress = tqdm(total=total, unit="B", unit_scale=True, desc="dlo: publishing", disable=None, leave=False)
+            with progress:
                 for i, names in enumerate(shards, start=1):
                     name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                     save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
@@ -321,7 +321,8 @@ class EntryStore:
                     files[name] = {"size": (temp / name).stat().st_size}
                     for n in names:
                         t = tensors[n]
-                        index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+                        nbytes = t.numel() * t.element_size()
+                        index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": nbytes}
                     progress.update(sum(index[n]["nbytes"] for n in names))
             for name, digest in zip(files, file_digests([temp / n for n in files], self.hash_threads)):
                 files[name]["sha256_chunked"] = digest
