@@ -12,7 +12,7 @@ from torch import nn
 
 from dlo.backend.device import resolve_device
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
-from dlo.backend.mapping_registration import RegistrationOutcome, register_mapping, release_mapping
+from dlo.backend.mapping_registration import NOT_APPLICABLE, register_mapping, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
 from dlo.backend.gather_group import GatherGroup, ParallelGroups, check_backend, resolve_gather_group
@@ -300,7 +300,7 @@ def enable(
                 "Load the model again with dlo.load_transformer"
             )
     planned: dict[int, TensorSource] = {}
-    registered = RegistrationOutcome(None, "", 0.0)
+    registered = NOT_APPLICABLE
     cleanup_pending = None  # a registration whose rollback failed: its mapping must stay
     stand_ins: list[torch.Tensor] = []
     bound: list[StreamedBlock] = []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dlo.backend.mapping_registration import RegistrationOutcome, keep_registered, release_mapping
+from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
@@ -66,7 +66,7 @@ class OffloadHandle:
         setup_s: float,
         checkpoint: Checkpoint | None = None,
         backing: str = "pinned",
-        registration: RegistrationOutcome | None = None,
+        registration: RegistrationOutcome = NOT_APPLICABLE,
     ) -> None:
         self.module = module
         self.device = device
@@ -82,7 +82,7 @@ class OffloadHandle:
         self._setup_s = setup_s
         self._checkpoint = checkpoint
         self._backing = backing
-        self._registration = registration or RegistrationOutcome(None, "", 0.0)
+        self._registration = registration
         self._final_stats: OffloadStats | None = None
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []

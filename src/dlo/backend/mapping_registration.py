@@ -43,6 +43,9 @@ class RegistrationOutcome:
     seconds: float
 
 
+NOT_APPLICABLE = RegistrationOutcome(None, "", 0.0)  # no cache mapping, or a device without registration
+
+
 def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torch.device) -> RegistrationOutcome:
     """Register every tensor of the mapping read-only, all or nothing (SPEC §5.3). A refusal
     is logged and returned as a fallback; RegistrationCleanupError (a failed rollback)
@@ -54,7 +57,7 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
     except Exception as err:  # e.g. cuda-bindings built for another driver
         return _fall_back(f"the CUDA runtime bindings failed: {err!r}", 0.0)
     if driver is None:  # nothing to register on this device: its slots are host memory
-        return RegistrationOutcome(None, "", 0.0)
+        return NOT_APPLICABLE
     if isinstance(driver, str):
         return _fall_back(driver, 0.0)
     mapped = [(source, checkpoint.view(key)) for key, source in checkpoint.tensors.items() if source.entry.nbytes]
