@@ -79,7 +79,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,7 @@ from bench_streaming import (
     Shape,
     block_bytes,
     build_model,
+    check_run_args,
     release,
     synchronize,
     to_device,
@@ -298,21 +299,11 @@ def rank_reports(runs: dict[str, Measured], rank: int) -> dict[str, RankReport]:
     local = runs["rank-local"].outputs[0] if "rank-local" in runs else None
     reports = {}
     for variant, run in runs.items():
+        counters = {f.name: getattr(run, f.name) for f in fields(Measured) if f.name != "outputs"}
         reports[variant] = RankReport(
             rank=rank,
             median_s=statistics.median(run.forward_s),
-            forward_s=run.forward_s,
-            peak_allocated=run.peak_allocated,
-            peak_reserved=run.peak_reserved,
-            device_in_use=run.device_in_use,
-            host_bytes=run.host_bytes,
-            link_bytes_per_forward=run.link_bytes_per_forward,
-            delivered_bytes_per_forward=run.delivered_bytes_per_forward,
-            ledger_h2d_gbps=run.ledger_h2d_gbps,
-            exposed_s_per_forward=run.exposed_s_per_forward,
-            collectives=run.collectives,
-            gather_group_size=run.gather_group_size,
-            backing=run.backing,
+            **counters,
             repeatable=all_equal(run.outputs, run.outputs[0]),
             equal_to_resident=None if variant == "resident" else all_equal(run.outputs, resident),
             equal_to_rank_local=(
@@ -655,11 +646,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-rank, if OUT is set, else none)",
     )
     args = parser.parse_args(argv)
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown:
-        parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
-    if args.warmup < 0 or args.iters < 1:
-        parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    check_run_args(parser, args)
     if args.kill_calls < 2:
         parser.error("--kill-calls must be >= 2: the victim dies in the second call")
     if args.pg_timeout is None:

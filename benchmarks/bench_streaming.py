@@ -488,12 +488,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where to write the JSON report (default: $OUT/bench_streaming.json if OUT is set, else none)",
     )
     args = parser.parse_args(argv)
+    check_run_args(parser, args)
+    return args
+
+
+def check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--shapes, --warmup and --iters, as every benchmark over SHAPES takes them."""
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
     if args.warmup < 0 or args.iters < 1:
         parser.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:
