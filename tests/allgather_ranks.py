@@ -146,7 +146,7 @@ def sp_group(rank: int, world: int) -> dict:
     groups = dlo.ParallelGroups(dp=None, sp=sp)
     with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), groups=groups) as handle:
         got = _tiny_outputs(model, "flux", [5])
-        role = handle._runtime.gather.role
+        role = handle._runtime.gather.role.value
     return dict(identical=torch.equal(expected[0], got[0]), role=role)
 
 

@@ -15,13 +15,13 @@ from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.backend.mapping_registration import NOT_APPLICABLE, register_mapping, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, EnableError
-from dlo.backend.gather_group import GatherGroup, ParallelGroups, check_backend, resolve_gather_group
+from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.registration import RegistrationCleanupError
 from dlo.host.tensor_source import TensorSource
-from dlo.hotpath.gather import BlockGather
+from dlo.hotpath.gather import BlockGather, GatherGroup
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import Binding, StreamedBlock

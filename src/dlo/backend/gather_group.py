@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.errors import ConfigError
+from dlo.hotpath.gather import GatherGroup, GatherRole
 
 
 @dataclass(frozen=True)
@@ -28,21 +29,13 @@ class ParallelGroups:
     hsdp: bool = False
 
 
-@dataclass(frozen=True)
-class GatherGroup:
-    group: dist.ProcessGroup | None  # None when size == 1: no collective is ever issued
-    rank: int
-    size: int
-    role: str  # "dp", "sp" or "none", for reports
-
-
-def choose_gather_role(dp_size: int, sp_size: int) -> str:
+def choose_gather_role(dp_size: int, sp_size: int) -> GatherRole:
     """SPEC §4: DP if DP > 1, else SP if SP > 1, else none."""
     if dp_size > 1:
-        return "dp"
+        return GatherRole.DP
     if sp_size > 1:
-        return "sp"
-    return "none"
+        return GatherRole.SP
+    return GatherRole.NONE
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -62,17 +55,17 @@ def resolve_gather_group(groups: ParallelGroups | None) -> GatherGroup:
             "weights across the DP group; use rank-local streaming (use_allgather=False)"
         )
     role = choose_gather_role(_size(groups.dp), _size(groups.sp))
-    group = {"dp": groups.dp, "sp": groups.sp, "none": None}[role]
+    group = {GatherRole.DP: groups.dp, GatherRole.SP: groups.sp, GatherRole.NONE: None}[role]
     if group is None:
         return GatherGroup(None, 0, 1, role)
     return GatherGroup(group, dist.get_rank(group), dist.get_world_size(group), role)
 
 
-def check_backend(backend: str, device: torch.device, role: str) -> None:
+def check_backend(backend: str, device: torch.device, role: GatherRole) -> None:
     """Block all-gathers run on the slots' device: NCCL for cuda, Gloo for cpu."""
     wanted = "nccl" if device.type == "cuda" else "gloo"
     if backend != wanted:
         raise ConfigError(
-            f"OffloadConfig.use_allgather on device {device} needs a {wanted!r} process group; the {role} group "
+            f"OffloadConfig.use_allgather on device {device} needs a {wanted!r} process group; the {role.value} group "
             f"is {backend!r}"
         )

@@ -19,18 +19,37 @@ survivors (benchmarks/RESULTS.md, issue 8).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dlo.backend.gather_group import GatherGroup
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
+
+class GatherRole(enum.Enum):
+    """Which of the caller's groups rebuilds blocks (SPEC §4); NONE: a group of one."""
+
+    DP = "dp"
+    SP = "sp"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """The group chosen for all-gather mode (by `dlo.backend.gather_group`)."""
+
+    group: dist.ProcessGroup | None  # None when size == 1: no collective is ever issued
+    rank: int
+    size: int
+    role: GatherRole
+
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -104,7 +123,7 @@ class BlockGather:
                 for r, row in enumerate(rows)
             )
             raise StreamingError(
-                f"all-gather lockstep broken in the {self.role} group ({described}). Every rank must call the "
+                f"all-gather lockstep broken in the {self.role.value} group ({described}). Every rank must call the "
                 "model the same number of times and run the same blocks in plan order (same step counts "
                 "and options, e.g. skip_layers); no collective of this call was issued"
             )
@@ -125,7 +144,7 @@ class BlockGather:
             _all_gather(whole, own, group=self.group)
         except RuntimeError as err:
             raise StreamingError(
-                f"all-gather in the {self.role} group failed on rank {self.rank}: a peer failed, left or issued "
+                f"all-gather in the {self.role.value} group failed on rank {self.rank}: a peer failed, left or issued "
                 f"another collective ({err})"
             ) from err
         self.collectives += 1

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from dlo.hotpath.transfer import Transfer
+class Clock(Protocol):
+    """Opaque device marks (CUDA events, or host times): what the ledger reads. The hot
+    path's transfer engines implement it."""
+
+    overlaps_compute: bool
+
+    def mark(self) -> Any: ...
+
+    def is_done(self, mark: Any) -> bool: ...
+
+    def seconds_between(self, start: Any, end: Any) -> float: ...
+
 
 # Settle once this many records are queued, so memory stays bounded over long runs.
 _SETTLE_BATCH = 64
@@ -37,7 +48,7 @@ class _Record:
 
 
 class TransferLedger:
-    def __init__(self, transfer: Transfer, record_timeline: bool) -> None:
+    def __init__(self, transfer: Clock, record_timeline: bool) -> None:
         self._transfer = transfer
         self._origin = transfer.mark()
         self.records_timeline = record_timeline
