@@ -19,6 +19,7 @@ from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
 from dlo.hotpath.runtime import StreamingRuntime
+from dlo.hotpath.staging import Stager
 from dlo.hotpath.transfer import Transfer
 from dlo.observe.stats import OffloadStats
 from dlo.observe.trace import write_chrome_trace
@@ -90,7 +91,7 @@ class OffloadHandle:
         # A module dropped without disable() must still give its host memory back in order:
         # the driver would otherwise keep pinning pages whose addresses get reused.
         self._finalizer = weakref.finalize(
-            self, _abandoned, runtime.transfer, self._registration.registration, self._releases, checkpoint
+            self, _abandoned, runtime.transfer, runtime.stager, self._registration.registration, self._releases, checkpoint
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
         # Root hooks are bound methods: the module keeps its handle alive through them, even
@@ -215,15 +216,20 @@ def _release_host_memory(registration: HostRegistration | None, releases: list[C
 
 def _abandoned(
     transfer: Transfer,
+    stager: Stager | None,
     registration: HostRegistration | None,
     releases: list[Callable[[], None]],
     checkpoint: Checkpoint | None,
 ) -> None:
     """The handle was collected without disable(): nothing can run the module any more, but
-    copies issued before (a prefetch for the next call) may still be in flight. Wait for
-    them, then release in disable()'s order. If waiting fails (a broken device), nothing is
-    released: the driver may still be copying from that memory. See [Note: mapping lifetime]"""
+    copies issued before (a prefetch for the next call) may still be in flight, and staged
+    loads may still be queued. Stop the stager first (no copy can be enqueued after it),
+    then wait for the device, then release in disable()'s order. If waiting fails (a broken
+    device), nothing is released: the driver may still be copying from that memory. See
+    [Note: mapping lifetime]"""
     try:
+        if stager is not None:
+            stager.stop()
         transfer.synchronize()
     except Exception as err:  # a finalizer cannot raise to anyone
         keep_registered(registration, releases, checkpoint)

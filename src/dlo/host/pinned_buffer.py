@@ -57,9 +57,24 @@ class HostBuffer:
         return self._locked_bytes > 0
 
     def unpin(self) -> None:
+        """Idempotent. A failed unregister keeps the buffer pinned, so a later call retries."""
         if self._locked_bytes:
             cudart = _driver()
             err = cudart.cudaHostUnregister(self.tensor.data_ptr())
-            self._locked_bytes = 0
             if err != cudart.cudaError.success:
                 raise EnableError(f"cudaHostUnregister failed ({err})")
+            self._locked_bytes = 0
+
+
+def host_buffers(count: int, nbytes: int, pin: bool) -> list[HostBuffer]:
+    """`count` buffers of `nbytes`, all or none: if one cannot be allocated or pinned, the
+    ones made before it are unpinned before the error propagates."""
+    made: list[HostBuffer] = []
+    try:
+        for _ in range(count):
+            made.append(HostBuffer(nbytes, pin))
+    except BaseException:
+        for buffer in reversed(made):
+            buffer.unpin()
+        raise
+    return made

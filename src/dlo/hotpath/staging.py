@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.pinned_buffer import host_buffers
 from dlo.host.tensor_source import CopyTask, balanced_batches, run_batch
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot
 
@@ -53,7 +53,7 @@ def default_pack_threads() -> int:
 class Stager:
     def __init__(self, transfer: CudaTransfer, nbytes: int, threads: int, pin: bool) -> None:
         self._transfer = transfer
-        self._buffers = [HostBuffer(nbytes, pin) for _ in range(2)]
+        self._buffers = host_buffers(2, nbytes, pin)
         self._drained = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
         self._sequencer = ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
@@ -86,9 +86,15 @@ class Stager:
             self._drained[turn].record(self._transfer.copy_stream)
         return StagedCopy(start, end, pack_s)
 
-    def close(self) -> None:
-        """Finish queued jobs and unpin the staging buffers (after the device is synchronized)."""
+    def stop(self) -> None:
+        """Finish the queued jobs (their copies are then enqueued) and accept no more;
+        idempotent. After it, synchronizing the device settles every staged copy."""
         self._sequencer.shutdown(wait=True)
         self._copiers.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Stop, then unpin the staging buffers (the device must be synchronized in between
+        if jobs were still queued: their copies read these buffers)."""
+        self.stop()
         for buffer in self._buffers:
             buffer.unpin()

@@ -1,0 +1,113 @@
+"""Page-locked host buffers: all or nothing, retried unpins, and the teardown order of a
+module dropped without disable(). The CUDA runtime is a fake on the CPU."""
+
+import pytest
+
+from dlo.backend import handle as handle_module
+from dlo.errors import EnableError
+from dlo.host import pinned_buffer
+from dlo.host.pinned_buffer import HostBuffer, host_buffers
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s register/unregister; fails the calls it is told to."""
+
+    class cudaError:  # noqa: N801 (the runtime's own name)
+        success = 0
+
+    def __init__(self, fail_register_at=None, fail_unregisters=0):
+        self.registered = set()
+        self.registers = 0
+        self.fail_register_at = fail_register_at
+        self.fail_unregisters = fail_unregisters
+        self.unregister_calls = 0
+
+    def cudaHostRegister(self, address, nbytes, flags):  # noqa: N802
+        index, self.registers = self.registers, self.registers + 1
+        if index == self.fail_register_at:
+            return 2
+        self.registered.add(address)
+        return 0
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        self.unregister_calls += 1
+        if self.fail_unregisters:
+            self.fail_unregisters -= 1
+            return 1
+        self.registered.remove(address)
+        return 0
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    def install(**kwargs):
+        fake = FakeCudart(**kwargs)
+        monkeypatch.setattr(pinned_buffer, "_driver", lambda: fake)
+        return fake
+
+    return install
+
+
+def test_a_failed_unregister_keeps_the_buffer_pinned_so_a_retry_unpins_it(cudart):
+    fake = cudart(fail_unregisters=1)
+    buffer = HostBuffer(10_000, pin=True)
+    with pytest.raises(EnableError, match="cudaHostUnregister failed"):
+        buffer.unpin()
+    assert buffer.pinned and fake.registered == {buffer.tensor.data_ptr()}
+    buffer.unpin()
+    assert not buffer.pinned and fake.registered == set()
+    buffer.unpin()  # idempotent: nothing left to unregister
+    assert fake.unregister_calls == 2
+
+
+def test_buffers_that_cannot_all_be_pinned_unpin_the_ones_before_the_failure(cudart):
+    fake = cudart(fail_register_at=2)
+    with pytest.raises(EnableError, match="cudaHostRegister"):
+        host_buffers(3, 4096, pin=True)
+    assert fake.registers == 3 and fake.registered == set()  # two pinned, then both unpinned
+
+
+def test_buffers_that_all_pin_stay_pinned(cudart):
+    fake = cudart()
+    buffers = host_buffers(2, 4096, pin=True)
+    assert all(b.pinned for b in buffers) and len(fake.registered) == 2
+
+
+def test_a_dropped_handle_stops_the_stager_then_synchronizes_then_releases():
+    order = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            order.append(f"{self.name}.stop")
+
+        def synchronize(self):
+            order.append(f"{self.name}.synchronize")
+
+        def close(self):
+            order.append(f"{self.name}.close")
+            return []
+
+    handle_module._abandoned(
+        transfer=Spy("device"),
+        stager=Spy("stager"),
+        registration=Spy("registration"),
+        releases=[lambda: order.append("unpin block"), lambda: order.append("unpin staging")],
+        checkpoint=None,
+    )
+    assert order == ["stager.stop", "device.synchronize", "registration.close", "unpin block", "unpin staging"]
+
+
+def test_a_dropped_handle_whose_device_fails_releases_nothing():
+    order = []
+
+    class BrokenDevice:
+        def synchronize(self):
+            raise RuntimeError("device lost")
+
+    handle_module._abandoned(
+        transfer=BrokenDevice(), stager=None, registration=None, releases=[lambda: order.append("unpin")], checkpoint=None
+    )
+    assert order == []
