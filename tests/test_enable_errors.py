@@ -186,6 +186,34 @@ def test_failure_midway_through_packing_loses_nothing():
         assert torch.equal(model(x), expected)
 
 
+def test_a_slot_that_cannot_be_allocated_puts_every_placed_tensor_back(monkeypatch):
+    """The device runs out of memory for the slots after the non-block parts and a resident
+    block were placed: enable() fails and every placed tensor holds its original storage
+    again (on "cpu" placing copies, so the storage says where a tensor is); streamed blocks
+    get their packed weights back."""
+    from dlo.hotpath.transfer import SyncTransfer
+
+    model = Stack(depth=4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    placed = {name: t for name, t in model.state_dict(keep_vars=True).items() if name.startswith(("inp.", "blocks.0."))}
+    storage = {name: t.data_ptr() for name, t in placed.items()}
+
+    def out_of_memory(self, nbytes):
+        raise torch.OutOfMemoryError("fake device out of memory")
+
+    monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=1))
+    assert {name: t.data_ptr() for name, t in placed.items()} == storage
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=1)), torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
 def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
     """The copy engine fails once mid-call: that call raises, and every later call is exact
     (the planner forgets the slots whose copies may not have happened)."""

@@ -1,214 +1,137 @@
 """`dlo.enable()`: bind streamed blocks to their host source (a packed private buffer or the
-checkpoint mapping), place the rest on the device, allocate slots and install the hooks."""
+checkpoint mapping), place the rest on the device, allocate slots and install the hooks.
+
+Every step that changes the module or takes a resource registers its undo as it goes
+(`contextlib.ExitStack`), so a failure anywhere leaves the module as it was: weights where
+they were, nothing pinned, registered or mapped.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
+from dlo.backend.block_binding import (
+    BlockTensors,
+    bind_block,
+    check_streamable,
+    collect_block,
+    placeholders,
+    refuse_shared,
+    shard_block,
+    slot_bytes,
+)
 from dlo.backend.device import resolve_device
-from dlo.backend.handle import OffloadHandle, refuse_if_managed
-from dlo.backend.mapping_registration import NOT_APPLICABLE, register_mapping, release_mapping
-from dlo.config import OffloadConfig
-from dlo.errors import ConfigError, EnableError
 from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
-from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
-from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
-from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.registration import RegistrationCleanupError
-from dlo.host.tensor_source import TensorSource
+from dlo.backend.handle import OffloadHandle, refuse_if_managed
+from dlo.backend.mapping_registration import NOT_APPLICABLE
+from dlo.backend.outside_use import OutsideUseProbe
+from dlo.backend.plan_binding import BoundPlan
+from dlo.config import OffloadConfig
+from dlo.errors import ConfigError
+from dlo.host.block_sources import MappedSource
+from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.hotpath.gather import BlockGather, GatherGroup
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
-from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.hotpath.transfer import CudaTransfer, make_transfer
+from dlo.hotpath.streamed_block import StreamedBlock
+from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer, make_transfer
 from dlo.observe.ledger import TransferLedger
-from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
-from dlo.planning.tensor_walk import owned_tensors, unique_tensors
+from dlo.planning.tensor_walk import unique_tensors
 
 
-@dataclass(frozen=True)
-class _BlockTensors:
-    ref: BlockRef
-    specs: tuple[TensorSpec, ...]
-    tensors: tuple[torch.Tensor, ...]
-    bindings: tuple[Binding, ...]
-
-
-def _check_streamable(name: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type == "meta":
-        raise EnableError(
-            f"{name!r} is on the meta device (weights not loaded). Load the model before dlo.enable(); a model "
-            "from dlo.load_transformer needs plan=<the HostWeightPlan it returned>"
-        )
-    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided or tensor.is_quantized:
-        raise EnableError(
-            f"{name!r} is a {type(tensor).__name__} ({tensor.layout}); dlo streams plain dense tensors only"
-        )
-
-
-def _collect(ref: BlockRef) -> _BlockTensors:
-    index: dict[int, int] = {}
-    specs: list[TensorSpec] = []
-    tensors: list[torch.Tensor] = []
-    bindings: list[Binding] = []
-    for owned in owned_tensors(ref.module):
-        tensor = owned.tensor
-        if id(tensor) not in index:
-            _check_streamable(f"{ref.name}.{owned.name}", tensor)
-            index[id(tensor)] = len(tensors)
-            tensors.append(tensor)
-            specs.append(TensorSpec(owned.name, tuple(tensor.shape), tensor.dtype))
-        bindings.append(Binding(owned.owner, owned.key, owned.is_parameter, tensor))
-    return _BlockTensors(ref, tuple(specs), tuple(tensors), tuple(bindings))
-
-
-def _refuse_shared(streamed: list[_BlockTensors], rest: dict[int, str]) -> None:
-    owner_of: dict[int, str] = {}
-    for block in streamed:
-        for spec, tensor in zip(block.specs, block.tensors):
-            where = owner_of.get(id(tensor)) or rest.get(id(tensor))
-            if where is not None:
-                raise EnableError(
-                    f"{block.ref.name}.{spec.name} is the same tensor as {where!r}; dlo cannot stream a tensor "
-                    "shared with another block or with a non-streamed part. Untie it, or leave this block "
-                    "resident (resident_layers) or out of the plan."
-                )
-            owner_of[id(tensor)] = f"{block.ref.name}.{spec.name}"
-
-
-def _bind_planned(
-    module: nn.Module,
-    weights: HostWeights,
-    device: torch.device,
-    sources: dict[int, TensorSource],
-    stand_ins: list[torch.Tensor],
-) -> None:
-    """Replace the plan's meta tensors with stand-ins of the runtime shape and dtype (one
-    element, broadcast) so they can be repointed, filling id(stand-in) -> its source and the
-    list of stand-ins as it goes (a failure midway leaves both describing what was done). A
-    stand-in's value is never used: streamed ones are repointed to slots, the others get
-    their bytes from the mapping in _place_rest, or in enable()'s rollback."""
-    replaced: dict[int, torch.Tensor] = {}  # id(meta tensor) -> stand-in: tied tensors stay tied
-    for owned in list(owned_tensors(module)):
-        source = weights.bindings.get(owned.name)
-        if source is None:
-            continue
-        if id(owned.tensor) not in replaced:
-            if owned.tensor.device.type == "meta":
-                data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
-                new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
-                stand_ins.append(new)
-            else:  # already a view of the mapping (host weight cache): the same object stays
-                new = owned.tensor
-            replaced[id(owned.tensor)] = new
-            sources[id(new)] = source
-        table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
-        table[owned.key] = replaced[id(owned.tensor)]
-    missing = set(weights.bindings) - {o.name for o in owned_tensors(module) if id(o.tensor) in sources}
-    if missing:
-        raise EnableError(f"the HostWeightPlan names tensors this module does not have: {sorted(missing)[:5]}")
-
-
-def _mapped_source(
-    block: _BlockTensors, weights: HostWeights | None, planned: dict[int, TensorSource], pin_private: bool = False
-) -> MappedSource | None:
-    """`pin_private`: page-lock the snapshots (direct copies from pageable memory would make
-    the host wait for the copy stream)."""
-    if weights is None or not any(id(t) in planned for t in block.tensors):
-        return None
-    # Tensors the checkpoint does not hold are snapshotted: the live ones become placeholders.
-    snapshot = (lambda t: t.detach().clone().pin_memory()) if pin_private else (lambda t: t.detach().clone())
-    return MappedSource(weights.checkpoint, tuple(planned.get(id(t)) or snapshot(t) for t in block.tensors))
-
-
-def _streamed(
-    block: _BlockTensors, layout: BlockLayout, source: BlockSource, placeholder: dict[torch.dtype, torch.Tensor]
-) -> StreamedBlock:
-    return StreamedBlock(
-        name=block.ref.name,
-        layout=layout,
-        tensors=block.tensors,
-        bindings=block.bindings,
-        source=source,
-        placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
-    )
-
-
-def _bind_block(
-    block: _BlockTensors,
-    weights: HostWeights | None,
-    planned: dict[int, TensorSource],
-    pin: bool,
-    placeholder: dict[torch.dtype, torch.Tensor],
-    direct: bool,
-) -> StreamedBlock:
-    """Give the block its host source and release its original storage. `direct`: the
-    mapping is registered and copied from straight into the slots."""
-    layout = plan_block_layout(block.specs)
-    source: BlockSource | None = _mapped_source(block, weights, planned, pin_private=direct and pin)
-    if source is None:
-        try:
-            host = HostBuffer(layout.nbytes, pin)
-        except EnableError as err:
-            raise EnableError(f"block {block.ref.name!r}: {err}") from None
-        for tensor, placement in zip(block.tensors, layout.placements):
-            view_placement(host.tensor, placement).copy_(tensor)
-        source = PackedSource(host)
-    streamed = _streamed(block, layout, source, placeholder)
-    streamed.point_at(streamed.placeholders)
-    return streamed
-
-
-def _shard(block: _BlockTensors, mapped: MappedSource | None, group: GatherGroup, pin: bool) -> tuple[BlockLayout, ShardSource]:
-    """This rank's shard of the block, built without touching the module: the block is laid
-    out in a temporary buffer (from its tensors, or packed from the mapping), padded to
-    `size` equal 512-aligned shards, and only bytes [rank*S, (rank+1)*S) are kept."""
-    layout = plan_block_layout(block.specs)
-    width = align_up(-(-layout.nbytes // group.size))
-    whole = torch.zeros(width * group.size, dtype=torch.uint8)
-    if mapped is not None:
-        for task in mapped.copy_tasks(layout, whole):
-            task.run()
-    else:
-        for tensor, placement in zip(block.tensors, layout.placements):
-            view_placement(whole, placement).copy_(tensor)
-    try:
-        host = HostBuffer(width, pin)
-    except EnableError as err:
-        raise EnableError(f"block {block.ref.name!r}: {err}") from None
-    host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
-    return layout, ShardSource(host, width, group.rank, group.size)
+def _rest_tensors(module: nn.Module, streamed_refs: list[BlockRef], blocks: list[BlockTensors]) -> list[torch.Tensor]:
+    """The tensors that stay on the device: non-block parts and resident blocks."""
+    skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
+    rest = unique_tensors(module, skip)
+    for owned in rest.values():
+        check_streamable(owned.name, owned.tensor)
+    refuse_shared(blocks, {key: owned.name for key, owned in rest.items()})
+    return [owned.tensor for owned in rest.values()]
 
 
 def _place_rest(
-    tensors: list[torch.Tensor],
-    device: torch.device,
-    weights: HostWeights | None,
-    planned: dict[int, TensorSource],
-    registered: bool,
+    tensors: list[torch.Tensor], device: torch.device, plan: BoundPlan | None, undo: contextlib.ExitStack
 ) -> int:
-    """Move non-streamed tensors to `device` in place (ties survive: one tensor object each).
-    On "cpu" they are copied too: mmap'd or oddly aligned storage becomes an ordinary
-    allocation. Planned tensors of resident blocks are read from the mapping: straight from
-    its pages when it is registered, else through a private copy."""
+    """Move non-streamed tensors to `device` in place (ties survive: one tensor object each);
+    the undo puts every one back where it was. On "cpu" they are copied too: mmap'd or
+    oddly aligned storage becomes an ordinary allocation. Planned tensors of resident blocks
+    are read from the mapping: straight from its pages when it is registered, else through a
+    private copy."""
+    originals = [tensor.data for tensor in tensors]
+
+    def put_back() -> None:
+        for tensor, original in zip(tensors, originals):
+            tensor.data = original
+
+    undo.callback(put_back)
     for tensor in tensors:
-        source = planned.get(id(tensor))
-        if source is not None and weights is not None and registered:
+        source = plan.planned.get(id(tensor)) if plan is not None else None
+        if source is not None and plan.direct:
             value = torch.empty(source.shape, dtype=source.dtype, device=device)
-            for piece in source.pieces(weights.checkpoint, value):
+            for piece in source.pieces(plan.weights.checkpoint, value):
                 piece.target.copy_(piece.source)
             tensor.data = value
-        elif source is not None and weights is not None:
-            tensor.data = source.materialize(weights.checkpoint).to(device)
+        elif source is not None:
+            tensor.data = source.materialize(plan.weights.checkpoint).to(device)
         else:
             tensor.data = tensor.data.to(device) if device.type != "cpu" else tensor.data.clone()
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _bind_blocks(
+    blocks: list[BlockTensors],
+    plan: BoundPlan | None,
+    gather_group: GatherGroup | None,
+    pin: bool,
+    device: torch.device,
+    undo: contextlib.ExitStack,
+) -> list[StreamedBlock]:
+    """Every block bound to its host source, each registering its undo. All-gather mode only
+    builds the shards here: the module changes once nothing can fail (see enable())."""
+    placeholder = placeholders(blocks, device)
+    streamed: list[StreamedBlock] = []
+    for block in blocks:
+        if gather_group is not None:
+            bound = shard_block(block, plan, gather_group, pin, placeholder)
+            undo.callback(bound.source.release)
+        else:
+            bound = bind_block(block, plan, pin, placeholder)
+            undo.callback(_unbind, bound)
+            if plan is not None:
+                plan.restored_by_blocks(bound.tensors)
+        streamed.append(bound)
+    return streamed
+
+
+def _unbind(block: StreamedBlock) -> None:
+    with torch.no_grad():
+        block.restore()
+    block.source.release()
+
+
+def _allocate_slots(transfer: Transfer, nbytes: int, count: int, undo: contextlib.ExitStack) -> list[DeviceSlot]:
+    slots: list[DeviceSlot] = []
+    undo.callback(slots.clear)  # a failed enable() drops its device memory with the exception
+    for _ in range(count):
+        slots.append(transfer.allocate_slot(nbytes))
+    return slots
+
+
+def _stager(
+    blocks: list[StreamedBlock], transfer: Transfer, plan: BoundPlan | None, config: OffloadConfig, pin: bool
+) -> Stager | None:
+    """Pinned staging buffers for blocks packed from a mapping on every load (not needed when
+    the mapping is registered, or on the CPU where slots are host memory)."""
+    mapped = [b.layout.nbytes for b in blocks if isinstance(b.source, MappedSource)]
+    if not mapped or not isinstance(transfer, CudaTransfer) or (plan is not None and plan.direct):
+        return None
+    return Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
 
 
 def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool) -> str:
@@ -218,12 +141,6 @@ def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None,
     if host_plan is not None:
         return host_plan.backing
     return "pinned" if pin else "pageable"
-
-
-def _slot_bytes(block: StreamedBlock) -> int:
-    if isinstance(block.source, ShardSource):
-        return block.source.shard_bytes * block.source.size
-    return block.layout.nbytes
 
 
 def _gather_group(config: OffloadConfig, groups: ParallelGroups | None, device: torch.device) -> GatherGroup | None:
@@ -245,6 +162,19 @@ def _resolve_plans(module: nn.Module, plan: object) -> tuple[OffloadPlan, HostWe
     if isinstance(plan, HostWeightPlan):
         return plan.offload_plan, plan
     raise ConfigError(f"plan must be a dlo.OffloadPlan, a dlo.HostWeightPlan or None, got {type(plan).__name__}")
+
+
+def _resident_count(config: OffloadConfig, offload_plan: OffloadPlan, refs: list[BlockRef], module: nn.Module) -> int:
+    count = config.resident_layers
+    if count > len(refs):
+        raise ConfigError(f"OffloadConfig.resident_layers={count} but {type(module).__name__} has {len(refs)} blocks")
+    for ref in refs[:count]:
+        if not offload_plan.is_resident_eligible(ref.list_path):
+            raise ConfigError(
+                f"OffloadConfig.resident_layers={count} would keep {ref.name!r} resident, but the plan "
+                f"allows resident blocks only in {offload_plan.resident_eligible!r}"
+            )
+    return count
 
 
 def enable(
@@ -276,113 +206,55 @@ def enable(
     gather_group = _gather_group(config, groups, device)
     refuse_if_managed(module)
     refs = resolve_blocks(module, offload_plan)
-
-    resident_count = config.resident_layers
-    if resident_count > len(refs):
-        raise ConfigError(
-            f"OffloadConfig.resident_layers={resident_count} but {type(module).__name__} has {len(refs)} blocks"
-        )
-    for ref in refs[:resident_count]:
-        if not offload_plan.is_resident_eligible(ref.list_path):
-            raise ConfigError(
-                f"OffloadConfig.resident_layers={resident_count} would keep {ref.name!r} resident, but the plan "
-                f"allows resident blocks only in {offload_plan.resident_eligible!r}"
-            )
+    resident_count = _resident_count(config, offload_plan, refs, module)
     streamed_refs = refs[resident_count:]
+    pin = config.pin_memory and device.type == "cuda"
 
     started = time.perf_counter()
-    weights = None
-    if host_plan is not None:
-        weights = host_plan.take()  # See [Note: plan hand-off]
-        if weights is None:
-            raise EnableError(
-                "this HostWeightPlan was already taken by an earlier dlo.enable(); a plan is consumed once. "
-                "Load the model again with dlo.load_transformer"
-            )
-    planned: dict[int, TensorSource] = {}
-    registered = NOT_APPLICABLE
-    cleanup_pending = None  # a registration whose rollback failed: its mapping must stay
-    stand_ins: list[torch.Tensor] = []
-    bound: list[StreamedBlock] = []
-    sharded: list[StreamedBlock] = []  # all-gather mode: bound at the very end, see below
-    stager = None
-    try:
-        if weights is not None:
-            _bind_planned(module, weights, device, planned, stand_ins)
-            if host_plan.backing == "host_weight_cache" and gather_group is None:
-                try:
-                    registered = register_mapping(weights.checkpoint, config, device)
-                except RegistrationCleanupError as err:
-                    cleanup_pending = err.registration
-                    raise
-        streamed_tensors = [_collect(ref) for ref in streamed_refs]
-        skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
-        rest = unique_tensors(module, skip)
-        for owned in rest.values():
-            _check_streamable(owned.name, owned.tensor)
-        _refuse_shared(streamed_tensors, {key: owned.name for key, owned in rest.items()})
-        rest_tensors = [owned.tensor for owned in rest.values()]
-
-        pin = config.pin_memory and device.type == "cuda"
-        direct = registered.registration is not None  # copies straight from the mapping: no staging
-        placeholder: dict[torch.dtype, torch.Tensor] = {}
-        for block in streamed_tensors:
-            for tensor in block.tensors:
-                placeholder.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
-
+    with contextlib.ExitStack() as undo:  # unwinds only if a step raises: see pop_all() below
+        bound_plan = None
+        if host_plan is not None:
+            bound_plan = BoundPlan(host_plan)  # See [Note: plan hand-off]
+            undo.callback(bound_plan.release)
+            bound_plan.bind(module, device)
+            # Runs after the blocks' and the placement's undos: every tensor then has its
+            # private value before the mapping closes.
+            undo.callback(bound_plan.give_back, module)
+            if bound_plan.backing == "host_weight_cache" and gather_group is None:
+                bound_plan.register(config, device)
+        blocks = [collect_block(ref) for ref in streamed_refs]
+        rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
-            for block in streamed_tensors:
-                if gather_group is not None:
-                    layout, shard = _shard(block, _mapped_source(block, weights, planned), gather_group, pin)
-                    sharded.append(_streamed(block, layout, shard, placeholder))
-                else:
-                    bound.append(_bind_block(block, weights, planned, pin, placeholder, direct))
-            device_weight_bytes = _place_rest(rest_tensors, device, weights, planned, direct)
-            transfer = make_transfer(device)
-            slot_bytes = max((_slot_bytes(b) for b in bound + sharded), default=0)
-            slots = [transfer.allocate_slot(slot_bytes) for _ in range(config.num_slots)]
-            mapped = [b.layout.nbytes for b in bound if isinstance(b.source, MappedSource)]
-            if mapped and isinstance(transfer, CudaTransfer) and not direct:
-                stager = Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
-            ledger = TransferLedger(transfer, config.record_timeline)
-            gather = BlockGather(gather_group, transfer) if gather_group is not None else None
-            runtime = StreamingRuntime(bound + sharded, slots, transfer, ledger, stager, gather, direct)
-    except BaseException:
-        # Nothing is lost: every bound block gets its weights back as ordinary tensors, and
-        # no stand-in of a planned tensor survives with an undefined value. See [Note: plan hand-off]
-        with torch.no_grad():
-            for block in bound:
-                block.restore()
-                block.source.release()
-            in_bound = {id(t) for block in bound for t in block.tensors}
-            for tensor in stand_ins:
-                if id(tensor) not in in_bound and weights is not None:
-                    tensor.data = planned[id(tensor)].materialize(weights.checkpoint)
-            if weights is not None:  # a cache plan's tensors view the mapping closed below
-                for owned in owned_tensors(module):
-                    if weights.checkpoint.holds(owned.tensor):
-                        owned.tensor.data = owned.tensor.data.clone()
+            streamed = _bind_blocks(blocks, bound_plan, gather_group, pin, device, undo)
+            device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
+        transfer = make_transfer(device)
+        slot_size = max((slot_bytes(b) for b in streamed), default=0)
+        slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
+        stager = _stager(streamed, transfer, bound_plan, config, pin)
         if stager is not None:
-            stager.close()
-        for block in sharded:
-            block.source.release()
-        if weights is not None:  # See [Note: mapping lifetime]
-            release_mapping(weights.checkpoint, registered.registration or cleanup_pending)
-        raise
+            undo.callback(stager.close)
+        ledger = TransferLedger(transfer, config.record_timeline)
+        gather = BlockGather(gather_group, transfer) if gather_group is not None else None
+        direct = bound_plan is not None and bound_plan.direct
+        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct)
+        undo.pop_all()  # every step succeeded: keep what they did
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
     # rank could not get its weights back without its peers. The mapping is not needed any
     # more: every rank holds its shards.
-    for block in sharded:
-        block.point_at(block.placeholders)
-    if gather_group is not None and weights is not None:
-        weights.checkpoint.close()
-        weights = None
+    checkpoint = bound_plan.weights.checkpoint if bound_plan is not None else None
+    if gather_group is not None:
+        for block in streamed:
+            block.point_at(block.placeholders)
+        if checkpoint is not None:
+            checkpoint.close()
+            checkpoint = None
 
     hooks = []
     for index, ref in enumerate(streamed_refs):
         hooks.append(ref.module.register_forward_pre_hook(partial(_before_block, runtime, index)))
         hooks.append(ref.module.register_forward_hook(partial(_after_block, runtime, index), always_call=True))
+    probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return OffloadHandle(
@@ -394,11 +266,12 @@ def enable(
         hooks=hooks,
         managed=[module, *(ref.module for ref in refs)],
         resident_blocks=resident_count,
-        device_weight_bytes=device_weight_bytes + slot_bytes * len(slots),
+        device_weight_bytes=device_weight_bytes + slot_size * len(slots),
         setup_s=time.perf_counter() - started,
-        checkpoint=weights.checkpoint if weights is not None else None,
+        checkpoint=checkpoint,
         backing=_backing(host_plan, gather_group, pin),
-        registration=registered,
+        registration=bound_plan.registration if bound_plan is not None else NOT_APPLICABLE,
+        probe=probe,
     )
 
 

@@ -1,0 +1,164 @@
+"""Binding one streamed block to its host source: a packed private buffer, the checkpoint or
+cache mapping, or (all-gather mode) this rank's shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dlo.backend.plan_binding import BoundPlan
+from dlo.errors import EnableError
+from dlo.hotpath.gather import GatherGroup
+from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
+from dlo.host.pinned_buffer import HostBuffer
+from dlo.hotpath.streamed_block import Binding, StreamedBlock
+from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
+from dlo.planning.offload_plan import BlockRef
+from dlo.planning.tensor_walk import owned_tensors
+
+
+@dataclass(frozen=True)
+class BlockTensors:
+    """A block's unique tensors in layout order, and every (owner, key) holding one."""
+
+    ref: BlockRef
+    specs: tuple[TensorSpec, ...]
+    tensors: tuple[torch.Tensor, ...]
+    bindings: tuple[Binding, ...]
+
+
+def check_streamable(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta":
+        raise EnableError(
+            f"{name!r} is on the meta device (weights not loaded). Load the model before dlo.enable(); a model "
+            "from dlo.load_transformer needs plan=<the HostWeightPlan it returned>"
+        )
+    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided or tensor.is_quantized:
+        raise EnableError(
+            f"{name!r} is a {type(tensor).__name__} ({tensor.layout}); dlo streams plain dense tensors only"
+        )
+
+
+def collect_block(ref: BlockRef) -> BlockTensors:
+    index: dict[int, int] = {}
+    specs: list[TensorSpec] = []
+    tensors: list[torch.Tensor] = []
+    bindings: list[Binding] = []
+    for owned in owned_tensors(ref.module):
+        tensor = owned.tensor
+        if id(tensor) not in index:
+            check_streamable(f"{ref.name}.{owned.name}", tensor)
+            index[id(tensor)] = len(tensors)
+            tensors.append(tensor)
+            specs.append(TensorSpec(owned.name, tuple(tensor.shape), tensor.dtype))
+        bindings.append(Binding(owned.owner, owned.key, owned.is_parameter, tensor))
+    return BlockTensors(ref, tuple(specs), tuple(tensors), tuple(bindings))
+
+
+def refuse_shared(streamed: list[BlockTensors], rest: dict[int, str]) -> None:
+    """A tensor may belong to one streamed block only, and not to a non-streamed part."""
+    owner_of: dict[int, str] = {}
+    for block in streamed:
+        for spec, tensor in zip(block.specs, block.tensors):
+            where = owner_of.get(id(tensor)) or rest.get(id(tensor))
+            if where is not None:
+                raise EnableError(
+                    f"{block.ref.name}.{spec.name} is the same tensor as {where!r}; dlo cannot stream a tensor "
+                    "shared with another block or with a non-streamed part. Untie it, or leave this block "
+                    "resident (resident_layers) or out of the plan."
+                )
+            owner_of[id(tensor)] = f"{block.ref.name}.{spec.name}"
+
+
+def placeholders(blocks: list[BlockTensors], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
+    """One empty tensor per dtype: what streamed tensors point at between their block's runs."""
+    found: dict[torch.dtype, torch.Tensor] = {}
+    for block in blocks:
+        for tensor in block.tensors:
+            found.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
+    return found
+
+
+def _mapped_source(block: BlockTensors, plan: BoundPlan | None, pin_private: bool = False) -> MappedSource | None:
+    """`pin_private`: page-lock the snapshots (direct copies from pageable memory would make
+    the host wait for the copy stream)."""
+    if plan is None or not any(id(t) in plan.planned for t in block.tensors):
+        return None
+    # Tensors the checkpoint does not hold are snapshotted: the live ones become placeholders.
+    snapshot = (lambda t: t.detach().clone().pin_memory()) if pin_private else (lambda t: t.detach().clone())
+    return MappedSource(plan.weights.checkpoint, tuple(plan.planned.get(id(t)) or snapshot(t) for t in block.tensors))
+
+
+def _streamed(
+    block: BlockTensors, layout: BlockLayout, source: BlockSource, placeholder: dict[torch.dtype, torch.Tensor]
+) -> StreamedBlock:
+    return StreamedBlock(
+        name=block.ref.name,
+        layout=layout,
+        tensors=block.tensors,
+        bindings=block.bindings,
+        source=source,
+        placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
+    )
+
+
+def _host_buffer(block: BlockTensors, nbytes: int, pin: bool) -> HostBuffer:
+    try:
+        return HostBuffer(nbytes, pin)
+    except EnableError as err:
+        raise EnableError(f"block {block.ref.name!r}: {err}") from None
+
+
+def bind_block(
+    block: BlockTensors,
+    plan: BoundPlan | None,
+    pin: bool,
+    placeholder: dict[torch.dtype, torch.Tensor],
+) -> StreamedBlock:
+    """Give the block its host source and point its tensors at placeholders (the module
+    changes here: the caller registers `restore` + `release` as the undo)."""
+    layout = plan_block_layout(block.specs)
+    direct = plan is not None and plan.direct  # copied straight from the registered mapping
+    source: BlockSource | None = _mapped_source(block, plan, pin_private=direct and pin)
+    if source is None:
+        host = _host_buffer(block, layout.nbytes, pin)
+        for tensor, placement in zip(block.tensors, layout.placements):
+            view_placement(host.tensor, placement).copy_(tensor)
+        source = PackedSource(host)
+    streamed = _streamed(block, layout, source, placeholder)
+    streamed.point_at(streamed.placeholders)
+    return streamed
+
+
+def shard_block(
+    block: BlockTensors,
+    plan: BoundPlan | None,
+    group: GatherGroup,
+    pin: bool,
+    placeholder: dict[torch.dtype, torch.Tensor],
+) -> StreamedBlock:
+    """This rank's shard of the block, built without touching the module: the block is laid
+    out in a temporary buffer (from its tensors, or packed from the mapping), padded to
+    `size` equal 512-aligned shards, and only bytes [rank*S, (rank+1)*S) are kept. The
+    caller points the block at placeholders once every rank's setup succeeded."""
+    layout = plan_block_layout(block.specs)
+    width = align_up(-(-layout.nbytes // group.size))
+    whole = torch.zeros(width * group.size, dtype=torch.uint8)
+    mapped = _mapped_source(block, plan)
+    if mapped is not None:
+        for task in mapped.copy_tasks(layout, whole):
+            task.run()
+    else:
+        for tensor, placement in zip(block.tensors, layout.placements):
+            view_placement(whole, placement).copy_(tensor)
+    host = _host_buffer(block, width, pin)
+    host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
+    return _streamed(block, layout, ShardSource(host, width, group.rank, group.size), placeholder)
+
+
+def slot_bytes(block: StreamedBlock) -> int:
+    if isinstance(block.source, ShardSource):
+        return block.source.shard_bytes * block.source.size
+    return block.layout.nbytes
