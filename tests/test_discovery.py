@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 import dlo
+from dlo.models.tiny import TINY_MODELS
 from dlo.planning.offload_plan import DECLARED_BLOCK_LISTS, resolve_blocks
 
 diffusers = pytest.importorskip("diffusers")
@@ -13,30 +14,52 @@ _EXTRA_ARGS = {
 }
 
 
+def _repeated_block_lists(model: nn.Module, hint: set[str]) -> set[str]:
+    """Outermost ModuleLists whose every item is (or wraps) a class diffusers itself treats
+    as a repeated block: found by walking the model, not read from dlo's table."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0 or any(name.startswith(f + ".") for f in found):
+            continue
+        if all(({type(c).__name__} | {type(g).__name__ for g in c.children()}) & hint for c in module):
+            found.append(name)
+    return set(found)
+
+
 @pytest.mark.parametrize("class_name", sorted(DECLARED_BLOCK_LISTS))
-def test_declared_plan_matches_the_real_class(class_name):
+def test_declared_plan_streams_exactly_the_repeated_blocks_of_the_real_class(class_name):
     cls = getattr(diffusers, class_name, None)
     if cls is None:
         pytest.skip(f"{class_name} is not in diffusers {diffusers.__version__}")
     with torch.device("meta"):  # full-size default config, no memory
         model = cls(**_EXTRA_ARGS.get(class_name, {}))
     plan = dlo.discover(model)
-    assert plan.source == "declared"
-    assert plan.block_lists == DECLARED_BLOCK_LISTS[class_name]
-    blocks = resolve_blocks(model, plan)
-    # Every block is (or wraps, as HiDreamBlock does) a class diffusers itself treats as a
-    # repeated block.
     hint = set(getattr(cls, "_repeated_blocks", None) or ()) | set(getattr(cls, "_no_split_modules", None) or ())
+    assert plan.source == "declared"
+    assert set(plan.block_lists) == _repeated_block_lists(model, hint)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_declared_block_lists_are_in_execution_order(name):
+    """The plan's order is the order a forward call runs the blocks in (hooks record it)."""
+    entry = TINY_MODELS[name]
+    model = entry.build(seed=0)
+    ran: list[str] = []
+    blocks = resolve_blocks(model, dlo.discover(model))
     for block in blocks:
-        names = {type(block.module).__name__} | {type(c).__name__ for c in block.module.children()}
-        assert names & hint, block.name
-    assert len(blocks) == sum(len(model.get_submodule(p)) for p in plan.block_lists)
+        block.module.register_forward_pre_hook(lambda module, args, name=block.name: ran.append(name))
+    with torch.inference_mode():
+        model(**entry.inputs(seed=0))
+    assert ran == [block.name for block in blocks]
 
 
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x)
 
 
 class _Custom(nn.Module):
@@ -47,6 +70,11 @@ class _Custom(nn.Module):
         self.heads = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])  # mixed classes: not blocks
         self.norms = nn.ModuleList([nn.ReLU(), nn.ReLU()])  # no parameters: not blocks
         self.single = nn.ModuleList([_Block()])  # one module: not a repeated block
+
+    def forward(self, x):
+        for block in self.stages:
+            x = block(x)
+        return x
 
 
 def test_auto_discovery_finds_repeated_same_class_blocks_only():

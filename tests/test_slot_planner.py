@@ -105,3 +105,37 @@ def test_preload_fills_every_slot_from_the_first_block():
     planner = SlotPlanner(num_blocks=5, num_slots=3)
     assert planner.preload(0) == (Load(0, 0), Load(1, 1), Load(2, 2))
     assert run(planner, [0, 1]) == [BlockStart(0, None, ()), BlockStart(1, None, (Load(3, 0),))]
+
+
+def test_a_promoted_block_is_never_loaded_and_prefetch_passes_over_it():
+    planner = SlotPlanner(num_blocks=4, num_slots=2)
+    run(planner, [0, 1, 2, 3])  # block 0 is now prefetched into slot 1 for the next call
+    planner.promote(0)
+    assert planner.is_resident(0) and not planner.is_resident(1)
+    # The next call runs 1, 2, 3 (0 runs from its own memory, without begin): block 1 is
+    # loaded on demand (0's prefetch was dropped with it), and the ring then wraps past 0.
+    assert run(planner, [1, 2, 3]) == [
+        BlockStart(slot=0, demand=Load(1, 0), prefetch=(Load(2, 1),)),
+        BlockStart(slot=1, demand=None, prefetch=(Load(3, 0),)),
+        BlockStart(slot=0, demand=None, prefetch=(Load(1, 1),)),
+    ]
+
+
+def test_with_every_block_promoted_nothing_is_prefetched():
+    planner = SlotPlanner(num_blocks=3, num_slots=2)
+    run(planner, [0, 1, 2])
+    for block in (1, 2):
+        planner.promote(block)
+    assert planner.begin(0) == BlockStart(slot=planner.slot_of(0), demand=None, prefetch=())
+    planner.end(0)
+    planner.promote(0)
+    assert planner.preload(0) == ()
+
+
+def test_a_running_block_cannot_be_promoted_nor_any_block_in_lockstep():
+    planner = SlotPlanner(num_blocks=3, num_slots=2)
+    planner.begin(0)
+    with pytest.raises(StreamingError, match="running"):
+        planner.promote(0)
+    with pytest.raises(StreamingError, match="all-gather"):
+        SlotPlanner(num_blocks=3, num_slots=2, lockstep=True).promote(1)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo.backend.outside_use import OutsideUseProbe
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
@@ -68,6 +69,7 @@ class OffloadHandle:
         checkpoint: Checkpoint | None = None,
         backing: str = "pinned",
         registration: RegistrationOutcome = NOT_APPLICABLE,
+        probe: OutsideUseProbe | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -85,6 +87,7 @@ class OffloadHandle:
         self._backing = backing
         self._registration = registration
         self._final_stats: OffloadStats | None = None
+        self._probe = probe  # until the first call ends. See [Note: blocks used outside their call]
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
@@ -97,8 +100,7 @@ class OffloadHandle:
         # Root hooks are bound methods: the module keeps its handle alive through them, even
         # when the caller drops the handle (the registry only holds it weakly).
         self._hooks.append(module.register_forward_pre_hook(self._call_starts))
-        if runtime.gather is not None:
-            self._hooks.append(module.register_forward_hook(self._call_ends, always_call=True))
+        self._hooks.append(module.register_forward_hook(self._call_ends, always_call=True))
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
 
@@ -107,6 +109,9 @@ class OffloadHandle:
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -124,13 +129,14 @@ class OffloadHandle:
         ledger = runtime.ledger
         ledger.settle()
         registered = self._registration.registration
+        device_weight_bytes = self._device_weight_bytes + sum(m.numel() for m in runtime.promoted.values())
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            peak = self._device_weight_bytes
+            peak = device_weight_bytes
         return OffloadStats(
             streamed_blocks=len(runtime.blocks),
-            resident_blocks=self._resident_blocks,
+            resident_blocks=self._resident_blocks + len(runtime.promoted),
             bytes_streamed=ledger.bytes_streamed,
             copies=ledger.copies,
             copy_s=ledger.copy_s,
@@ -138,7 +144,7 @@ class OffloadHandle:
             exposed_copy_s=ledger.exposed_copy_s,
             demand_loads=runtime.planner.demand_loads,
             peak_device_bytes=peak,
-            device_weight_bytes=self._device_weight_bytes,
+            device_weight_bytes=device_weight_bytes,
             slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
             host_bytes=sum(block.source.host_bytes for block in runtime.blocks),
             pinned=any(block.source.pinned for block in runtime.blocks) or registered is not None,
@@ -182,6 +188,8 @@ class OffloadHandle:
         errors = _release_host_memory(registered, self._releases)
         for hook in self._hooks:
             hook.remove()
+        if self._probe is not None:
+            self._probe.remove()
         with torch.no_grad():
             runtime.restore_blocks()
         if self._checkpoint is not None:

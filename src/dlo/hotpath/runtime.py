@@ -12,6 +12,7 @@ import torch
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
+from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import BlockGather, plan_digest
 from dlo.hotpath.staging import StagedCopy, Stager
@@ -59,6 +60,7 @@ class StreamingRuntime:
         self._copy_end: list[Any] = [None] * len(self.slots)
         self._staged: dict[int, list[tuple[str, int, Future[StagedCopy]]]] = {}
         self._compute_start: dict[int, Any] = {}
+        self.promoted: dict[int, torch.Tensor] = {}  # block index -> its own device memory
 
     def before_block(self, index: int) -> None:
         if torch.is_grad_enabled():
@@ -69,6 +71,8 @@ class StreamingRuntime:
             )
         block = self.blocks[index]
         block.check_intact()
+        if self.planner.is_resident(index):  # promoted: its tensors are its own device memory
+            return
         if self.gather is not None:
             self._follow_schedule(index)
         start = self.planner.begin(index)
@@ -107,6 +111,30 @@ class StreamingRuntime:
         block.point_at(block.placeholders)
         if self.ledger.records_timeline:
             self.ledger.computed(block.name, self._compute_start.pop(index), self.transfer.mark())
+
+    def promote(self, index: int) -> int:
+        """Keep block `index` on the device from now on, in memory of its own laid out like a
+        slot (so its kernels see the alignment they see streamed); returns its bytes. On a
+        CUDA device the copy runs on the compute stream, ordered before the block's next use."""
+        block = self.blocks[index]
+        source = block.source
+        if isinstance(source, ShardSource):
+            raise StreamingError(
+                f"block {block.name!r} is needed outside its own call, which all-gather mode cannot serve (every "
+                "load is a collective in plan order): keep it resident (resident_layers) or use rank-local mode"
+            )
+        self.planner.promote(index)
+        memory = aligned_empty(block.layout.nbytes, self.transfer.device)
+        if isinstance(source, PackedSource):
+            memory.copy_(source.host.tensor)
+        else:  # a mapping: pack it on the host first (this happens once)
+            packed = torch.empty(block.layout.nbytes, dtype=torch.uint8)
+            for task in source.copy_tasks(block.layout, packed):
+                task.run()
+            memory.copy_(packed)
+        self.promoted[index] = memory
+        block.point_at(tuple(view_placement(memory, p) for p in block.layout.placements))
+        return block.layout.nbytes
 
     def drain(self) -> None:
         """Wait for every queued staged load (before synchronizing or tearing down)."""

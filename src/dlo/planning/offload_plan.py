@@ -85,11 +85,19 @@ def _declared_lists(module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
+def _runs_as_a_module(cls: type[nn.Module]) -> bool:
+    """Whether calling an instance runs a forward of its own. Containers (ModuleList,
+    ModuleDict) have none: their items are unpacked and called one by one, so hooks on the
+    container never fire. See [Note: blocks used outside their call]"""
+    return cls.forward is not nn.Module.forward
+
+
 def _is_block_list(candidate: nn.Module) -> bool:
     children = list(candidate.children()) if isinstance(candidate, nn.ModuleList) else []
     return (
         len(children) >= 2
         and len({type(child) for child in children}) == 1
+        and _runs_as_a_module(type(children[0]))
         and all(any(True for _ in child.parameters()) for child in children)
     )
 

@@ -63,6 +63,7 @@ class SlotPlanner:
         self._last_use = [0] * num_slots
         self._clock = 0
         self._previous: int | None = None
+        self._resident: set[int] = set()  # promoted: on the device for good, never loaded
         self.demand_loads = 0
 
     def slot_of(self, block: int) -> int | None:
@@ -70,6 +71,25 @@ class SlotPlanner:
             if held == block:
                 return slot
         return None
+
+    def is_running(self, block: int) -> bool:
+        slot = self.slot_of(block)
+        return slot is not None and self._active[slot]
+
+    def is_resident(self, block: int) -> bool:
+        return block in self._resident
+
+    def promote(self, block: int) -> None:
+        """`block` stays on the device from now on: it is never loaded again, and prefetch
+        passes over it. Only an idle block can be promoted."""
+        if self._lockstep:
+            raise StreamingError("blocks cannot be promoted in all-gather mode: every load there is a collective")
+        if self.is_running(block):
+            raise StreamingError(f"streamed block {block} is running and cannot be promoted")
+        slot = self.slot_of(block)
+        if slot is not None:
+            self._block_in_slot[slot] = None
+        self._resident.add(block)
 
     def begin(self, block: int) -> BlockStart:
         if self._previous is not None and not self._lockstep:
@@ -127,7 +147,12 @@ class SlotPlanner:
 
     def _chain(self, wanted: list[int], nxt: int | None) -> tuple[Load, ...]:
         loads: list[Load] = []
-        while len(wanted) < self.num_slots and nxt is not None and nxt not in wanted:
+        for _ in range(self.num_blocks):  # bounded: every block may be resident
+            if len(wanted) >= self.num_slots or nxt is None or nxt in wanted:
+                break
+            if nxt in self._resident:
+                nxt = self._successor[nxt]
+                continue
             wanted.append(nxt)
             if self.slot_of(nxt) is None:
                 slot = self._victim(keep=wanted)

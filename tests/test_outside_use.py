@@ -1,0 +1,121 @@
+"""Blocks whose parts run outside the block's own call: streamed only where that is exact.
+See [Note: blocks used outside their call]."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class PairsThenBlocks(nn.Module):
+    """ConsisID's shape: `layers` lists pairs that the parent unpacks, so no listed item ever
+    runs as a module; `blocks` is an ordinary list of blocks."""
+
+    def __init__(self, pairs=3, blocks=3):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([nn.ModuleList([Attn(), FeedForward()]) for _ in range(pairs)])
+        self.blocks = nn.ModuleList([FeedForward() for _ in range(blocks)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        for block in self.blocks:
+            x = block(x) + x
+        return x
+
+
+def _calls(model, inputs):
+    with torch.inference_mode():
+        return [model(x) for x in inputs]
+
+
+def test_lists_of_unpacked_pairs_are_not_discovered_as_blocks():
+    assert dlo.discover(PairsThenBlocks()).block_lists == ("blocks",)
+
+
+def test_a_model_with_unpacked_pairs_streams_its_real_blocks_bit_identically():
+    torch.manual_seed(0)
+    model = PairsThenBlocks()
+    inputs = [torch.randn(2, 8) for _ in range(3)]
+    expected = _calls(model, inputs)
+    with dlo.enable(model, "cpu") as handle:
+        assert all(torch.equal(a, b) for a, b in zip(_calls(model, inputs), expected))
+        assert handle.stats().streamed_blocks == 3 and handle.stats().resident_blocks == 0
+
+
+def test_a_plan_naming_unpacked_pairs_keeps_them_resident_from_the_first_call(caplog):
+    """Forced through a user plan, the pairs' parts run while their 'block' is not running:
+    each is promoted when that happens, so even the first call is exact."""
+    torch.manual_seed(1)
+    model = PairsThenBlocks()
+    inputs = [torch.randn(2, 8) for _ in range(3)]
+    expected = _calls(model, inputs)
+    plan = dlo.OffloadPlan(block_lists=("layers", "blocks"))
+    with caplog.at_level(logging.WARNING, logger="dlo"), dlo.enable(model, "cpu", plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(_calls(model, inputs), expected))
+        stats = handle.stats()
+    assert stats.resident_blocks == 3 and stats.streamed_blocks == 6
+    assert "layers.0.0 ran outside the call of its block 'layers.0'" in caplog.text
+    # Only the real blocks cross: three calls of three, and the next call's first one prefetched.
+    block_bytes = sum(dlo.planning.block_layout.align_up(t.numel() * 4) for t in model.blocks[0].parameters())
+    assert stats.copies == 3 * 3 + 1 and stats.bytes_streamed == stats.copies * block_bytes
+
+
+def test_dit_using_its_first_block_after_the_loop_matches_resident(caplog):
+    """DiTTransformer2DModel computes transformer_blocks[0].norm1.emb(...) after its loop."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(2)
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=3, sample_size=8, patch_size=2,
+        num_embeds_ada_norm=10,
+    ).eval()
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.copy_(torch.randn(tensor.shape) * 0.05)
+    inputs = [
+        dict(hidden_states=torch.randn(1, 4, 8, 8), timestep=torch.tensor([t]), class_labels=torch.tensor([c]))
+        for t, c in ((10, 1), (500, 7))
+    ]
+    with torch.inference_mode():
+        expected = [model(**kw).sample for kw in inputs]
+    with caplog.at_level(logging.WARNING, logger="dlo"), dlo.enable(model, "cpu") as handle:
+        with torch.inference_mode():
+            got = [model(**kw).sample for kw in inputs]
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert "transformer_blocks.0.norm1" in caplog.text and stats.resident_blocks == 1
+    with torch.inference_mode():  # after disable(): a plain module with its weights
+        assert torch.equal(model(**inputs[0]).sample, expected[0])
+
+
+def test_the_probe_is_gone_after_the_first_call():
+    model = PairsThenBlocks()
+    with dlo.enable(model, "cpu"):
+        pre_hooks = sum(len(m._forward_pre_hooks) for m in model.blocks[0].modules())
+        _calls(model, [torch.randn(2, 8)])
+        after = sum(len(m._forward_pre_hooks) for m in model.blocks[0].modules())
+    assert pre_hooks == 3 and after == 1  # the block's own hook stays; its two linears' probes went
