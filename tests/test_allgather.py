@@ -11,6 +11,7 @@ import torch
 
 import dlo
 from dlo.backend.gather_group import choose_gather_role
+from dlo.hotpath.gather import GatherRole
 from dlo.planning.block_layout import align_up
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -135,7 +136,7 @@ def test_backend_must_match_the_device(backend, device):
     from dlo.backend.gather_group import check_backend
 
     with pytest.raises(dlo.ConfigError, match="needs a '(nccl|gloo)' process group; the dp group is"):
-        check_backend(backend, torch.device(device), "dp")
+        check_backend(backend, torch.device(device), GatherRole.DP)
     check_backend("nccl", torch.device("cuda"), "dp")
     check_backend("gloo", torch.device("cpu"), "dp")
 
