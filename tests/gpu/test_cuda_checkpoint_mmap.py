@@ -46,3 +46,26 @@ def test_mapped_streaming_follows_changing_paths(tmp_path):
     expected = each(reference)
     with dlo.enable(model, "cuda", plan=plan):
         assert all(torch.equal(a, b) for a, b in zip(expected, each(model)))
+
+
+def test_a_staged_module_dropped_right_after_a_call_unpins_its_staging_buffers(tmp_path):
+    """The call leaves the next call's first block staged (a pack job and its copy in flight);
+    the finalizer stops the stager, waits for the device, then unpins."""
+    import gc
+
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+
+    def page_locked(address):
+        err, attributes = runtime.cudaPointerGetAttributes(address)
+        return err == runtime.cudaError_t.cudaSuccess and attributes.type == runtime.cudaMemoryType.cudaMemoryTypeHost
+
+    TINY_MODELS["wan"].build(seed=2).save_pretrained(tmp_path)
+    model, plan = dlo.load_transformer(tmp_path)
+    handle = dlo.enable(model, "cuda", plan=plan)
+    staging = [buffer.tensor.data_ptr() for buffer in handle._runtime.stager._buffers]
+    assert all(page_locked(a) for a in staging)
+    run(model, "wan", torch.float32, (1,))
+    del handle, model, plan
+    gc.collect()
+    torch.cuda.synchronize()
+    assert not any(page_locked(a) for a in staging)
