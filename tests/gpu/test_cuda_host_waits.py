@@ -62,3 +62,10 @@ def test_streaming_from_a_registered_cache_never_synchronizes_the_host(tmp_path)
         got = calls(model, inputs)
     handle.disable()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_the_guard_catches_a_host_sync():
+    """What the tests above rely on: a synchronizing call raises under the guard."""
+    value = torch.ones(4, device="cuda")
+    with synchronizing_calls_raise(), pytest.raises(RuntimeError, match="synchroniz"):
+        value.sum().item()
