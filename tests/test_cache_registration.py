@@ -208,8 +208,8 @@ def test_pin_limit_must_be_a_finite_number_at_least_zero(bad):
 
 
 def test_a_pin_limit_needs_the_cache():
-    with pytest.raises(dlo.ConfigError, match="pin_limit_gib=2.0 .* needs host_weight_cache=True"):
-        dlo.OffloadConfig(pin_limit_gib=2.0)
+    with pytest.raises(dlo.ConfigError, match="pin_limit_gib=2.0 .* needs checkpoint_mmap=True or host_weight_cache=True"):
+        dlo.OffloadConfig(pin_limit_gib=2.0, checkpoint_mmap=False)
     assert dlo.OffloadConfig(pin_limit_gib=0).pin_limit_gib == 0
 
 

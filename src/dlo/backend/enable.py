@@ -189,8 +189,9 @@ def enable(
     Non-streamed parts and the first `config.resident_layers` blocks move to `device`; the
     other blocks are packed into (pinned) host memory, or read from the checkpoint or cache
     mapping of a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device
-    slots just before they run. A host weight cache mapping is registered with the driver
-    when it can be (SPEC §5.3), so its blocks are copied straight from the shared pages.
+    slots just before they run. A mapping whose tensors are used as saved is registered with
+    the driver when it can be (SPEC §5.3), so its blocks are copied straight from the shared
+    pages.
     Call the model under torch.inference_mode() or torch.no_grad().
 
     With `config.use_allgather`, each rank keeps 1/G of every streamed block and the group
@@ -220,7 +221,7 @@ def enable(
             # Runs after the blocks' and the placement's undos: every tensor then has its
             # private value before the mapping closes.
             undo.callback(bound_plan.give_back, module)
-            if bound_plan.backing == "host_weight_cache" and gather_group is None:
+            if gather_group is None:  # all-gather mode copies the shards out and closes the mapping
                 bound_plan.register(config, device)
         blocks = [collect_block(ref) for ref in streamed_refs]
         rest = _rest_tensors(module, streamed_refs, blocks)

@@ -1,4 +1,5 @@
-"""Registering a host weight cache mapping at enable(), and closing it in the right order.
+"""Registering a checkpoint or host weight cache mapping at enable(), and closing it in the
+right order.
 
 [Note: mapping lifetime]
 Registered pages belong to the driver until they are unregistered: unmapping them first
@@ -47,7 +48,8 @@ NOT_APPLICABLE = RegistrationOutcome(None, "", 0.0)  # no cache mapping, or a de
 
 
 def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torch.device) -> RegistrationOutcome:
-    """Register every tensor of the mapping read-only, all or nothing (SPEC §5.3). A refusal
+    """Register every tensor of a checkpoint or cache mapping read-only, all or nothing (SPEC
+    §5.3). A refusal
     is logged and returned as a fallback; RegistrationCleanupError (a failed rollback)
     propagates: startup must abort. See [Note: mapping lifetime]"""
     if not config.pin_memory:
@@ -55,11 +57,11 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
     try:
         driver = cuda_registration.registration_driver(device)
     except Exception as err:  # e.g. cuda-bindings built for another driver
-        return _fall_back(f"the CUDA runtime bindings failed: {err!r}", 0.0)
+        return registration_refused(f"the CUDA runtime bindings failed: {err!r}", 0.0)
     if driver is None:  # nothing to register on this device: its slots are host memory
         return NOT_APPLICABLE
     if isinstance(driver, str):
-        return _fall_back(driver, 0.0)
+        return registration_refused(driver, 0.0)
     mapped = [(source, checkpoint.view(key)) for key, source in checkpoint.tensors.items() if source.entry.nbytes]
     pieces = [(str(source.file.path), view.data_ptr(), source.entry.nbytes) for source, view in mapped]
     started = time.perf_counter()
@@ -71,10 +73,10 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
             probes=[view.data_ptr() for _, view in mapped],
         )
     except RegistrationError as err:
-        return _fall_back(str(err), time.perf_counter() - started)
+        return registration_refused(str(err), time.perf_counter() - started)
     seconds = time.perf_counter() - started
     logger.info(
-        "dlo: registered %.2f GiB of the host weight cache mapping read-only (%d ranges, %.3f s): "
+        "dlo: registered %.2f GiB of the mapping read-only (%d ranges, %.3f s): "
         "blocks copy straight from the shared pages",
         registration.total_bytes / GIB,
         registration.region_count,
@@ -83,8 +85,10 @@ def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torc
     return RegistrationOutcome(registration, "", seconds)
 
 
-def _fall_back(reason: str, seconds: float) -> RegistrationOutcome:
-    logger.warning(
+def registration_refused(reason: str, seconds: float = 0.0, quiet: bool = False) -> RegistrationOutcome:
+    """The staging path, and why. `quiet`: an expected refusal (logged at INFO, not WARNING)."""
+    logger.log(
+        logging.INFO if quiet else logging.WARNING,
         "dlo: host registration not used (%s); blocks stream through pinned staging buffers",
         reason,
     )

@@ -6,12 +6,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, register_mapping, release_mapping
+from dlo.backend.mapping_registration import (
+    NOT_APPLICABLE,
+    RegistrationOutcome,
+    register_mapping,
+    registration_refused,
+    release_mapping,
+)
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.registration import HostRegistration, RegistrationCleanupError
-from dlo.host.tensor_source import TensorSource
+from dlo.host.tensor_source import TensorSource, count_adapters
 from dlo.planning.tensor_walk import owned_tensors
 
 
@@ -67,7 +73,16 @@ class BoundPlan:
 
     def register(self, config: OffloadConfig, device: torch.device) -> None:
         """Register the whole mapping read-only for direct copies, or record why not (SPEC
-        §5.3). A failed rollback propagates, and `release` then keeps the mapping open."""
+        §5.3). Only tensors used as saved can be copied straight from the pages: a mapping
+        with cast or concat adapters is packed on every load instead. A failed rollback
+        propagates, and `release` then keeps the mapping open."""
+        adapters = count_adapters(self.weights.bindings.values(), self.weights.checkpoint)
+        if adapters:
+            steps = ", ".join(f"{count} {step}" for step, count in sorted(adapters.items()))
+            self.registration = registration_refused(
+                f"the {self.backing} tensors are not used as saved ({steps}): each load packs them", quiet=True
+            )
+            return
         try:
             self.registration = register_mapping(self.weights.checkpoint, config, device)
         except RegistrationCleanupError as err:

@@ -83,8 +83,8 @@ class OffloadConfig:
     pin_limit_gib: float = field(
         default=0.0,
         metadata={
-            "help": "most GiB of the host weight cache mapping this process may register (page-lock) for "
-            "direct copies; above it blocks stream through staging buffers (0: no ceiling besides the OS's)"
+            "help": "most GiB of a checkpoint or host weight cache mapping this process may register (page-lock) "
+            "for direct copies; above it blocks stream through staging buffers (0: no ceiling besides the OS's)"
         },
     )
     pack_threads: int = field(
@@ -113,10 +113,10 @@ class OffloadConfig:
         limit = self.pin_limit_gib
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit < 0:
             raise ConfigError(f"OffloadConfig.pin_limit_gib must be a finite number >= 0, got {limit!r}")
-        if limit > 0 and not self.host_weight_cache:
+        if limit > 0 and not (self.host_weight_cache or self.checkpoint_mmap):
             raise ConfigError(
-                f"OffloadConfig.pin_limit_gib={limit} limits registration of the host weight cache mapping; it needs "
-                "host_weight_cache=True (or leave pin_limit_gib=0)"
+                f"OffloadConfig.pin_limit_gib={limit} limits registration of a checkpoint or cache mapping; it needs "
+                "checkpoint_mmap=True or host_weight_cache=True (or leave pin_limit_gib=0)"
             )
         if self.host_weight_cache and self.use_allgather:
             raise ConfigError(

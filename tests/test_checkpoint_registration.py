@@ -1,0 +1,89 @@
+"""Registering an as-saved checkpoint mapping (SPEC §5.3 applied to §5.1), on CPU with a fake
+driver: blocks copy straight from the checkpoint's pages when no tensor needs an adapter;
+a cast keeps the staging path."""
+
+import logging
+
+import pytest
+import torch
+from fake_driver import FakeDriver
+
+import dlo
+from test_checkpoint_mmap import ordinary
+from dlo.backend import cuda_registration
+from dlo.hotpath.transfer import SyncTransfer
+from dlo.models.tiny import TINY_MODELS
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: fake)
+    return fake
+
+
+@pytest.fixture
+def flux(tmp_path):
+    """(directory of a sharded tiny Flux checkpoint, its resident outputs)."""
+    TINY_MODELS["flux"].build(seed=5).save_pretrained(tmp_path, max_shard_size="100KB")
+    return tmp_path, run(ordinary(tmp_path, "flux", torch.float32))
+
+
+def run(model, dtype=torch.float32):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS["flux"].inputs(seed, dtype))[0] for seed in (1, 2)]
+
+
+def test_an_as_saved_checkpoint_mapping_is_registered_and_copied_from_directly(flux, driver, monkeypatch):
+    directory, expected = flux
+    sources = []
+    issue = SyncTransfer.copy_pieces_into
+
+    def record(self, slot, tasks):
+        sources.extend(task.source.data_ptr() for task in tasks)
+        return issue(self, slot, tasks)
+
+    monkeypatch.setattr(SyncTransfer, "copy_pieces_into", record)
+    model, plan = dlo.load_transformer(directory)
+    assert plan.backing == "checkpoint_mmap"
+    with dlo.enable(model, "cpu", plan=plan) as handle:
+        got = run(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.registration_fallback == "" and stats.staging_bytes == 0
+    # One copy per tensor from the mapping (not one staged copy per block): two calls of every
+    # block, and the third call's first block prefetched.
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    per_call = sum(len(block.state_dict()) for block in blocks)
+    assert stats.copies == 2 * len(blocks) + 1
+    assert len(sources) == 2 * per_call + len(blocks[0].state_dict())
+    shards = len(list(directory.glob("*.safetensors")))
+    assert stats.registered_ranges == shards  # one page-aligned range per checkpoint file
+    assert driver.registered == {}
+
+
+def test_a_checkpoint_that_needs_a_cast_is_staged_not_registered(flux, driver, caplog):
+    directory, _ = flux
+    expected = run(ordinary(directory, "flux", torch.bfloat16), torch.bfloat16)
+    model, plan = dlo.load_transformer(directory, torch_dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="dlo"), dlo.enable(model, "cpu", plan=plan) as handle:
+        got = run(model, torch.bfloat16)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert "not used as saved" in stats.registration_fallback and "cast" in stats.registration_fallback
+    assert stats.registered_bytes == 0 and driver.calls == []  # decided before any driver call
+    assert "host registration not used" not in caplog.text  # expected, so not a warning
+
+
+def test_the_ceiling_applies_to_checkpoint_mappings(flux, driver):
+    directory, expected = flux
+    model, plan = dlo.load_transformer(directory)
+    config = dlo.OffloadConfig(pin_limit_gib=1e-6)
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        got = run(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert "exceeds the registration ceiling" in stats.registration_fallback
+    assert [c for c in driver.calls if c[0] == "register"] == []
