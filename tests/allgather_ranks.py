@@ -150,6 +150,50 @@ def sp_group(rank: int, world: int) -> dict:
     return dict(identical=torch.equal(expected[0], got[0]), role=role)
 
 
+def sequence_parallel(rank: int, world: int) -> dict:
+    """Wan and Flux, each in both orders (one spawn for all: imports dominate)."""
+    torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only machine
+    return {(name, order): _sequence_parallel(world, name, order) for name in ("wan", "flux") for order in ("sp_first", "dlo_first")}
+
+
+def _sequence_parallel(world: int, name: str, order: str) -> dict:
+    """diffusers context parallelism (Ulysses over the world) with and without dlo: dlo
+    all-gathers over the model's SP group, picked from the model when enabled after
+    `enable_parallelism` (order "sp_first"), or over the world taken as DP when enabled
+    before it ("dlo_first")."""
+    import diffusers
+
+    entry = TINY_MODELS[name]
+    reference = entry.build(seed=2)
+    model = copy.deepcopy(reference)
+    reference.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=world))
+    inputs = [entry.inputs(seed) for seed in (3, 4)]
+    with torch.inference_mode():
+        expected = [reference(**kwargs)[0] for kwargs in inputs]
+    config = dlo.OffloadConfig(use_allgather=True)
+    if order == "sp_first":
+        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=world))
+        handle = dlo.enable(model, "cpu", config)
+    else:
+        handle = dlo.enable(model, "cpu", config)
+        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=world))
+    with torch.inference_mode():
+        got = [model(**kwargs)[0] for kwargs in inputs]
+    stats = handle.stats()
+    role = handle._runtime.gather.role.value
+    handle.disable()
+    from dlo.planning.plan_summary import summarize
+
+    summary = summarize(model, dlo.discover(model))
+    return dict(
+        identical=all(torch.equal(a, b) for a, b in zip(expected, got)),
+        role=role,
+        host_bytes=stats.host_bytes,
+        streamed_bytes=summary.streamed_bytes,
+        blocks=len(summary.streamed),
+    )
+
+
 def from_checkpoint(rank: int, world: int, directory: str) -> dict:
     """Shards built from a checkpoint mapping, which is closed once they exist."""
     import diffusers
@@ -195,3 +239,4 @@ def mismatched_slots(rank: int, world: int) -> str:
 
 
 SCENARIOS["mismatched_slots"] = mismatched_slots
+SCENARIOS["sequence_parallel"] = sequence_parallel

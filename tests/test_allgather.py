@@ -155,3 +155,19 @@ def test_ranks_with_different_slot_counts_are_refused_before_any_block_collectiv
     results, _ = run_ranks(tmp_path, "mismatched_slots", 2)
     assert_no_errors(results)
     assert all("all-gather lockstep broken" in results[rank] for rank in (0, 1))
+
+
+def test_diffusers_sequence_parallelism_with_dlo_matches_it_without(tmp_path):
+    """Ulysses-2 context parallelism (diffusers' enable_parallelism) on two Gloo ranks, with
+    dlo all-gathering each block over the SP group: bit-identical to the same SP run without
+    dlo, for Wan and Flux, in either order, each rank holding about half the blocks."""
+    results, _ = run_ranks(tmp_path, "sequence_parallel", 2)
+    assert_no_errors(results)
+    for rank_results in results.values():
+        assert sorted(rank_results) == [("flux", "dlo_first"), ("flux", "sp_first"), ("wan", "dlo_first"), ("wan", "sp_first")]
+        for (name, order), result in rank_results.items():
+            assert result["identical"], (name, order)
+            assert result["role"] == ("sp" if order == "sp_first" else "dp")  # dlo_first: the world, as DP
+            # Each shard is ceil(block / 2) rounded up to 512 bytes.
+            half = result["streamed_bytes"] / 2
+            assert half <= result["host_bytes"] <= half + 512 * result["blocks"]

@@ -143,12 +143,14 @@ def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None,
     return "pinned" if pin else "pageable"
 
 
-def _gather_group(config: OffloadConfig, groups: ParallelGroups | None, device: torch.device) -> GatherGroup | None:
+def _gather_group(
+    config: OffloadConfig, groups: ParallelGroups | None, device: torch.device, module: nn.Module
+) -> GatherGroup | None:
     if not config.use_allgather:
         if groups is not None:
             raise ConfigError("groups= is used by all-gather mode only; set OffloadConfig(use_allgather=True)")
         return None
-    chosen = resolve_gather_group(groups)
+    chosen = resolve_gather_group(groups, module)
     if chosen.group is not None:
         check_backend(str(torch.distributed.get_backend(chosen.group)), device, chosen.role)
     return chosen
@@ -195,16 +197,17 @@ def enable(
     Call the model under torch.inference_mode() or torch.no_grad().
 
     With `config.use_allgather`, each rank keeps 1/G of every streamed block and the group
-    chosen from `groups` (default: an initialized torch.distributed world, as pure data
-    parallelism) rebuilds blocks with all-gathers; every rank must call enable(), the model
-    and disable() alike (see [Note: lockstep schedule]).
+    chosen from `groups` rebuilds blocks with all-gathers (default: the sequence-parallel
+    group of a diffusers model with context parallelism enabled, else an initialized
+    torch.distributed world as pure data parallelism); every rank must call enable(), the
+    model and disable() alike (see [Note: lockstep schedule]).
     """
     config = OffloadConfig() if config is None else config
     if not isinstance(config, OffloadConfig):
         raise ConfigError(f"config must be a dlo.OffloadConfig, got {type(config).__name__}")
     offload_plan, host_plan = _resolve_plans(module, plan)
     device = resolve_device(device)
-    gather_group = _gather_group(config, groups, device)
+    gather_group = _gather_group(config, groups, device, module)
     refuse_if_managed(module)
     refs = resolve_blocks(module, offload_plan)
     resident_count = _resident_count(config, offload_plan, refs, module)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dlo.errors import ConfigError
 from dlo.hotpath.gather import GatherGroup, GatherRole
@@ -42,9 +43,22 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def resolve_gather_group(groups: ParallelGroups | None) -> GatherGroup:
-    """The group for all-gather mode. Without `groups`, an initialized default world is
-    taken as pure data parallelism; without torch.distributed, a group of one."""
+def diffusers_sp_group(module: nn.Module) -> dist.ProcessGroup | None:
+    """The sequence-parallel group of a diffusers model on which `enable_parallelism` set up
+    context parallelism (Ulysses and/or ring: its flattened mesh), else None. Its ranks run
+    every block on their slice of the sequence, so they can share the host weights."""
+    parallel = getattr(module, "_parallel_config", None)  # diffusers ModelMixin state, None by default
+    context = getattr(parallel, "context_parallel_config", None)
+    mesh = getattr(context, "_flattened_mesh", None)
+    return mesh.get_group() if mesh is not None else None
+
+
+def resolve_gather_group(groups: ParallelGroups | None, module: nn.Module | None = None) -> GatherGroup:
+    """The group for all-gather mode. Without `groups`: the sequence-parallel group of a
+    diffusers model with context parallelism enabled, else an initialized default world taken
+    as pure data parallelism; without torch.distributed, a group of one."""
+    if groups is None and module is not None and diffusers_sp_group(module) is not None:
+        groups = ParallelGroups(sp=diffusers_sp_group(module))
     if groups is None:
         groups = ParallelGroups(dp=dist.group.WORLD) if dist.is_available() and dist.is_initialized() else ParallelGroups()
     if not isinstance(groups, ParallelGroups):
