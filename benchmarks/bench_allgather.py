@@ -58,6 +58,12 @@ On the GPU machine, from the repository root (diffusers comes from the wheels in
   timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py \\
       --shapes tiny --kill-rank 1
 
+Sequence parallelism (issue 17): `--sp` runs every variant under diffusers' Ulysses context
+parallelism over all ranks (one prompt, its sequence split), so "resident" is SP resident and
+"all-gather" gathers each block over the SP group:
+
+  python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py --shapes wan --sp
+
 CPU smoke test (Gloo, the tiny Wan):
 
   torchrun --nproc-per-node 2 benchmarks/bench_allgather.py --device cpu --shapes tiny --iters 1 --warmup 0
@@ -157,9 +163,11 @@ def to_rank0(value: Any, ranks: Ranks) -> list[Any] | None:
     return gathered
 
 
-def rank_inputs(shape: Shape, seed: int, ranks: Ranks) -> Inputs:
-    """A different prompt per rank (rank 0's equals bench_streaming's inputs)."""
-    return to_device(shape.make_inputs(torch.Generator().manual_seed(seed + 1 + 1000 * ranks.rank)), ranks.device)
+def rank_inputs(shape: Shape, seed: int, ranks: Ranks, sequence_parallel: bool) -> Inputs:
+    """A different prompt per rank (rank 0's equals bench_streaming's inputs); with sequence
+    parallelism one prompt, whose sequence the ranks split."""
+    offset = 0 if sequence_parallel else 1000 * ranks.rank
+    return to_device(shape.make_inputs(torch.Generator().manual_seed(seed + 1 + offset)), ranks.device)
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -198,7 +206,11 @@ class Measured:
 def measure(shape: Shape, variant: str, ranks: Ranks, args: argparse.Namespace) -> Measured:
     device = ranks.device
     model = build_model(shape, args.seed, device)  # one seed on every rank: identical weights
-    inputs = rank_inputs(shape, args.seed, ranks)
+    if args.sp:  # diffusers' Ulysses context parallelism over every rank; dlo then gathers over its SP group
+        import diffusers
+
+        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=ranks.world))
+    inputs = rank_inputs(shape, args.seed, ranks, args.sp)
     release(device)
     if ranks.is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -430,7 +442,7 @@ def verdicts(rows: list[Row], world: int) -> list[str]:
         lines.append(
             f"{shape}: parity (all-gather = rank-local = resident on every rank, every forward): "
             f"{'met' if parity else 'NOT met'}; forwards repeatable: {repeatable}; "
-            f"ranks ran different prompts: {gather.prompts_differ}"
+            f"ranks' outputs differ (DP: different prompts; SP: one prompt, equal outputs): {gather.prompts_differ}"
         )
         host = max(gather.host_bytes_per_rank) / gather.blocks_over_g_bytes
         lines.append(f"{shape}: all-gather host bytes per rank = {host:.4f} x (block bytes / {world})")
@@ -485,7 +497,7 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
             write_json(args.json, {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "environment": env,
-                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed},
+                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp},
                 "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
                 "verdicts": verdicts(rows, ranks.world),
                 "table": markdown_table(rows),
@@ -594,7 +606,7 @@ def kill_test(ranks: Ranks, args: argparse.Namespace) -> None:
         stamp.unlink(missing_ok=True)
         print(" | ".join(f"{k} {v}" for k, v in environment(ranks).items()), flush=True)
     model = build_model(shape, args.seed, ranks.device)
-    inputs = rank_inputs(shape, args.seed, ranks)
+    inputs = rank_inputs(shape, args.seed, ranks, sequence_parallel=False)
     handle = dlo.enable(model, ranks.device, dlo.OffloadConfig(use_allgather=True))
     blocks = model.get_submodule(handle.plan.block_lists[0])
     middle = len(blocks) // 2
@@ -634,6 +646,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed forwards per variant (default: 5)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights (all ranks); rank r's inputs use seed + 1 + 1000 r (default: 0)")
+    parser.add_argument("--sp", action="store_true",
+                        help="sequence parallelism: diffusers' enable_parallelism(ContextParallelConfig(ulysses_degree="
+                        "world)) on every variant, one prompt split over the ranks; all-gather runs over the SP group")
     parser.add_argument("--kill-rank", type=int, default=None,
                         help="run the failure test: this rank exits in its second call, mid-wave")
     parser.add_argument("--kill-calls", type=int, default=4, help="calls the kill test makes (default: 4)")
