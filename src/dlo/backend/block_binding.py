@@ -10,9 +10,9 @@ from torch import nn
 
 from dlo.backend.plan_binding import BoundPlan
 from dlo.errors import EnableError
-from dlo.hotpath.gather import GatherGroup
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.pinned_buffer import HostBuffer
+from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
 from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef

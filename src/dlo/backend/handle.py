@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from dlo.backend.outside_use import OutsideUseProbe
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
+from dlo.backend.outside_use import OutsideUseProbe
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
@@ -94,7 +94,13 @@ class OffloadHandle:
         # A module dropped without disable() must still give its host memory back in order:
         # the driver would otherwise keep pinning pages whose addresses get reused.
         self._finalizer = weakref.finalize(
-            self, _abandoned, runtime.transfer, runtime.stager, self._registration.registration, self._releases, checkpoint
+            self,
+            _abandoned,
+            runtime.transfer,
+            runtime.stager,
+            self._registration.registration,
+            self._releases,
+            checkpoint,
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
         # Root hooks are bound methods: the module keeps its handle alive through them, even
