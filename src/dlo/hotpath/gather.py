@@ -4,13 +4,16 @@ ranks in lockstep.
 [Note: lockstep schedule]
 Every load is a collective, so every rank of the group must issue the same loads in the same
 order, or a rank waits forever for a peer that issued something else. dlo therefore fixes
-the schedule of a call to the plan's static order (no learning, no prefetch across calls)
-and, at the start of each call and before its first collective, the ranks all-gather a
-digest (call index, plan digest, a "poisoned" flag) and compare: any difference raises
-StreamingError on every rank at once. A rank whose forward then leaves the schedule (skips
-or reorders a block, or ends the call early) first issues the rest of the call's collectives
-so its peers can finish, marks itself poisoned and raises; the next agreement fails on every
-rank. A rank that dies makes its peers' next collective fail; with Gloo at once (tested), and
+the schedule of a call to the plan's static order (no learning), and the ranks agree on each
+call: they all-gather a digest (call index, plan digest, a "poisoned" flag) and, when the call
+starts, compare: any difference raises StreamingError on every rank at once. The agreement
+of call k+1 and the loads of its first blocks are issued at the end of call k, by every rank
+whether or not call k went well, so they overlap call k's last blocks (the next call's start
+would otherwise wait for them); the call's own start only reads the agreement. A rank whose
+forward leaves the schedule (skips or reorders a block, or ends the call early) first issues
+the rest of the call's collectives so its peers can finish, marks itself poisoned and raises;
+it still issues the next agreement and first loads at the call's end, like its peers, so the
+next call's agreement fails on every rank with every collective matched. A rank that dies makes its peers' next collective fail; with Gloo at once (tested), and
 dlo re-raises that as StreamingError naming the group. With NCCL no Python call sees it: the
 survivors' collectives are queued without waiting, and on 2 H200s NCCL's watchdog reported the
 timeout but did not end the process within 30 s; the launcher (torchrun) is what stops the
@@ -69,6 +72,15 @@ def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
     return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little") >> 2
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """A call's lockstep agreement in flight: the gathered digests (None in a group of one),
+    and whether the call's first loads were issued with it (at the end of the previous call)."""
+
+    gathered: torch.Tensor | None
+    loads_issued: bool
+
+
 class BlockGather:
     def __init__(self, gather_group: GatherGroup, transfer: Transfer) -> None:
         self.group = gather_group.group
@@ -108,24 +120,33 @@ class BlockGather:
         slot.ready.record(self.comm_stream)
         return start, transfer.mark(self.comm_stream)
 
-    def agree(self, call_index: int, digest: int, poisoned: bool) -> None:
-        """See [Note: lockstep schedule]. Raises on every rank if any rank differs."""
+    def issue_agreement(self, call_index: int, digest: int, poisoned: bool) -> torch.Tensor | None:
+        """Start gathering every rank's (call index, plan digest, poisoned); `check` reads it.
+        None in a group of one. See [Note: lockstep schedule]"""
         if self.size == 1:
-            return
+            return None
         device = self._transfer.device
         mine = torch.tensor([call_index, digest, int(poisoned)], dtype=torch.int64, device=device)
         everyone = torch.empty(3 * self.size, dtype=torch.int64, device=device)
         self._gather(everyone, mine)
-        rows = everyone.view(self.size, 3).tolist()
+        return everyone
+
+    def check(self, agreement: Agreement) -> None:
+        """Raises on every rank if any rank differs. Reading the gathered digests is the one
+        place the host waits for the device in all-gather mode, once per call."""
+        if agreement.gathered is None:
+            return
+        rows = agreement.gathered.view(self.size, 3).tolist()
         if any(row != rows[0] for row in rows) or any(row[2] for row in rows):
             described = "; ".join(
                 f"rank {r}: call {row[0]}, plan {row[1]:x}{', left the schedule' if row[2] else ''}"
                 for r, row in enumerate(rows)
             )
+            issued = "its first loads were issued by every rank" if agreement.loads_issued else "no collective of it was issued"
             raise StreamingError(
                 f"all-gather lockstep broken in the {self.role.value} group ({described}). Every rank must call the "
                 "model the same number of times and run the same blocks in plan order (same step counts "
-                "and options, e.g. skip_layers); no collective of this call was issued"
+                f"and options, e.g. skip_layers); this call did not run ({issued})"
             )
 
     def gather_full(self, shard: ShardSource) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dlo.errors import StreamingError
 from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
-from dlo.hotpath.gather import BlockGather, plan_digest
+from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
 from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
@@ -44,9 +44,12 @@ class StreamingRuntime:
         self.gather = gather
         self.planner = SlotPlanner(len(self.blocks), len(self.slots), lockstep=gather is not None)
         # All-gather mode only. See [Note: lockstep schedule]
-        self._calls = 0
+        self._calls = 0  # agreements issued
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
         self._poisoned = False
+        # Issued at the end of the previous call, with the next call's first loads: read when
+        # the next call starts. None: issue it then.
+        self._next_agreement: Agreement | None = None
         self._plan_digest = plan_digest(len(self.slots), self.blocks)
         self.pack_s = 0.0
         # Views of every block in every slot, made once: the hot path only assigns `.data`,
@@ -144,28 +147,49 @@ class StreamingRuntime:
     def start_call(self) -> None:
         """Before the root module runs. Blocks still marked running were interrupted by a
         BaseException (torch runs no forward hook for those): release their slots. In
-        all-gather mode, then agree with the group and load the call's first blocks. See
-        [Note: lockstep schedule]"""
+        all-gather mode, then check the group's agreement on this call (issued with this call's
+        first loads at the end of the previous one, or now) and load the first blocks if they
+        are not loaded yet. See [Note: lockstep schedule]"""
         for index, slot_index in self.planner.release_running():
             self.transfer.mark_free(self.slots[slot_index])
             self.blocks[index].point_at(self.blocks[index].placeholders)
         if self.gather is None:
             return
-        if self._cursor is not None:  # the previous call raised before finishing its schedule
-            self._leave_schedule()
-        self.gather.agree(self._calls, self._plan_digest, self._poisoned)
-        self._calls += 1
+        if self._cursor is not None:  # the previous call was interrupted before its end hook ran
+            self._finish_call()
+        agreement, self._next_agreement = self._next_agreement, None
+        if agreement is None:
+            agreement = self._issue_agreement()
+        self.gather.check(agreement)
         self._cursor = 0
-        if self.blocks:
+        if self.blocks and not agreement.loads_issued:
             for load in self.planner.preload(0):
                 self._load(load)
 
     def end_call(self) -> None:
-        """All-gather mode, after the root module ran (or raised)."""
+        """After the root module ran (or raised). All-gather mode: issue whatever peers still
+        expect of this call, then the next call's agreement and first loads, so they overlap
+        this call's last blocks instead of the next call's start. See [Note: lockstep schedule]"""
         if self.gather is not None and self._cursor is not None:
-            if self._cursor < len(self.blocks):  # the forward ended early: peers still expect these
-                self._leave_schedule()
-            self._cursor = None
+            self._finish_call()
+
+    def _finish_call(self) -> None:
+        """Close the open call: issue what peers still expect of it (when it ended early),
+        then the next call's agreement and first loads."""
+        assert self._cursor is not None
+        if self._cursor < len(self.blocks):
+            self._leave_schedule()
+        self._cursor = None
+        self._next_agreement = self._issue_agreement(preload=True)
+
+    def _issue_agreement(self, preload: bool = False) -> Agreement:
+        assert self.gather is not None
+        gathered = self.gather.issue_agreement(self._calls, self._plan_digest, self._poisoned)
+        self._calls += 1
+        if preload and self.blocks:
+            for load in self.planner.preload(0):
+                self._load(load)
+        return Agreement(gathered, loads_issued=preload)
 
     def _follow_schedule(self, index: int) -> None:
         if self._cursor is None:
@@ -175,7 +199,7 @@ class StreamingRuntime:
             )
         if index != self._cursor:
             expected = repr(self.blocks[self._cursor].name) if self._cursor < len(self.blocks) else "the end of the call"
-            self._leave_schedule()
+            self._finish_call()
             raise StreamingError(
                 f"rank {self.gather.rank} ran block {self.blocks[index].name!r} where the agreed schedule has "
                 f"{expected}: in all-gather mode every rank runs the streamed blocks in plan order. Its peers were "
@@ -189,7 +213,6 @@ class StreamingRuntime:
         assert self.gather is not None and self._cursor is not None
         self._poisoned = True  # first: even if what follows fails, the next agreement fails
         remaining = [i for i in range(self._cursor, len(self.blocks)) if self.planner.slot_of(i) is None]
-        self._cursor = None
         if remaining:
             # An error path, so simple over fast: wait for all device work, then use slot 0 as
             # scratch (no new allocation, which could fail after an out-of-memory) and forget
