@@ -27,7 +27,6 @@ check is never the one mapped.
 from __future__ import annotations
 
 import enum
-import errno
 import hashlib
 import json
 import logging
@@ -55,7 +54,7 @@ from dlo.host.cache.key_lock import KeyLock
 from dlo.host.cache.manifest import MANIFEST, MANIFEST_SIZE_CAP, SCHEMA, Rejection, RejectionKind, manifest_problem
 from dlo.host.cache.source_index import SourceIndex
 from dlo.host.cache.trust import DIR_MODE, FILE_MODE, SAFE_OPEN, private_dir_reason, stat_reason
-from dlo.host.cache.unavailable import CacheUnavailable
+from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.safetensors_file import CheckpointError
 
@@ -193,11 +192,18 @@ class EntryStore:
         return KeyLock(self.root / ".locks" / f"{key}.lock", timeout_s)
 
     def _dir(self, name: str, create: bool) -> Path | None:
-        """The trusted directory `name` under the root; None if it is missing (and not created)."""
+        """The trusted directory `name` under the root; None if it is missing (and not
+        created). Creating it creates a missing root too (its parents with the umask's modes:
+        they are not the cache's)."""
         path = self.root / name
         if not create and not os.path.lexists(path):
             return None
-        reason = private_dir_reason(path, create)
+        try:
+            if create:
+                self.root.parent.mkdir(parents=True, exist_ok=True)
+            reason = private_dir_reason(self.root, create) or private_dir_reason(path, create)
+        except OSError as err:
+            raise CacheUnavailable(failure_code(err), f"cannot create {path}: {err}") from err
         if reason is not None:
             raise CacheUnavailable("invalid_configuration", reason)
         return path
@@ -208,6 +214,7 @@ class EntryStore:
         """Mark `key` in use by this process until the returned fd is closed (holds.py).
         Hold before validating or publishing: an entry held can no longer be evicted."""
         self.entry_path(key)  # only a key becomes a path
+        self._dir(".users", create=True)
         return holds.hold(self._users(key))
 
     def users(self, key: str) -> int:
@@ -373,7 +380,7 @@ class EntryStore:
             try:
                 return self._write(key, tensors, identity, shard_bytes)
             except (OSError, SafetensorError) as err:
-                raise CacheUnavailable(_failure_code(err), f"publishing {key}: {err}") from err
+                raise CacheUnavailable(failure_code(err), f"publishing {key}: {err}") from err
 
     def _remove_stale_temps(self, key: str) -> None:
         """Temp dirs of this key whose writer is gone, and its moved-aside copies (called
@@ -485,17 +492,6 @@ def _mapped_entry(path: Path, manifest: dict, handles: dict[str, BinaryIO]) -> E
 
 def _tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _failure_code(err: OSError | SafetensorError) -> str:
-    """insufficient_disk for a full filesystem, else cache_operation_failed. safetensors'
-    writer reports I/O errors as SafetensorError, whose text carries the OS error as Rust
-    prints it ("... (os error 28)"), not an errno."""
-    if isinstance(err, OSError):
-        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
-    else:
-        full = any(f"(os error {code})" in str(err) for code in (errno.ENOSPC, errno.EDQUOT))
-    return "insufficient_disk" if full else "cache_operation_failed"
 
 
 def _split(names: list[str], tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.host.cache.trust import FILE_MODE, SAFE_OPEN, private_dir_reason
-from dlo.host.cache.unavailable import CacheUnavailable
+from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 
 PENDING = ".pending."
 
@@ -61,19 +61,19 @@ def pid_alive(pid: int) -> bool:
 
 
 def hold(users: Path) -> int:
-    """Mark the entry whose hold directory is `users` in use by this process until the
-    returned descriptor is closed. See [Note: hold visibility]."""
+    """Mark the entry whose hold directory is `users` (in a trusted `.users`) in use by this
+    process until the returned descriptor is closed. See [Note: hold visibility]."""
     for _ in range(3):  # a tidy-up may remove the (empty) directory between mkdir and create
-        reason = private_dir_reason(users.parent, create=True) or private_dir_reason(users, create=True)
-        if reason is not None:
-            raise CacheUnavailable("invalid_configuration", reason)
         name = f"{os.getpid()}.{uuid.uuid4().hex}"
         try:
+            reason = private_dir_reason(users, create=True)
+            if reason is not None:
+                raise CacheUnavailable("invalid_configuration", reason)
             fd = os.open(users / f"{PENDING}{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, FILE_MODE)
         except FileNotFoundError:
             continue
         except OSError as err:
-            raise CacheUnavailable("cache_operation_failed", f"cannot create a hold in {users}: {err}") from err
+            raise CacheUnavailable(failure_code(err), f"cannot create a hold in {users}: {err}") from err
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename(users / f"{PENDING}{name}", users / name)

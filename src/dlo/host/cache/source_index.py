@@ -49,7 +49,7 @@ class SourceIndex:
 
     def record(self, load_identity: Mapping[str, object], key: str) -> None:
         """Write atomically (temp file + rename): readers see the old record or the new one."""
-        reason = private_dir_reason(self.path, create=True)
+        reason = private_dir_reason(self.path, create=True)  # an OSError propagates
         if reason is not None:
             raise CacheUnavailable("invalid_configuration", reason)
         temp = self.path / f".{os.getpid()}.{uuid.uuid4().hex}.tmp"

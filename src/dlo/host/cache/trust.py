@@ -66,15 +66,14 @@ def untrusted_reason(path: Path) -> str | None:
 
 def private_dir_reason(path: Path, create: bool) -> str | None:
     """Why the cache directory `path` cannot be used, or None. With `create`, a missing one
-    is made with DIR_MODE (then chmod'ed: mkdir's mode passes through the umask)."""
+    is made with DIR_MODE (then chmod'ed: mkdir's mode passes through the umask); failing to
+    make it raises the OSError (a full disk is not a matter of trust)."""
     if create:
         try:
             os.mkdir(path, DIR_MODE)
             os.chmod(path, DIR_MODE, follow_symlinks=False)
         except FileExistsError:
             pass
-        except OSError as err:
-            return f"cannot create {path}: {err}"
     reason = untrusted_reason(path)
     if reason is None and not stat.S_ISDIR(os.lstat(path).st_mode):
         reason = f"{path} is not a directory"
@@ -84,11 +83,14 @@ def private_dir_reason(path: Path, create: bool) -> str | None:
 def root_refusal(root: Path, allow_any_filesystem: bool, create: bool = True) -> str | None:
     """Why the cache root cannot be used, or None. With `create`, a missing root is made
     (its missing parents too, with the umask's modes: they are not the cache's)."""
-    if create:
-        root.parent.mkdir(parents=True, exist_ok=True)
-    elif not os.path.lexists(root):
+    if not create and not os.path.lexists(root):
         return f"the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"
-    reason = private_dir_reason(root, create)
+    try:
+        if create:
+            root.parent.mkdir(parents=True, exist_ok=True)
+        reason = private_dir_reason(root, create)
+    except OSError as err:
+        return f"cannot create the cache root {root}: {err}"
     if reason is not None:
         return reason
     kind = filesystem_type(root)
