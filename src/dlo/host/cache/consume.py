@@ -132,7 +132,8 @@ def _publish_and_map(model: nn.Module, store: EntryStore, load: dict, config: Of
             for tensor, private in swapped:
                 tensor.data = private
         checkpoint.close()  # releases the hold
-        return Fallback("cache_operation_failed", f"after mapping {key[:16]}: {type(err).__name__}: {err}")
+        code = err.code if isinstance(err, CacheUnavailable) else "cache_operation_failed"
+        return Fallback(code, f"after mapping {key[:16]}: {type(err).__name__}: {err}")
     del tensors, swapped
     _release_private_memory()
     return plan

@@ -370,6 +370,7 @@ class EntryStore:
         See [Note: publication]. Raises CacheUnavailable (lock_timeout, lock_failed,
         insufficient_disk, invalid_configuration, cache_operation_failed) and leaves no
         partial entry."""
+        self.entry_path(key)  # only a key becomes a path
         found = self.validate(key)
         if isinstance(found, Entry):
             return found
