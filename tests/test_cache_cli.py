@@ -86,7 +86,7 @@ def test_removing_an_entry_removes_everything_that_belonged_to_it(used_cache, ca
     assert main(["cache", *[part.format(key=key) for part in command], *cache(root)]) == 0
     assert os.listdir(root / "v1") == [] and os.listdir(root / ".locks") == []
     assert os.listdir(root / "sources") == [] and os.listdir(root / ".users") == []
-    assert os.listdir(root / ".tmp") == []
+    assert os.listdir(root / ".tmp") == [] and os.listdir(root / ".stamps") == []
 
 
 def test_a_corrupt_entry_moved_aside_is_listed_and_gc_removes_it(tmp_path, capsys):

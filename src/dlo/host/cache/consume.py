@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dlo.config import OffloadConfig, Topology
+from dlo.config.offload_config import CacheVerify
 from dlo.host.cache.collect import collect_tensors
 from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.identity import build_identity, content_digest, load_identity, without_content
@@ -84,7 +85,7 @@ def load_through_cache(
         # needs its quantization backend).
         _log_fallback(load)
         return ordinary_load(directory, torch_dtype, fuse_qkv), None
-    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv)
+    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, CacheVerify(config.cache_verify))
     if warm is not None:
         return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
@@ -105,7 +106,7 @@ def _publish_and_map(model: nn.Module, store: EntryStore, load: dict, config: Of
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
     try:
-        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s)
+        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s, verify=CacheVerify(config.cache_verify))
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
@@ -170,7 +171,7 @@ def _persistent(model: nn.Module) -> list[OwnedTensor]:
     return [o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set]
 
 
-def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv):
+def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify):
     """The model built empty and bound to the entry this load identity published last time,
     without running the ordinary loader; None (and the cold path) whenever anything does not
     match. See [Note: warm start identity]."""
@@ -182,7 +183,7 @@ def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv
     except CacheUnavailable as err:
         logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], err)
         return None
-    entry = store.validate(key)  # every byte, in parallel threads
+    entry = store.validate(key, verify)  # every byte (hashed in parallel threads) or its stamps
     if not isinstance(entry, Entry):
         os.close(hold)
         logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], entry)

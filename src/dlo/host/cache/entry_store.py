@@ -7,6 +7,7 @@ Layout under the cache root (every directory DIR_MODE, every file FILE_MODE, see
     .tmp/<key>.<pid>.<uuid>/                                     a writer's work in progress
     .tmp/<key>.corrupt.<uuid>/, .tmp/<key>.evicted.<uuid>/       moved aside, removed by gc
     .users/<key>/<pid>.<uuid>                                    holds (see holds.py)
+    .stamps/<key>.json                                           file stamps (see stamps.py)
     sources/<digest>.json                                        warm start hints (source_index.py)
 
 [Note: publication]
@@ -48,11 +49,13 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from dlo.config.offload_config import CacheVerify
 from dlo.host.cache import holds
 from dlo.host.cache.identity import is_key
 from dlo.host.cache.key_lock import KeyLock
 from dlo.host.cache.manifest import MANIFEST, MANIFEST_SIZE_CAP, SCHEMA, Rejection, RejectionKind, manifest_problem
 from dlo.host.cache.source_index import SourceIndex
+from dlo.host.cache.stamps import Stamps, file_stamp
 from dlo.host.cache.trust import DIR_MODE, FILE_MODE, SAFE_OPEN, private_dir_reason, stat_reason
 from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 from dlo.host.checkpoint import Checkpoint
@@ -248,6 +251,9 @@ class EntryStore:
                 path.rename(doomed)  # atomic: readers see the whole entry or none
                 shutil.rmtree(doomed, ignore_errors=True)
             SourceIndex(self.root).forget(lambda named: named != key)
+            stamps = self._dir(".stamps", create=False)
+            if stamps is not None:
+                Stamps(stamps).forget(key)
             lock.remove_file()  # see [Note: removable lock files]
         return True
 
@@ -295,6 +301,12 @@ class EntryStore:
                             removed.append(f".locks/{name}")
                 except CacheUnavailable:
                     pass  # a writer holds it right now
+        stamps = self._dir(".stamps", create=False)
+        for name in os.listdir(stamps) if stamps is not None else []:
+            key = name.removesuffix(".json")
+            if name == f"{key}.json" and is_key(key) and not self.entry_path(key).is_dir():
+                Stamps(stamps).forget(key)
+                removed.append(f".stamps/{name}")
         if self._dir("sources", create=False) is not None:
             index = SourceIndex(self.root)
             removed += [f"sources/{n}" for n in index.forget(lambda k: k is not None and self.entry_path(k).is_dir())]
@@ -302,9 +314,10 @@ class EntryStore:
 
     # -- validation ---------------------------------------------------------------------
 
-    def validate(self, key: str) -> Entry | Rejection:
-        """The entry, mapped, if every byte checks out; else why not. Never raises: see
-        [Note: validate what you map]."""
+    def validate(self, key: str, verify: CacheVerify = CacheVerify.FULL) -> Entry | Rejection:
+        """The entry, mapped, if every byte checks out (with `CacheVerify.STAMP`, bytes whose
+        files kept their stamps are not hashed again, see [Note: stamps]); else why not.
+        Never raises: see [Note: validate what you map]."""
         if not is_key(key):
             return Rejection(Kind.BAD_KEY, f"{key!r:.80} is not a cache key")
         v1 = self.root / "v1"
@@ -314,11 +327,11 @@ class EntryStore:
             reason = private_dir_reason(v1, create=False)
             if reason is not None:
                 return Rejection(Kind.UNTRUSTED, reason)
-            return self._validate(key, self.entry_path(key))
+            return self._validate(key, self.entry_path(key), verify)
         except OSError as err:  # e.g. the entry removed while it was read
             return Rejection(Kind.IO_FAILED, f"reading {key}: {err}")
 
-    def _validate(self, key: str, path: Path) -> Entry | Rejection:
+    def _validate(self, key: str, path: Path, verify: CacheVerify) -> Entry | Rejection:
         try:
             dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
         except FileNotFoundError:
@@ -333,16 +346,17 @@ class EntryStore:
                 reason = reason or stat_reason(path / name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
             if reason is not None:
                 return Rejection(Kind.UNTRUSTED, reason)
-            manifest = _read_manifest(dir_fd, path)
-            if isinstance(manifest, Rejection):
-                return manifest
+            read = _read_manifest(dir_fd, path)
+            if isinstance(read, Rejection):
+                return read
+            manifest, manifest_info = read
             problem = manifest_problem(manifest, key)
             if problem is not None:
                 return problem
             files = manifest["files"]
             if present != set(files) | {MANIFEST}:
                 return Rejection(Kind.FILES_DIFFER, f"{sorted(present ^ (set(files) | {MANIFEST}))}")
-            handles = {}
+            handles, stamps = {}, {MANIFEST: file_stamp(manifest_info)}
             for name, meta in files.items():
                 handles[name] = stack.enter_context(_open_read(name, dir_fd))
                 info = os.fstat(handles[name].fileno())
@@ -350,11 +364,31 @@ class EntryStore:
                     return Rejection(Kind.UNTRUSTED, f"{name} is not a regular file")
                 if info.st_size != meta["size"]:
                     return Rejection(Kind.SIZE_MISMATCH, f"{name} has {info.st_size} bytes, the manifest says {meta['size']}")
-            digests = file_digests(list(handles.values()), self.hash_threads)
-            for (name, meta), digest in zip(files.items(), digests):
-                if digest != meta["sha256_chunked"]:
-                    return Rejection(Kind.DIGEST_MISMATCH, f"{name} does not hash to its manifest digest")
-            return _mapped_entry(path, manifest, handles)
+                stamps[name] = file_stamp(info)
+            stamped = verify is CacheVerify.STAMP and self._stamps_match(key, stamps)
+            if not stamped:
+                digests = file_digests(list(handles.values()), self.hash_threads)
+                for (name, meta), digest in zip(files.items(), digests):
+                    if digest != meta["sha256_chunked"]:
+                        return Rejection(Kind.DIGEST_MISMATCH, f"{name} does not hash to its manifest digest")
+            entry = _mapped_entry(path, manifest, handles)
+            if isinstance(entry, Entry) and verify is CacheVerify.STAMP and not stamped:
+                self._record_stamps(key, stamps)  # only a user of stamps writes them: verify stays read-only
+            return entry
+
+    def _stamps_match(self, key: str, stamps: dict[str, list[int]]) -> bool:
+        try:
+            directory = self._dir(".stamps", create=False)
+        except CacheUnavailable:
+            return False
+        return directory is not None and Stamps(directory).matches(key, stamps)
+
+    def _record_stamps(self, key: str, stamps: dict[str, list[int]]) -> None:
+        """After a full validation. A failure only costs hashing again next time."""
+        try:
+            Stamps(self._dir(".stamps", create=True)).record(key, stamps)
+        except (OSError, CacheUnavailable) as err:
+            logger.warning("dlo: host weight cache: cannot record the stamps of %s (%s); it will be hashed again", key[:16], err)
 
     # -- publication --------------------------------------------------------------------
 
@@ -365,17 +399,18 @@ class EntryStore:
         identity: dict,
         lock_timeout_s: float = 600.0,
         shard_bytes: int = 2 * 2**30,
+        verify: CacheVerify = CacheVerify.FULL,
     ) -> Entry:
         """The valid entry for `key`, mapped, publishing `tensors` first if there is none.
         See [Note: publication]. Raises CacheUnavailable (lock_timeout, lock_failed,
         insufficient_disk, invalid_configuration, cache_operation_failed) and leaves no
         partial entry."""
         self.entry_path(key)  # only a key becomes a path
-        found = self.validate(key)
+        found = self.validate(key, verify)
         if isinstance(found, Entry):
             return found
         with self._lock(key, lock_timeout_s):
-            found = self.validate(key)  # another writer may have finished while we waited
+            found = self.validate(key, verify)  # another writer may have finished while we waited
             if isinstance(found, Entry):
                 return found
             try:
@@ -430,6 +465,8 @@ class EntryStore:
                 final = self.entry_path(key)
                 if os.path.lexists(final):  # invalid (we validated under the lock): move it aside first
                     final.rename(tmp / f"{key}.{LeftoverKind.CORRUPT.value}.{uuid.uuid4().hex}")
+                stamps = {name: file_stamp(os.fstat(handle.fileno())) for name, handle in handles.items()}
+                stamps[MANIFEST] = file_stamp(os.stat(MANIFEST, dir_fd=temp_fd, follow_symlinks=False))
                 temp.rename(final)
                 _fsync_dir(v1)
                 entry = _mapped_entry(final, manifest, handles)  # the descriptors we hashed
@@ -438,6 +475,7 @@ class EntryStore:
             raise
         if isinstance(entry, Rejection):  # what we just wrote does not read back
             raise CacheUnavailable("cache_operation_failed", f"{key} published but does not read back: {entry}")
+        self._record_stamps(key, stamps)  # hashed as written
         return entry
 
     def _write_shards(self, temp: Path, temp_fd: int, tensors, shard_bytes: int, stack: ExitStack):
@@ -462,7 +500,7 @@ class EntryStore:
         return files, index, handles
 
 
-def _read_manifest(dir_fd: int, path: Path) -> dict | Rejection:
+def _read_manifest(dir_fd: int, path: Path) -> tuple[object, os.stat_result] | Rejection:
     try:
         fd = os.open(MANIFEST, os.O_RDONLY | SAFE_OPEN, dir_fd=dir_fd)
     except OSError as err:
@@ -473,7 +511,7 @@ def _read_manifest(dir_fd: int, path: Path) -> dict | Rejection:
             return Rejection(Kind.MANIFEST_UNREADABLE, f"{path / MANIFEST} is not a regular file under {MANIFEST_SIZE_CAP} bytes")
         text = handle.read(MANIFEST_SIZE_CAP + 1)
     try:
-        return json.loads(text)
+        return json.loads(text), info
     except (ValueError, RecursionError) as err:
         return Rejection(Kind.MANIFEST_UNREADABLE, f"{path / MANIFEST} is not JSON ({str(err)[:200]})")
 
