@@ -50,9 +50,11 @@ def test_a_missing_cache_root_is_an_error_naming_it_and_is_not_created(tmp_path,
 
 def test_the_missing_root_error_from_a_real_process(tmp_path):
     root = tmp_path / "typo"
-    done = subprocess.run([sys.executable, "-m", "dlo.cli.main", "cache", "ls", *cache(root)], capture_output=True, text=True)
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", "ls", *cache(root)]
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == [f"dlo: error: the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"]
+    message = f"dlo: error: the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"
+    assert done.stderr.splitlines() == [message]
     assert not root.exists()
 
 

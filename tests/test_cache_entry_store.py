@@ -26,7 +26,8 @@ KEY = digest_of(cache_writers.IDENTITY)  # a manifest's identity must hash to it
 
 
 def publish(root, key=KEY, **kwargs):
-    return EntryStore(root).publish(key, cache_writers.tensors(), cache_writers.IDENTITY, shard_bytes=2 * 2**20, **kwargs)
+    tensors = cache_writers.tensors()
+    return EntryStore(root).publish(key, tensors, cache_writers.IDENTITY, shard_bytes=2 * 2**20, **kwargs)
 
 
 def read_back(entry):

@@ -73,7 +73,8 @@ def test_a_pending_hold_of_a_dead_process_is_removed(tmp_path):
 def test_a_killed_holder_is_proved_dead_and_a_live_one_kept(tmp_path, capsys):
     key = published(tmp_path)
     queue = SPAWN.Queue()
-    holders = [SPAWN.Process(target=cache_holders.hold_until_killed, args=(str(tmp_path), key, queue)) for _ in range(2)]
+    args = (str(tmp_path), key, queue)
+    holders = [SPAWN.Process(target=cache_holders.hold_until_killed, args=args) for _ in range(2)]
     for holder in holders:
         holder.start()
     assert [queue.get(timeout=60) for _ in holders] == ["held", "held"]

@@ -28,7 +28,7 @@ def imports(path: Path) -> set[str]:
 
 def test_host_modules_import_no_module_that_imports_them_back():
     graph = {module_name(path): imports(path) for path in (SOURCE / "host").rglob("*.py")}
-    graph = {name: {target for target in targets if target in graph and target != name} for name, targets in graph.items()}
+    graph = {name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()}
 
     def reaches(start, goal, seen):
         return any(t == goal or (t not in seen and not seen.add(t) and reaches(t, goal, seen)) for t in graph[start])

@@ -48,9 +48,8 @@ def add_parser(commands) -> None:
     remove = actions.add_parser("rm", parents=[common], help="remove an entry nobody uses")
     remove.add_argument("key", metavar="KEY")
     remove.add_argument("--force", action="store_true", help="wait until no process uses it, then remove it")
-    remove.add_argument(
-        "--timeout", type=float, metavar="S", help=f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
-    )
+    wait = f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
+    remove.add_argument("--timeout", type=float, metavar="S", help=wait)
     collect = actions.add_parser(
         "gc", parents=[common], help="evict least recently used entries nobody uses, and remove what is left over"
     )
@@ -127,7 +126,9 @@ def _remove(store: EntryStore, key: str, force: bool, timeout_s: float | None) -
             users = store.users(key)
             if force:
                 raise ConfigError(f"timed out after {wait_s:g} s: {key[:16]} is still in use by {users} process(es)")
-            raise ConfigError(f"{key[:16]} is in use by {users} process(es); stop them, or add --force to wait for them")
+            raise ConfigError(
+                f"{key[:16]} is in use by {users} process(es); stop them, or add --force to wait for them"
+            )
         time.sleep(0.2)
     print(f"removed {key[:16]}")
     return 0

@@ -121,10 +121,9 @@ class OffloadConfig:
         _require_int("pack_threads", self.pack_threads, minimum=0)
         _require_bool("host_weight_cache", self.host_weight_cache)
         _require_bool("cache_allow_any_filesystem", self.cache_allow_any_filesystem)
-        if self.cache_verify not in {mode.value for mode in CacheVerify}:
-            raise ConfigError(
-                f"OffloadConfig.cache_verify must be one of {[mode.value for mode in CacheVerify]}, got {self.cache_verify!r}"
-            )
+        modes = [mode.value for mode in CacheVerify]
+        if self.cache_verify not in modes:
+            raise ConfigError(f"OffloadConfig.cache_verify must be one of {modes}, got {self.cache_verify!r}")
         if not isinstance(self.cache_dir, str) or not self.cache_dir:
             raise ConfigError(f"OffloadConfig.cache_dir must be a non-empty path string, got {self.cache_dir!r}")
         timeout = self.cache_lock_timeout_s

@@ -114,7 +114,10 @@ class Checkpoint:
         self.on_close: list[Callable[[], None]] = []  # e.g. release a cache entry's hold
         try:
             weight_map = _weight_map(self.directory) if opened is None else None
-            names = sorted(opened) if opened is not None else sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
+            if opened is not None:
+                names = sorted(opened)
+            else:
+                names = sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
             for name in names:
                 shard = SafetensorsFile(self.directory / name, None if opened is None else opened[name])
                 self.files.append(shard)

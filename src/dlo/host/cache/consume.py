@@ -85,18 +85,21 @@ def load_through_cache(
         # needs its quantization backend).
         _log_fallback(load)
         return ordinary_load(directory, torch_dtype, fuse_qkv), None
-    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, CacheVerify(config.cache_verify))
+    verify = CacheVerify(config.cache_verify)
+    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify)
     if warm is not None:
         return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
-    result = _publish_and_map(model, store, load, config)
+    result = _publish_and_map(model, store, load, config, verify)
     if isinstance(result, Fallback):
         _log_fallback(result)
         return model, None
     return model, result
 
 
-def _publish_and_map(model: nn.Module, store: EntryStore, load: dict, config: OffloadConfig) -> HostWeightPlan | Fallback:
+def _publish_and_map(
+    model: nn.Module, store: EntryStore, load: dict, config: OffloadConfig, verify: CacheVerify
+) -> HostWeightPlan | Fallback:
     tensors = collect_tensors(model)
     if isinstance(tensors, Fallback):
         return tensors
@@ -106,7 +109,7 @@ def _publish_and_map(model: nn.Module, store: EntryStore, load: dict, config: Of
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
     try:
-        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s, verify=CacheVerify(config.cache_verify))
+        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s, verify=verify)
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
@@ -151,8 +154,9 @@ def _entry_mismatch(entry: Entry, load: Mapping, expected: Mapping[str, tuple[li
     if set(index) != set(expected):
         return f"the entry holds {len(index)} tensors, this load {len(expected)} (names differ)"
     for name, (shape, dtype) in expected.items():
-        if index[name]["shape"] != shape or index[name]["dtype"] != str(dtype):
-            return f"{name!r} is {index[name]['dtype']} {index[name]['shape']} in the entry, this load makes {dtype} {shape}"
+        stored = [index[name]["dtype"], index[name]["shape"]]
+        if stored != [str(dtype), shape]:
+            return f"{name!r} is {stored[0]} {stored[1]} in the entry, this load makes {dtype} {shape}"
     return None
 
 

@@ -160,10 +160,11 @@ def _tensors_problem(checkpoint: Checkpoint, index: Mapping[str, Mapping]) -> st
     if set(checkpoint.tensors) != set(index):
         return f"the files hold {len(checkpoint.tensors)} tensors, the manifest lists {len(index)} (names differ)"
     for name, source in checkpoint.tensors.items():
-        meta, entry = index[name], source.entry
+        entry = source.entry
         found = [source.file.path.name, str(entry.dtype), list(entry.shape), entry.nbytes]
-        if found != [meta["file"], meta["dtype"], meta["shape"], meta["nbytes"]] or not entry.aligned:
-            return f"{name!r} is {found} in the files, {[meta[f] for f in ('file', 'dtype', 'shape', 'nbytes')]} in the manifest"
+        listed = [index[name][field] for field in ("file", "dtype", "shape", "nbytes")]
+        if found != listed or not entry.aligned:
+            return f"{name!r} is {found} in the files, {listed} in the manifest"
     return None
 
 
@@ -222,11 +223,13 @@ class EntryStore:
 
     def users(self, key: str) -> int:
         """How many processes hold `key`; changes nothing."""
-        return holds.count_users(self._users(key))
+        return holds.count_users(self._users(key)) if self._dir(".users", create=False) is not None else 0
 
     def last_used(self, key: str) -> float:
         users = self._users(key)
-        return users.stat().st_mtime if users.is_dir() else self.entry_path(key).stat().st_mtime
+        if self._dir(".users", create=False) is not None and users.is_dir():
+            return users.stat().st_mtime
+        return self.entry_path(key).stat().st_mtime
 
     def keys(self) -> list[str]:
         """The published entries (names that are not keys are no entries of dlo's)."""
@@ -363,7 +366,8 @@ class EntryStore:
                 if not stat.S_ISREG(info.st_mode):
                     return Rejection(Kind.UNTRUSTED, f"{name} is not a regular file")
                 if info.st_size != meta["size"]:
-                    return Rejection(Kind.SIZE_MISMATCH, f"{name} has {info.st_size} bytes, the manifest says {meta['size']}")
+                    detail = f"{name} has {info.st_size} bytes, the manifest says {meta['size']}"
+                    return Rejection(Kind.SIZE_MISMATCH, detail)
                 stamps[name] = file_stamp(info)
             stamped = verify is CacheVerify.STAMP and self._stamps_match(key, stamps)
             if not stamped:
@@ -388,7 +392,7 @@ class EntryStore:
         try:
             Stamps(self._dir(".stamps", create=True)).record(key, stamps)
         except (OSError, CacheUnavailable) as err:
-            logger.warning("dlo: host weight cache: cannot record the stamps of %s (%s); it will be hashed again", key[:16], err)
+            logger.warning("dlo: host weight cache: no stamps for %s (%s); hashing again next time", key[:16], err)
 
     # -- publication --------------------------------------------------------------------
 
@@ -508,7 +512,8 @@ def _read_manifest(dir_fd: int, path: Path) -> tuple[object, os.stat_result] | R
     with open(fd, "rb") as handle:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MANIFEST_SIZE_CAP:
-            return Rejection(Kind.MANIFEST_UNREADABLE, f"{path / MANIFEST} is not a regular file under {MANIFEST_SIZE_CAP} bytes")
+            detail = f"{path / MANIFEST} is not a regular file under {MANIFEST_SIZE_CAP} bytes"
+            return Rejection(Kind.MANIFEST_UNREADABLE, detail)
         text = handle.read(MANIFEST_SIZE_CAP + 1)
     try:
         return json.loads(text), info
