@@ -161,6 +161,7 @@ def rename_file(manifest, new):
         (lambda m: rename_file(m, "/etc/passwd"), RejectionKind.BAD_FILE_NAME, "/etc/passwd"),
         (lambda m: rename_file(m, "a\x00b"), RejectionKind.BAD_FILE_NAME, "a\\x00b"),
         (lambda m: rename_file(m, "x" * 300), RejectionKind.BAD_FILE_NAME, "xxx"),
+        (lambda m: rename_file(m, "\ud800.safetensors"), RejectionKind.BAD_FILE_NAME, "\\ud800"),
         (lambda m: rename_file(m, ".."), RejectionKind.BAD_FILE_NAME, "'..'"),
         (lambda m: rename_file(m, MANIFEST), RejectionKind.BAD_FILE_NAME, MANIFEST),
         (lambda m: m["files"].update({k: "x" for k in m["files"]}), RejectionKind.MANIFEST_MALFORMED, "not an object"),

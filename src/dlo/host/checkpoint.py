@@ -47,14 +47,13 @@ def find_transformer_dir(path: str | Path) -> Path:
 
 def is_plain_file_name(name: object) -> bool:
     """Whether `name` (read from a file, so untrusted) names a file directly inside a
-    directory: no separator, not `.`/`..`, no NUL, at most 255 bytes (NAME_MAX)."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\x00" not in name
-        and len(name.encode("utf-8", "surrogateescape")) <= 255
-    )
+    directory: no separator, not `.`/`..`, no NUL, valid UTF-8 of at most 255 bytes (NAME_MAX)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\x00" in name:
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:  # a lone surrogate, which JSON allows and no path can hold
+        return False
 
 
 @dataclass(frozen=True)
