@@ -1,10 +1,11 @@
-"""A process caught between the steps of a hold (spawned by tests/test_cache_holds.py).
+"""A process caught between the steps of a hold (forked by tests/test_cache_holds.py).
 
 It takes the steps of `dlo.host.cache.holds.hold` one at a time, waiting on a barrier after
 each, so the test can look at the cache from another process at every point in between."""
 
 import fcntl
 import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -30,4 +31,4 @@ def hold_until_killed(root: str, key: str, queue) -> None:
     EntryStore(root).hold(key)
     queue.put("held")
     while True:
-        os.pause()
+        signal.pause()

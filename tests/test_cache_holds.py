@@ -17,7 +17,9 @@ from dlo.host.cache.identity import digest_of
 sys.path.insert(0, str(Path(__file__).parent))
 import cache_holders  # noqa: E402
 
-SPAWN = multiprocessing.get_context("spawn")
+# fork: the children start at once (spawn would import torch again); the parent holds no
+# hold of its own for them to inherit.
+CONTEXT = multiprocessing.get_context("fork")
 
 
 def published(root):
@@ -34,8 +36,8 @@ def hold_files(root, key):
 def test_a_hold_being_taken_is_never_removed_by_listing_or_eviction(tmp_path, capsys):
     key = published(tmp_path)
     store = EntryStore(tmp_path)
-    barrier = SPAWN.Barrier(2, timeout=60)
-    holder = SPAWN.Process(target=cache_holders.hold_step_by_step, args=(str(tmp_path / ".users" / key), barrier))
+    barrier = CONTEXT.Barrier(2, timeout=60)
+    holder = CONTEXT.Process(target=cache_holders.hold_step_by_step, args=(str(tmp_path / ".users" / key), barrier))
     holder.start()
     try:
         barrier.wait()  # the holder created its file and has not locked it yet
@@ -61,7 +63,7 @@ def test_a_hold_being_taken_is_never_removed_by_listing_or_eviction(tmp_path, ca
 
 def test_a_pending_hold_of_a_dead_process_is_removed(tmp_path):
     key = published(tmp_path)
-    dead = SPAWN.Process(target=os.getpid)
+    dead = CONTEXT.Process(target=os.getpid)
     dead.start()
     dead.join()
     users = tmp_path / ".users" / key
@@ -72,9 +74,9 @@ def test_a_pending_hold_of_a_dead_process_is_removed(tmp_path):
 
 def test_a_killed_holder_is_proved_dead_and_a_live_one_kept(tmp_path, capsys):
     key = published(tmp_path)
-    queue = SPAWN.Queue()
+    queue = CONTEXT.Queue()
     args = (str(tmp_path), key, queue)
-    holders = [SPAWN.Process(target=cache_holders.hold_until_killed, args=args) for _ in range(2)]
+    holders = [CONTEXT.Process(target=cache_holders.hold_until_killed, args=args) for _ in range(2)]
     for holder in holders:
         holder.start()
     assert [queue.get(timeout=60) for _ in holders] == ["held", "held"]

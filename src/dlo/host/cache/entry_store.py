@@ -253,7 +253,8 @@ class EntryStore:
                 doomed = self._dir(".tmp", create=True) / f"{key}.{LeftoverKind.EVICTED.value}.{uuid.uuid4().hex}"
                 path.rename(doomed)  # atomic: readers see the whole entry or none
                 shutil.rmtree(doomed, ignore_errors=True)
-            SourceIndex(self.root).forget(lambda named: named != key)
+            if self._dir("sources", create=False) is not None:
+                SourceIndex(self.root).forget(lambda named: named != key)
             stamps = self._dir(".stamps", create=False)
             if stamps is not None:
                 Stamps(stamps).forget(key)
