@@ -4,6 +4,8 @@ import torch
 
 from dlo.host.cache.entry_store import EntryStore
 
+IDENTITY = {"model": "test"}
+
 
 def tensors(seed: int = 0, count: int = 12, rows: int = 256) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
@@ -11,7 +13,7 @@ def tensors(seed: int = 0, count: int = 12, rows: int = 256) -> dict[str, torch.
 
 
 def publish(root: str, key: str, queue) -> None:
-    entry = EntryStore(root).publish(key, tensors(), {"model": "test"}, shard_bytes=2 * 2**20)
+    entry = EntryStore(root).publish(key, tensors(), IDENTITY, shard_bytes=2 * 2**20)
     queue.put((str(entry.path), entry.manifest["writer_pid"]))
 
 
@@ -19,4 +21,4 @@ def publish_after_ready(root: str, key: str, queue) -> None:
     """Say "ready" once imported, then publish 48 MiB in 24 shards (a ~0.1-0.2 s window)."""
     many = tensors(count=48)
     queue.put("ready")
-    EntryStore(root).publish(key, many, {"model": "test"}, shard_bytes=2 * 2**20)
+    EntryStore(root).publish(key, many, IDENTITY, shard_bytes=2 * 2**20)

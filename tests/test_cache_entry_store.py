@@ -15,16 +15,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dlo.host.cache.entry_store import MANIFEST, CacheUnavailable, EntryStore
+from dlo.host.cache.entry_store import CacheUnavailable, Entry, EntryStore
+from dlo.host.cache.identity import digest_of
+from dlo.host.cache.manifest import MANIFEST, Rejection, RejectionKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cache_writers  # noqa: E402
 
-KEY = "a" * 64
+KEY = digest_of(cache_writers.IDENTITY)  # a manifest's identity must hash to its key
 
 
 def publish(root, key=KEY, **kwargs):
-    return EntryStore(root).publish(key, cache_writers.tensors(), {"model": "test"}, shard_bytes=2 * 2**20, **kwargs)
+    tensors = cache_writers.tensors()
+    return EntryStore(root).publish(key, tensors, cache_writers.IDENTITY, shard_bytes=2 * 2**20, **kwargs)
 
 
 def read_back(entry):
@@ -74,23 +77,23 @@ def _edit_manifest(path):
 
 
 @pytest.mark.parametrize(
-    ("corrupt", "reason"),
+    ("corrupt", "kind"),
     [
-        (_flip_byte, "does not hash to its manifest digest"),
-        (_truncate, "bytes, the manifest says"),
-        (_edit_manifest, "does not hash to its manifest digest"),
-        (lambda p: (p / "extra.bin").write_bytes(b"x"), "files differ from the manifest"),
-        (lambda p: sorted(p.glob("*.safetensors"))[0].unlink(), "files differ from the manifest"),
-        (lambda p: (p / MANIFEST).write_text("{"), "manifest unreadable"),
+        (_flip_byte, RejectionKind.DIGEST_MISMATCH),
+        (_truncate, RejectionKind.SIZE_MISMATCH),
+        (_edit_manifest, RejectionKind.DIGEST_MISMATCH),
+        (lambda p: (p / "extra.bin").write_bytes(b"x"), RejectionKind.FILES_DIFFER),
+        (lambda p: sorted(p.glob("*.safetensors"))[0].unlink(), RejectionKind.FILES_DIFFER),
+        (lambda p: (p / MANIFEST).write_text("{"), RejectionKind.MANIFEST_UNREADABLE),
     ],
 )
-def test_a_corrupted_entry_is_detected_and_rebuilt_under_the_lock(tmp_path, corrupt, reason):
+def test_a_corrupted_entry_is_detected_and_rebuilt_under_the_lock(tmp_path, corrupt, kind):
     entry = publish(tmp_path)
     corrupt(entry.path)
     found = EntryStore(tmp_path).validate(KEY)
-    assert isinstance(found, str) and reason in found
+    assert isinstance(found, Rejection) and found.kind is kind
     rebuilt = publish(tmp_path)
-    assert not isinstance(EntryStore(tmp_path).validate(KEY), str)
+    assert isinstance(EntryStore(tmp_path).validate(KEY), Entry)
     assert all(torch.equal(read_back(rebuilt)[n], t) for n, t in cache_writers.tensors().items())
 
 
@@ -137,7 +140,7 @@ def test_concurrent_publishers_produce_one_entry_that_all_map(tmp_path):
     assert {path for path, _ in results} == {str(tmp_path / "v1" / KEY)}
     assert len({pid for _, pid in results}) == 1  # exactly one of them wrote it
     assert [p.name for p in (tmp_path / "v1").iterdir()] == [KEY]
-    assert not isinstance(EntryStore(tmp_path).validate(KEY), str)
+    assert isinstance(EntryStore(tmp_path).validate(KEY), Entry)
 
 
 def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(tmp_path):
@@ -156,15 +159,15 @@ def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(t
         temps = list((root / ".tmp").iterdir()) if (root / ".tmp").exists() else []
         caught_mid_write += bool(temps)
         entry_dir = root / "v1" / KEY
-        assert not entry_dir.exists() or not isinstance(EntryStore(root).validate(KEY), str)  # none, or whole
+        assert not entry_dir.exists() or isinstance(EntryStore(root).validate(KEY), Entry)  # none, or whole
         publish(root)  # the next process succeeds and removes the dead writer's temp dir
-        assert not isinstance(EntryStore(root).validate(KEY), str)
+        assert isinstance(EntryStore(root).validate(KEY), Entry)
         assert not list((root / ".tmp").iterdir())
     assert caught_mid_write >= 3  # the kills did land inside publication, not only around it
 
 
 def test_a_full_disk_fails_cleanly_with_insufficient_disk(small_filesystem):
-    root = small_filesystem("size=1m")
+    root = small_filesystem("size=1m,mode=0700")
     with pytest.raises(CacheUnavailable) as raised:
         publish(root)  # 12 MiB of tensors for 1 MiB of room: refused by the free-space check
     assert raised.value.code == "insufficient_disk"
@@ -175,7 +178,7 @@ def test_a_full_disk_fails_cleanly_with_insufficient_disk(small_filesystem):
 def test_running_out_of_space_mid_write_fails_cleanly_with_insufficient_disk(small_filesystem):
     # Bytes to spare, but 8 inodes: the root, .locks, the lock file, .tmp, v1 and the temp dir
     # take 6, two shards the last 2, and creating the third fails with a real ENOSPC.
-    root = small_filesystem("size=128m,nr_inodes=8")
+    root = small_filesystem("size=128m,nr_inodes=8,mode=0700")
     with pytest.raises(CacheUnavailable) as raised:
         publish(root)  # 6 shards of 2 MiB
     assert raised.value.code == "insufficient_disk" and "No space left on device" in raised.value.reason
@@ -194,11 +197,13 @@ def test_file_digests_cover_every_chunk_of_every_file(tmp_path):
     small.write_bytes(b"")
     chunks = [hashlib.sha256(data[:HASH_CHUNK]).digest(), hashlib.sha256(data[HASH_CHUNK:]).digest()]
     expected = [hashlib.sha256(b"".join(chunks)).hexdigest(), hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()]
-    assert file_digests([big, small], threads=2) == expected
+    with open(big, "rb") as big_file, open(small, "rb") as small_file:
+        assert file_digests([big_file, small_file], threads=2) == expected
     flipped = bytearray(data)
     flipped[-1] ^= 1  # in the second chunk
     big.write_bytes(bytes(flipped))
-    assert file_digests([big], threads=2)[0] != expected[0]
+    with open(big, "rb") as big_file:
+        assert file_digests([big_file], threads=2)[0] != expected[0]
 
 
 def test_an_io_error_while_hashing_is_a_reason_not_an_exception(tmp_path, monkeypatch):
@@ -208,8 +213,9 @@ def test_an_io_error_while_hashing_is_a_reason_not_an_exception(tmp_path, monkey
 
     publish(tmp_path)
 
-    def failing_map(path):  # the disk failing under the entry (EIO): injected, no real fault
-        raise OSError(errno.EIO, "Input/output error", str(path))
+    def failing_map(handle):  # the disk failing under the entry (EIO): injected, no real fault
+        raise OSError(errno.EIO, "Input/output error", handle.name)
 
-    monkeypatch.setattr(entry_store, "_map_file", failing_map)
-    assert EntryStore(tmp_path).validate(KEY).startswith("hashing failed ([Errno 5] Input/output error")
+    monkeypatch.setattr(entry_store, "_map_descriptor", failing_map)
+    found = EntryStore(tmp_path).validate(KEY)
+    assert found.kind is RejectionKind.IO_FAILED and "[Errno 5] Input/output error" in found.detail

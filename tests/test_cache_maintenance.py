@@ -11,7 +11,9 @@ import torch
 
 import dlo
 from dlo.cli.main import main
-from dlo.host.cache.entry_store import EntryStore
+from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.identity import digest_of
+from dlo.host.cache.manifest import Rejection, RejectionKind
 from dlo.models.tiny import TINY_MODELS
 
 SHM = Path("/dev/shm")
@@ -50,19 +52,26 @@ def test_ls_shows_the_users(loaded, capsys):
     assert "WanTransformer3DModel" in row and row.rstrip().endswith("1")
 
 
+def publish(store, name, tensors):
+    """Publish `tensors` under the key of an identity named `name` (a key is its identity's digest)."""
+    key = digest_of({"name": name})
+    store.publish(key, tensors, {"name": name})
+    return key
+
+
 def test_rm_force_waits_for_the_last_user(tmp_path, capsys):
     store = EntryStore(tmp_path)
-    store.publish("k" * 64, {"w": torch.ones(4)}, {})
-    fd = store.hold("k" * 64)
+    key = publish(store, "busy", {"w": torch.ones(4)})
+    fd = store.hold(key)
     threading.Timer(0.5, os.close, args=(fd,)).start()
     started = time.monotonic()
-    assert main(["cache", "rm", "k" * 8, "--force", "--timeout", "30", "--cache-dir", str(tmp_path)]) == 0
+    assert main(["cache", "rm", key[:8], "--force", "--timeout", "30", "--cache-dir", str(tmp_path)]) == 0
     assert time.monotonic() - started >= 0.4 and store.keys() == []
 
 
 def test_verify_reports_a_corrupted_entry(tmp_path, capsys):
     store = EntryStore(tmp_path)
-    entry = store.publish("v" * 64, {"w": torch.ones(1024)}, {})
+    entry = store.validate(publish(store, "verified", {"w": torch.ones(1024)}))
     shard = next(entry.path.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
@@ -71,24 +80,32 @@ def test_verify_reports_a_corrupted_entry(tmp_path, capsys):
     assert "BAD" in capsys.readouterr().out
 
 
+def _refused_and_rebuilt(root, tamper, reason):
+    store = EntryStore(root)
+    key = publish(store, "tampered", {"w": torch.ones(8)})
+    tamper(store.entry_path(key))
+    found = store.validate(key)
+    assert isinstance(found, Rejection) and found.kind is RejectionKind.UNTRUSTED and reason in found.detail
+    publish(store, "tampered", {"w": torch.ones(8)})  # moved aside under the lock, rebuilt
+    assert isinstance(store.validate(key), Entry)
+
+
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [
         (lambda p: os.chmod(p, 0o775), "writable by group or others"),
         (lambda p: os.chmod(next(p.glob("*.safetensors")), 0o666), "writable by group or others"),
-        (lambda p: os.chown(next(p.glob("*.safetensors")), 65534, 65534), "belongs to uid 65534"),
         (lambda p: (p / "link.safetensors").symlink_to(next(p.glob("*.safetensors"))), "is a symlink"),
     ],
 )
-@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
 def test_untrusted_entries_are_refused_and_rebuilt(tmp_path, tamper, reason):
-    store = EntryStore(tmp_path)
-    entry = store.publish("t" * 64, {"w": torch.ones(8)}, {})
-    tamper(entry.path)
-    found = store.validate("t" * 64)
-    assert isinstance(found, str) and reason in found
-    store.publish("t" * 64, {"w": torch.ones(8)}, {})  # moved aside under the lock, rebuilt
-    assert not isinstance(store.validate("t" * 64), str)
+    _refused_and_rebuilt(tmp_path, tamper, reason)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+def test_an_entry_file_of_another_user_is_refused_and_rebuilt(tmp_path):
+    tamper = lambda p: os.chown(next(p.glob("*.safetensors")), 65534, 65534)  # noqa: E731
+    _refused_and_rebuilt(tmp_path, tamper, "belongs to uid 65534")
 
 
 def test_a_group_writable_root_falls_back(tmp_path, caplog):

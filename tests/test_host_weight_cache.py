@@ -13,7 +13,8 @@ from torch import nn
 
 import dlo
 from dlo.host.cache.collect import collect_tensors
-from dlo.host.cache.identity import build_identity
+from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.identity import build_identity, load_identity
 from dlo.host.preflight import Fallback
 from dlo.models.tiny import TINY_MODELS
 
@@ -82,9 +83,11 @@ def test_one_changed_weight_is_a_new_entry(tmp_path):
 
 
 def test_identity_splits_on_tp_coordinates_and_sp_size_but_not_dp_or_sp_rank(tmp_path):
+    directory = save(tmp_path, "wan")
+
     def key(**topology):
-        identity = build_identity(tmp_path, nn.Linear, "bf16", {}, dlo.Topology(**topology), "c0ffee")
-        return identity[1]
+        load = load_identity(directory, nn.Linear, {}, "bf16", {}, dlo.Topology(**topology))
+        return build_identity(load, "c0ffee")[1]
 
     base = key()
     assert key(dp_size=4, dp_rank=3) == base and key(sp_size=2, sp_rank=1) == key(sp_size=2, sp_rank=0)
@@ -196,7 +199,9 @@ def test_a_touched_checkpoint_is_loaded_cold_again(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         _, plan = dlo.load_transformer(directory, cached(tmp_path))
     assert plan is not None and not warm_started(caplog)
-    assert len(entries(tmp_path)) == 1  # same content: the cold path joined the same entry
+    # The checkpoint files' identities are part of the entry's identity (a warm start can
+    # only bind to what it can recompute without loading): another file, another entry.
+    assert len(entries(tmp_path)) == 2
 
 
 def test_a_corrupted_entry_is_not_warm_started(tmp_path, caplog):
@@ -210,14 +215,15 @@ def test_a_corrupted_entry_is_not_warm_started(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         _, plan = dlo.load_transformer(directory, cached(tmp_path))
     assert plan is not None and not warm_started(caplog)
-    assert not isinstance(dlo.host.cache.entry_store.EntryStore(tmp_path / "cache").validate(key), str)  # rebuilt
+    assert isinstance(EntryStore(tmp_path / "cache").validate(key), Entry)  # rebuilt
 
 
 def test_a_disk_full_mid_publication_keeps_the_ordinary_tensors(tmp_path, small_filesystem, caplog):
     directory = save(tmp_path, "wan")
-    # Room for the bytes, not for the files: the root, .locks, the lock file, .tmp, v1 and the
-    # temp dir take all 6 inodes, so creating the entry's shard fails with a real ENOSPC.
-    root = small_filesystem("size=128m,nr_inodes=6,mode=0700")
+    # Room for the bytes, not for the files: the root, .users, .users/<key>, the hold file,
+    # .locks, the lock file, .tmp, v1 and the temp dir take all 9 inodes, so creating the
+    # entry's shard fails with a real ENOSPC.
+    root = small_filesystem("size=128m,nr_inodes=9,mode=0700")
     config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(root), cache_allow_any_filesystem=True)
     with caplog.at_level(logging.WARNING, logger="dlo"):
         model, plan = dlo.load_transformer(directory, config)

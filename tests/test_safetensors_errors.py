@@ -232,18 +232,25 @@ def test_file_shorter_than_the_length_prefix_is_truncated(tmp_path, content):
     assert isinstance(err, DloError)
 
 
-# ---------------------------------------------------------------------------------------------
-# HEADER_TOO_LARGE
-
-
 @pytest.mark.parametrize("extra", [1, 1000], ids=["by-1-byte", "by-1000-bytes"])
-def test_header_length_past_the_end_of_the_file_is_too_large(tmp_path, extra):
+def test_header_length_past_the_end_of_the_file_is_truncated(tmp_path, extra):
     header = json.dumps(base_header()).encode()
     # The declared length covers the header, the data, and `extra` bytes that are not there.
     path = write_raw(tmp_path / "x.safetensors", header, BASE_DATA, header_len=len(header) + len(BASE_DATA) + extra)
     err = open_error(path)
-    assert err.kind is Kind.HEADER_TOO_LARGE
+    assert err.kind is Kind.TRUNCATED
     assert "runs past the end" in str(err)
+
+
+def test_a_ten_byte_file_cut_inside_its_header_is_truncated(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(write_raw(tmp_path / "whole.safetensors", json.dumps(base_header()).encode(), BASE_DATA).read_bytes()[:10])
+    err = open_error(path)
+    assert err.kind is Kind.TRUNCATED and "10-byte file" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# HEADER_TOO_LARGE
 
 
 @pytest.mark.parametrize("header_len", [HEADER_SIZE_CAP + 1, 2**63, 2**64 - 1], ids=["cap+1", "2**63", "u64-max"])
@@ -254,10 +261,10 @@ def test_header_length_above_the_cap_is_too_large(tmp_path, header_len):
     assert "exceeds the cap" in str(err) and str(header_len) in str(err)
 
 
-def test_header_length_of_exactly_the_cap_on_a_small_file_is_too_large_not_read(tmp_path):
+def test_header_length_of_exactly_the_cap_on_a_small_file_is_truncated_not_read(tmp_path):
     path = write_raw(tmp_path / "x.safetensors", b"{}", header_len=HEADER_SIZE_CAP)
     err = open_error(path)
-    assert err.kind is Kind.HEADER_TOO_LARGE
+    assert err.kind is Kind.TRUNCATED
     assert "runs past the end" in str(err)
 
 

@@ -11,9 +11,12 @@ import time
 from dlo.cli.format import human_bytes, table
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
-from dlo.host.cache.entry_store import MANIFEST, CacheUnavailable, Entry, EntryStore
+from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.manifest import MANIFEST
 from dlo.host.cache.trust import root_refusal
+from dlo.host.cache.unavailable import CacheUnavailable
 
+DEFAULT_FORCE_TIMEOUT_S = 600.0
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
 
@@ -37,21 +40,27 @@ def add_parser(commands) -> None:
     default_dir = OffloadConfig().cache_dir
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", default=default_dir, help=f"cache root (default: {default_dir})")
-    actions.add_parser("ls", parents=[common], help="key, model, size, last used, in use by N")
+    actions.add_parser(
+        "ls", parents=[common], help="key, model, size, last used, in use by N; and leftovers gc would remove"
+    )
     verify = actions.add_parser("verify", parents=[common], help="re-hash entries (all, or KEY)")
     verify.add_argument("key", nargs="?", metavar="KEY")
     remove = actions.add_parser("rm", parents=[common], help="remove an entry nobody uses")
     remove.add_argument("key", metavar="KEY")
     remove.add_argument("--force", action="store_true", help="wait until no process uses it, then remove it")
-    remove.add_argument("--timeout", type=float, default=600.0, help="with --force: seconds to wait (default: 600)")
-    collect = actions.add_parser("gc", parents=[common], help="evict least recently used entries nobody uses")
+    wait = f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
+    remove.add_argument("--timeout", type=float, metavar="S", help=wait)
+    collect = actions.add_parser(
+        "gc", parents=[common], help="evict least recently used entries nobody uses, and remove what is left over"
+    )
     collect.add_argument("--max-size", type=parse_size, required=True, metavar="SIZE", help="e.g. 200G")
     parser.set_defaults(run=run)
 
 
 def _store(args: argparse.Namespace) -> EntryStore:
+    """The cache at --cache-dir, which must exist: these commands never create one."""
     store = EntryStore(args.cache_dir)
-    refusal = root_refusal(store.root, allow_any_filesystem=True)  # maintenance works anywhere
+    refusal = root_refusal(store.root, allow_any_filesystem=True, create=False)  # maintenance works anywhere
     if refusal is not None:
         raise ConfigError(refusal)
     return store
@@ -59,53 +68,77 @@ def _store(args: argparse.Namespace) -> EntryStore:
 
 def _resolve(store: EntryStore, key: str) -> str:
     matches = [k for k in store.keys() if k.startswith(key)]
-    if len(matches) != 1:
-        raise ConfigError(f"{key!r} matches {len(matches)} entries in {store.root}; give more of the key")
-    return matches[0]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ConfigError(f"no entry {key!r} in {store.root} (dlo cache ls lists them)")
+    raise ConfigError(f"{key!r} matches {len(matches)} entries in {store.root}; give more of the key")
 
 
-def _describe(store: EntryStore, key: str) -> list[str]:
+def _model(store: EntryStore, key: str) -> str:
+    """The model an entry's manifest names, for display only (validation judges it)."""
     try:
-        identity = json.loads((store.entry_path(key) / MANIFEST).read_text()).get("identity", {})
-    except (OSError, ValueError):
-        identity = {}
-    used = datetime.datetime.fromtimestamp(store.last_used(key)).strftime("%Y-%m-%d %H:%M")
-    model = f"{identity.get('model_class', '?')} {identity.get('model_path', '')}".strip()
-    return [key[:16], model, human_bytes(store.size(key)), used, str(store.users(key))]
+        identity = json.loads((store.entry_path(key) / MANIFEST).read_text()).get("identity")
+        return f"{identity['model_class'].rsplit('.', 1)[-1]} {identity['model_path']}"
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return "?"
 
 
-def run(args: argparse.Namespace) -> int:
-    store = _store(args)
-    if args.action == "ls":
-        rows = [_describe(store, key) for key in store.keys()]
-        print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
-        return 0
-    if args.action == "verify":
-        keys = [_resolve(store, args.key)] if args.key else store.keys()
-        bad = 0
-        for key in keys:
-            started = time.perf_counter()
-            found = store.validate(key)
-            seconds = time.perf_counter() - started
-            if isinstance(found, Entry):
-                print(f"{key[:16]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
-            else:
-                bad += 1
-                print(f"{key[:16]}  BAD  {found}")
-        return 1 if bad else 0
-    if args.action == "rm":
-        key = _resolve(store, args.key)
-        deadline = time.monotonic() + (args.timeout if args.force else 0)
-        while not store.evict(key, lock_timeout_s=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise ConfigError(f"{key[:16]} is in use by {store.users(key)} process(es); --force waits for them")
-            time.sleep(0.2)
-        print(f"removed {key[:16]}")
-        return 0
-    # gc: least recently used first, skipping entries in use
+def _when(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")
+
+
+def _list(store: EntryStore) -> int:
+    rows = [
+        [key[:16], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
+        for key in store.keys()
+    ]
+    rows += [
+        [left.key[:16], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
+         human_bytes(store.leftover_size(left)), _when(left.path.stat().st_mtime), "-"]
+        for left in store.leftovers()
+    ]
+    print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
+    return 0
+
+
+def _verify(store: EntryStore, key: str | None) -> int:
+    bad = 0
+    for key in [_resolve(store, key)] if key else store.keys():
+        started = time.perf_counter()
+        found = store.validate(key)
+        seconds = time.perf_counter() - started
+        if isinstance(found, Entry):
+            found.close()
+            print(f"{key[:16]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
+        else:
+            bad += 1
+            print(f"{key[:16]}  BAD  {found}")
+    return 1 if bad else 0
+
+
+def _remove(store: EntryStore, key: str, force: bool, timeout_s: float | None) -> int:
+    key = _resolve(store, key)
+    wait_s = (DEFAULT_FORCE_TIMEOUT_S if timeout_s is None else timeout_s) if force else 0.0
+    deadline = time.monotonic() + wait_s
+    while not store.evict(key, lock_timeout_s=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            users = store.users(key)
+            if force:
+                raise ConfigError(f"timed out after {wait_s:g} s: {key[:16]} is still in use by {users} process(es)")
+            raise ConfigError(
+                f"{key[:16]} is in use by {users} process(es); stop them, or add --force to wait for them"
+            )
+        time.sleep(0.2)
+    print(f"removed {key[:16]}")
+    return 0
+
+
+def _collect(store: EntryStore, max_size: int) -> int:
+    """Least recently used first, skipping entries in use; then everything left over."""
     total = sum(store.size(key) for key in store.keys())
     for key in sorted(store.keys(), key=store.last_used):
-        if total <= args.max_size:
+        if total <= max_size:
             break
         size = store.size(key)
         try:
@@ -117,5 +150,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"evicted {key[:16]} ({human_bytes(size)})")
         else:
             print(f"kept {key[:16]}: in use")
-    print(f"cache size {human_bytes(total)} (limit {human_bytes(args.max_size)})")
-    return 0 if total <= args.max_size else 1
+    for path in store.tidy():
+        print(f"removed {path}")
+    print(f"cache size {human_bytes(total)} (limit {human_bytes(max_size)})")
+    return 0 if total <= max_size else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "rm" and args.timeout is not None and not args.force:
+        raise ConfigError("--timeout is how long --force waits for an entry's users; add --force or drop --timeout")
+    store = _store(args)
+    if args.action == "ls":
+        return _list(store)
+    if args.action == "verify":
+        return _verify(store, args.key)
+    if args.action == "rm":
+        return _remove(store, args.key, args.force, args.timeout)
+    return _collect(store, args.max_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,13 @@ def _require_int(name: str, value: object, minimum: int) -> None:
 def _require_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"OffloadConfig.{name} must be True or False, got {value!r}")
+
+
+class CacheVerify(enum.Enum):
+    """How a host weight cache entry is checked before a load maps it (see [Note: stamps])."""
+
+    STAMP = "stamp"  # hash only the files whose stamp changed since the last full validation
+    FULL = "full"  # hash every byte
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,14 @@ class OffloadConfig:
             "process may use; with several processes per node give each its share)"
         },
     )
+    cache_verify: str = field(
+        default="stamp",
+        metadata={
+            "help": "how a load checks a host weight cache entry before mapping it: 'stamp' hashes its files only "
+            "when their (device, inode, size, mtime, ctime) changed since the last full check, 'full' hashes every "
+            "byte every time (dlo cache verify always does)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)
@@ -105,6 +121,9 @@ class OffloadConfig:
         _require_int("pack_threads", self.pack_threads, minimum=0)
         _require_bool("host_weight_cache", self.host_weight_cache)
         _require_bool("cache_allow_any_filesystem", self.cache_allow_any_filesystem)
+        modes = [mode.value for mode in CacheVerify]
+        if self.cache_verify not in modes:
+            raise ConfigError(f"OffloadConfig.cache_verify must be one of {modes}, got {self.cache_verify!r}")
         if not isinstance(self.cache_dir, str) or not self.cache_dir:
             raise ConfigError(f"OffloadConfig.cache_dir must be a non-empty path string, got {self.cache_dir!r}")
         timeout = self.cache_lock_timeout_s

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -44,6 +45,17 @@ def find_transformer_dir(path: str | Path) -> Path:
     )
 
 
+def is_plain_file_name(name: object) -> bool:
+    """Whether `name` (read from a file, so untrusted) names a file directly inside a
+    directory: no separator, not `.`/`..`, no NUL, valid UTF-8 of at most 255 bytes (NAME_MAX)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\x00" in name:
+        return False
+    try:
+        return len(name.encode("utf-8")) <= 255
+    except UnicodeEncodeError:  # a lone surrogate, which JSON allows and no path can hold
+        return False
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     """Where one checkpoint tensor lives."""
@@ -69,7 +81,7 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
     if not weight_map:
         raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, "weight_map is empty")
     for name in names:
-        if not isinstance(name, str) or Path(name).name != name:
+        if not is_plain_file_name(name):
             raise CheckpointError(CheckpointErrorKind.INDEX_INVALID, index_path, f"shard {name!r} is not a file name")
         if not (directory / name).is_file():
             raise CheckpointError(CheckpointErrorKind.MISSING_SHARD, index_path, f"names {name!r}, which is missing")
@@ -90,18 +102,23 @@ def _check_index(index_path: Path, weight_map: dict[str, str], tensors: dict[str
 class Checkpoint:
     """Every tensor of a model directory's checkpoint, each mapped exactly once."""
 
-    def __init__(self, directory: str | Path, files: list[str] | None = None) -> None:
-        """`files`: read exactly these safetensors files of `directory` (a cache entry);
-        default: the diffusers layout (one file, or the shards its index lists)."""
+    def __init__(self, directory: str | Path, opened: Mapping[str, BinaryIO] | None = None) -> None:
+        """`opened`: read exactly these already-open safetensors files of `directory`, by name
+        (a cache entry, mapped through the descriptors it was validated with; the caller
+        keeps owning them); default: the diffusers layout (one file, or the shards its index
+        lists), opened here."""
         self.directory = Path(directory)
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, SourceTensor] = {}
         self.on_close: list[Callable[[], None]] = []  # e.g. release a cache entry's hold
         try:
-            weight_map = _weight_map(self.directory) if files is None else None
-            names = files if files is not None else sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
+            weight_map = _weight_map(self.directory) if opened is None else None
+            if opened is not None:
+                names = sorted(opened)
+            else:
+                names = sorted(set(weight_map.values())) if weight_map else [WEIGHTS_NAME]
             for name in names:
-                shard = SafetensorsFile(self.directory / name)
+                shard = SafetensorsFile(self.directory / name, None if opened is None else opened[name])
                 self.files.append(shard)
                 for key, entry in shard.entries.items():
                     if key in self.tensors:

@@ -4,7 +4,6 @@ straight from the checkpoint mapping when the preflight proves that is exact."""
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,25 +11,16 @@ import torch
 from torch import nn
 
 from dlo.config import OffloadConfig, Topology
-from dlo.errors import ConfigError
+from dlo.host.cache.consume import load_through_cache
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
 from dlo.host.tensor_source import TensorSource
 from dlo.planning.offload_plan import OffloadPlan, discover
 from dlo.planning.tensor_walk import owned_tensors
 
 logger = logging.getLogger(__name__)
-
-
-def model_class(class_name: object, where: object) -> type[nn.Module]:
-    """The diffusers model class `class_name` names (`where` says who named it, for errors)."""
-    import diffusers
-
-    cls = getattr(diffusers, class_name, None) if isinstance(class_name, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ConfigError(f"{where}: {class_name!r} is not a diffusers model class")
-    return cls
 
 
 def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
@@ -41,33 +31,6 @@ def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | Non
     if model_config.get("quantization_config"):
         return Fallback("unsupported_online_quantization", "config.json has a quantization_config")
     return None
-
-
-def _runtime_dtype_rule(cls: type[nn.Module], torch_dtype: torch.dtype | None):
-    """The dtype the ordinary loader gives a tensor: the checkpoint's when torch_dtype is
-    None, else torch_dtype for floats, except the class's fp32-kept modules in half precision."""
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
-
-    def runtime_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        if torch_dtype is None or not checkpoint_dtype.is_floating_point:
-            return checkpoint_dtype
-        if torch_dtype in (torch.float16, torch.bfloat16) and any(m in name.split(".") for m in keep):
-            return torch.float32
-        return torch_dtype
-
-    return runtime_dtype
-
-
-def skeleton(cls: type[nn.Module], model_config: dict, fuse_qkv: bool) -> nn.Module:
-    """The model with meta parameters and real buffers (RoPE tables and other
-    non-persistent buffers are computed by the constructor and must survive)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(model_config)
-        if fuse_qkv:
-            model.fuse_qkv_projections()
-    return model
 
 
 def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, TensorSource]) -> None:
@@ -82,16 +45,6 @@ def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, Te
             made[id(owned.tensor)] = nn.Parameter(value, owned.tensor.requires_grad) if owned.is_parameter else value
         table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
         table[owned.key] = made[id(owned.tensor)]
-
-
-def _checkpoint_float_dtype(directory: Path) -> torch.dtype | None:
-    """The most common floating dtype among the checkpoint's tensors."""
-    checkpoint = Checkpoint(directory)
-    try:
-        counts = Counter(s.entry.dtype for s in checkpoint.tensors.values() if s.entry.dtype.is_floating_point)
-    finally:
-        checkpoint.close()
-    return counts.most_common(1)[0][0] if counts else None
 
 
 @dataclass(frozen=True)
@@ -127,7 +80,7 @@ def preflight(
         model = skeleton(cls, model_config, fuse_qkv)
         offload_plan = discover(model)
         sources = plan_checkpoint_sources(
-            model, offload_plan, checkpoint, _runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
+            model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
         )
     except BaseException:
         checkpoint.close()
@@ -171,8 +124,6 @@ def load_transformer(
     config = OffloadConfig() if config is None else config
     directory = find_transformer_dir(model_dir)
     if config.host_weight_cache:
-        from dlo.host.cache.consume import load_through_cache
-
         return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
     if config.checkpoint_mmap:
         result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
@@ -193,12 +144,3 @@ def load_transformer(
         )
     return ordinary_load(directory, torch_dtype, fuse_qkv), None
 
-
-def ordinary_load(directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
-    """diffusers' own loader; torch_dtype=None takes the checkpoint's float dtype."""
-    cls = model_class(read_model_config(directory).get("_class_name"), directory)
-    dtype = torch_dtype if torch_dtype is not None else _checkpoint_float_dtype(directory)
-    model = cls.from_pretrained(directory, torch_dtype=dtype)
-    if fuse_qkv:
-        model.fuse_qkv_projections()
-    return model.eval()

@@ -9,6 +9,7 @@ map the same file share its page-cache pages.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import mmap
@@ -17,6 +18,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -41,8 +43,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 class CheckpointErrorKind(enum.Enum):
-    TRUNCATED = "truncated"  # shorter than its 8-byte length prefix or its header
-    HEADER_TOO_LARGE = "header_too_large"  # header length above the cap or the file
+    TRUNCATED = "truncated"  # shorter than its 8-byte length prefix or the header length it gives
+    HEADER_TOO_LARGE = "header_too_large"  # header length above the cap
     HEADER_INVALID = "header_invalid"  # not UTF-8 JSON of the expected structure
     UNKNOWN_DTYPE = "unknown_dtype"
     SIZE_MISMATCH = "size_mismatch"  # a tensor's byte range does not match dtype x shape
@@ -110,8 +112,8 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
     (header_len,) = struct.unpack("<Q", prefix[:8])
     if header_len > HEADER_SIZE_CAP:
         raise _fail(kinds.HEADER_TOO_LARGE, path, f"header length {header_len} exceeds the cap {HEADER_SIZE_CAP}")
-    if 8 + header_len > file_size:
-        raise _fail(kinds.HEADER_TOO_LARGE, path, f"header length {header_len} runs past the end of the {file_size}-byte file")
+    if 8 + header_len > file_size:  # a header cut off (a partial download or copy)
+        raise _fail(kinds.TRUNCATED, path, f"header length {header_len} runs past the end of the {file_size}-byte file")
     try:
         header = json.loads(prefix[8 : 8 + header_len].decode("utf-8"))
     except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, absurd nesting or numbers
@@ -169,17 +171,23 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
 class SafetensorsFile:
     """One validated file, mapped read-only and shared (MAP_SHARED, PROT_READ)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, handle: BinaryIO | None = None) -> None:
+        """Opens `path`, or reads and maps the already-open `handle` (whose position is left
+        alone and which the caller still owns and closes): a cache entry validates and maps
+        the very descriptors it hashed."""
         self.path = Path(path)
-        with open(self.path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            head = handle.read(8)
+        with contextlib.ExitStack() as stack:
+            if handle is None:
+                handle = stack.enter_context(open(self.path, "rb"))
+            fd = handle.fileno()
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
             header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            prefix = head + handle.read(min(header_len, HEADER_SIZE_CAP + 1, max(size - 8, 0)))
+            prefix = head + os.pread(fd, min(header_len, HEADER_SIZE_CAP + 1, max(size - 8, 0)), 8)
             self.entries, self.metadata = parse_header(self.path, prefix, size)
             self.size = size
             # Empty files cannot be mapped; a valid header makes the file at least 8 bytes.
-            self._map = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         with warnings.catch_warnings():
             # torch warns that the buffer is read-only: dlo only ever reads these views.
             warnings.simplefilter("ignore", UserWarning)

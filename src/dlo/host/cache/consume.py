@@ -1,5 +1,6 @@
-"""Loading through the host weight cache: ordinary load, publish or join the entry, then map
-it in place of the private tensors (SPEC §5.2). Any failure keeps the ordinary tensors."""
+"""Loading through the host weight cache: warm start from the entry this load published
+before, else ordinary load, publish or join the entry, then map it in place of the private
+tensors (SPEC §5.2). Any failure keeps (or restores) the ordinary tensors."""
 
 from __future__ import annotations
 
@@ -7,23 +8,27 @@ import ctypes
 import gc
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from dlo.config import OffloadConfig, Topology
+from dlo.config.offload_config import CacheVerify
 from dlo.host.cache.collect import collect_tensors
-from dlo.host.cache.entry_store import CacheUnavailable, Entry, EntryStore
-from dlo.host.cache.source_index import SourceIndex, source_key
-from dlo.host.cache.identity import build_identity, content_digest
+from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.identity import build_identity, content_digest, load_identity, without_content
+from dlo.host.cache.source_index import SourceIndex
 from dlo.host.cache.trust import root_refusal
+from dlo.host.cache.unavailable import CacheUnavailable
 from dlo.host.checkpoint import Checkpoint, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.model_build import checkpoint_float_dtype, model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import Fallback
 from dlo.host.tensor_source import TensorSource
 from dlo.planning.offload_plan import discover
-from dlo.planning.tensor_walk import owned_tensors
+from dlo.planning.tensor_walk import OwnedTensor, owned_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +53,13 @@ def _release_private_memory() -> None:
         pass
 
 
-def _map_entry(tensors: dict[str, torch.Tensor], entry: Entry, identity: dict) -> Checkpoint | Fallback:
-    """Map the entry and check it against the model's tensors before anything changes."""
-    if entry.manifest.get("identity") != identity:
-        return Fallback("cache_operation_failed", "the entry's identity differs from this load's")
-    checkpoint = Checkpoint(entry.path, sorted(entry.manifest["files"]))
-    problem = None
-    if set(checkpoint.tensors) != set(tensors):
-        problem = "the entry's tensor names differ from the model's"
-    else:
-        for name, tensor in tensors.items():
-            mapped = checkpoint.tensors[name].entry
-            if mapped.dtype != tensor.dtype or mapped.shape != tuple(tensor.shape) or not mapped.aligned:
-                problem = f"{name!r} maps as {mapped.dtype} {list(mapped.shape)}"
-                break
-    if problem is not None:
-        checkpoint.close()
-        return Fallback("cache_operation_failed", problem)
-    return checkpoint
+def _log_fallback(fallback: Fallback) -> None:
+    logger.warning(
+        "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
+        fallback.code,
+        fallback.reason,
+        extra={"dlo_fallback": fallback.code},
+    )
 
 
 def load_through_cache(
@@ -76,76 +70,94 @@ def load_through_cache(
     topology: Topology,
     loader_inputs: dict | None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
-    from dlo.host.loader import model_class, ordinary_load
-
     model_config = read_model_config(directory)
     cls = model_class(model_config.get("_class_name"), directory)
     fallback = _topology_fallback(topology, model_config)
-    if fallback is not None:
-        # Logged before loading: the ordinary loader may fail on its own (a quantized model
-        # needs its quantization backend).
-        _log_fallback(fallback)
-        return ordinary_load(directory, torch_dtype, fuse_qkv), None
     dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
     inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
-    source = source_key(directory, cls, dtype, inputs, topology)
-    if source is not None:
-        warm = _warm_start(directory, cls, model_config, config, fuse_qkv, source)
-        if warm is not None:
-            return warm
+    load = load_identity(directory, cls, model_config, dtype, inputs, topology) if fallback is None else fallback
+    store = EntryStore(config.cache_dir)
+    if not isinstance(load, Fallback):
+        refusal = root_refusal(store.root, config.cache_allow_any_filesystem)
+        load = Fallback("invalid_configuration", refusal) if refusal is not None else load
+    if isinstance(load, Fallback):
+        # Logged before loading: the ordinary loader may fail on its own (a quantized model
+        # needs its quantization backend).
+        _log_fallback(load)
+        return ordinary_load(directory, torch_dtype, fuse_qkv), None
+    verify = CacheVerify(config.cache_verify)
+    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify)
+    if warm is not None:
+        return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
-    result = _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source)
+    result = _publish_and_map(model, store, load, config, verify)
     if isinstance(result, Fallback):
         _log_fallback(result)
         return model, None
     return model, result
 
 
-def _log_fallback(fallback: Fallback) -> None:
-    logger.warning(
-        "dlo: host weight cache fallback %s: %s; keeping the ordinary tensors",
-        fallback.code,
-        fallback.reason,
-        extra={"dlo_fallback": fallback.code},
-    )
-
-
-def _publish_and_map(model, directory, cls, config, dtype, inputs, topology, source):
+def _publish_and_map(
+    model: nn.Module, store: EntryStore, load: dict, config: OffloadConfig, verify: CacheVerify
+) -> HostWeightPlan | Fallback:
     tensors = collect_tensors(model)
     if isinstance(tensors, Fallback):
         return tensors
-    built = build_identity(directory, cls, dtype, inputs, topology, content_digest(tensors))
-    if isinstance(built, Fallback):
-        return built
-    identity, key = built
-    store = EntryStore(config.cache_dir)
-    refusal = root_refusal(store.root, config.cache_allow_any_filesystem)
-    if refusal is not None:
-        return Fallback("invalid_configuration", refusal)
+    identity, key = build_identity(load, content_digest(tensors))  # the entry's key proves its identity
     try:
-        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s)
-        hold = store.hold(key)  # held while mapped: eviction refuses entries in use
+        hold = store.hold(key)  # before publish: eviction refuses entries in use
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
-    except OSError as err:
-        return Fallback("cache_operation_failed", f"holding {key}: {err}")
-    # Entries never change in place, but an eviction between publish and hold removes one.
-    checkpoint = _map_entry(tensors, entry, identity) if entry.path.exists() else None
-    if not isinstance(checkpoint, Checkpoint):
+    try:
+        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s, verify=verify)
+    except CacheUnavailable as err:
         os.close(hold)
-        return checkpoint or Fallback("cache_operation_failed", f"{key} was evicted while being joined")
+        return Fallback(err.code, err.reason)
+    checkpoint = entry.checkpoint
     checkpoint.on_close.append(lambda: os.close(hold))
+    problem = _entry_mismatch(entry, load, {n: (list(t.shape), t.dtype) for n, t in tensors.items()})
+    if problem is not None:
+        checkpoint.close()
+        return Fallback("cache_operation_failed", problem)
     # Everything is mapped and checked: swap the storage in place. The Parameter objects (and
-    # their attributes) stay; no post-load hook runs again.
-    with torch.no_grad():
-        for owned in owned_tensors(model):
-            if owned.tensor is tensors.get(owned.name):
-                owned.tensor.data = checkpoint.view(owned.name)
-    del tensors
+    # their attributes) stay; no post-load hook runs again. Until the plan is made, each
+    # swap can be undone: the private tensors are freed only after.
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for owned in owned_tensors(model):
+                if owned.tensor is tensors.get(owned.name):
+                    swapped.append((owned.tensor, owned.tensor.data))
+                    owned.tensor.data = checkpoint.view(owned.name)
+        SourceIndex(store.root).record(load, key)
+        plan = _plan(model, checkpoint)
+    except Exception as err:  # any failure: the model gets its private tensors back
+        with torch.no_grad():
+            for tensor, private in swapped:
+                tensor.data = private
+        checkpoint.close()  # releases the hold
+        code = err.code if isinstance(err, CacheUnavailable) else "cache_operation_failed"
+        return Fallback(code, f"after mapping {key[:16]}: {type(err).__name__}: {err}")
+    del tensors, swapped
     _release_private_memory()
-    if source is not None:
-        SourceIndex(store.root).record(source, key)
-    return _plan(model, checkpoint)
+    return plan
+
+
+def _entry_mismatch(entry: Entry, load: Mapping, expected: Mapping[str, tuple[list[int], torch.dtype]]) -> str | None:
+    """Why the entry is not one this load would publish, or None: its load identity, and the
+    manifest's name, shape and dtype of every tensor (the files match the manifest: validated)."""
+    found = without_content(entry.manifest["identity"])
+    if found != load:
+        fields = sorted(f for f in set(found) | set(load) if found.get(f) != load.get(f))
+        return f"the entry was published by another load ({', '.join(fields)} differ)"
+    index = entry.manifest["tensors"]
+    if set(index) != set(expected):
+        return f"the entry holds {len(index)} tensors, this load {len(expected)} (names differ)"
+    for name, (shape, dtype) in expected.items():
+        stored = [index[name]["dtype"], index[name]["shape"]]
+        if stored != [str(dtype), shape]:
+            return f"{name!r} is {stored[0]} {stored[1]} in the entry, this load makes {dtype} {shape}"
+    return None
 
 
 def _plan(model: nn.Module, checkpoint: Checkpoint) -> HostWeightPlan:
@@ -159,43 +171,50 @@ def _plan(model: nn.Module, checkpoint: Checkpoint) -> HostWeightPlan:
     return HostWeightPlan("host_weight_cache", offload_plan, checkpoint, bindings)
 
 
-def _warm_start(directory, cls, model_config, config, fuse_qkv, source):
-    """The model built empty and bound to the entry its sources produced last time, without
-    running the ordinary loader; None (and the cold path) whenever anything does not match."""
-    from dlo.host.loader import skeleton
+def _persistent(model: nn.Module) -> list[OwnedTensor]:
+    return [o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set]
 
-    store = EntryStore(config.cache_dir)
-    key = SourceIndex(store.root).lookup(source)
-    if key is None or root_refusal(store.root, config.cache_allow_any_filesystem) is not None:
+
+def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify):
+    """The model built empty and bound to the entry this load identity published last time,
+    without running the ordinary loader; None (and the cold path) whenever anything does not
+    match. See [Note: warm start identity]."""
+    key = SourceIndex(store.root).lookup(load)
+    if key is None:
         return None
     try:
         hold = store.hold(key)
-    except OSError:
+    except CacheUnavailable as err:
+        logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], err)
         return None
-    entry = store.validate(key)  # every byte, in parallel threads
+    entry = store.validate(key, verify)  # every byte (hashed in parallel threads) or its stamps
     if not isinstance(entry, Entry):
         os.close(hold)
+        logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], entry)
         return None
-    checkpoint = Checkpoint(entry.path, sorted(entry.manifest["files"]))
-    model = skeleton(cls, model_config, fuse_qkv)
-    persistent = [
-        o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set
-    ]
-    shapes_match = {o.name for o in persistent} == set(checkpoint.tensors) and all(
-        checkpoint.tensors[o.name].entry.shape == tuple(o.tensor.shape) and checkpoint.tensors[o.name].entry.aligned
-        for o in persistent
-    )
-    if not shapes_match:
-        checkpoint.close()
-        os.close(hold)
-        return None
-    made: dict[int, torch.Tensor] = {}
-    for owned in persistent:
-        if id(owned.tensor) not in made:
-            view = checkpoint.view(owned.name)
-            made[id(owned.tensor)] = nn.Parameter(view, owned.tensor.requires_grad) if owned.is_parameter else view
-        table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
-        table[owned.key] = made[id(owned.tensor)]
+    checkpoint = entry.checkpoint
     checkpoint.on_close.append(lambda: os.close(hold))
+    try:
+        model = skeleton(cls, model_config, fuse_qkv)
+        persistent = _persistent(model)
+        # The dtypes the ordinary loader would give (the skeleton's floats are all fp32).
+        rule = runtime_dtype_rule(cls, torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory))
+        expected = {o.name: (list(o.tensor.shape), rule(o.name, o.tensor.dtype)) for o in persistent}
+        problem = _entry_mismatch(entry, load, expected)
+        if problem is not None:
+            logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], problem)
+            checkpoint.close()
+            return None
+        made: dict[int, torch.Tensor] = {}
+        for owned in persistent:
+            if id(owned.tensor) not in made:
+                view = checkpoint.view(owned.name)
+                made[id(owned.tensor)] = nn.Parameter(view, owned.tensor.requires_grad) if owned.is_parameter else view
+            table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
+            table[owned.key] = made[id(owned.tensor)]
+        plan = _plan(model, checkpoint)
+    except Exception:
+        checkpoint.close()  # releases the hold; the cold path builds its own model
+        raise
     logger.info("dlo: warm start from cache entry %s (loading skipped)", key[:16])
-    return model.eval(), _plan(model, checkpoint)
+    return model.eval(), plan

@@ -1,8 +1,16 @@
 """What makes two loads share a cache entry: the identity and its key (SPEC §5.2).
 
 Equivalent processes (any DP rank, any SP rank, any path spelling of the same model) get one
-key; anything that can change the final tensors (TP coordinates, SP size, dtype, loader
-inputs, the loader and model code, and the bytes themselves) gets its own.
+key; anything that can change the final tensors (the checkpoint files, the model config, TP
+coordinates, SP size, dtype, loader inputs, the loader and model code, and the bytes
+themselves) gets its own.
+
+[Note: warm start identity]
+The identity has two parts: the *load identity*, known before anything is loaded (the
+checkpoint files' identities included), and the content digest of the final tensors. A warm
+start recomputes the load identity and maps an entry only if the entry's manifest holds that
+load identity (and its key is the hash of the manifest's identity): a source index record,
+a mere hint, can point a load at an entry but never make it map another load's entry.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +30,20 @@ import dlo
 from dlo.config import Topology
 from dlo.host.preflight import Fallback
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the load identity names the config and the checkpoint files
+CONTENT = "content"  # the identity's one field a warm start cannot know
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def is_key(text: object) -> bool:
+    """Whether `text` (untrusted: read from disk or typed by a user) is a key as dlo writes
+    them, a SHA-256 hex digest, and so safe to put in a path."""
+    return isinstance(text, str) and _KEY.fullmatch(text) is not None
+
+
+def digest_of(value: object) -> str:
+    """SHA-256 of the canonical JSON of `value` (sorted keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def content_digest(tensors: Mapping[str, torch.Tensor], threads: int | None = None) -> str:
@@ -52,32 +74,54 @@ def code_hash(model_class: type) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def build_identity(
+def checkpoint_files(directory: Path) -> list[list]:
+    """[name, size, mtime_ns, device, inode] of every file the ordinary loader reads."""
+    files = []
+    for path in sorted(Path(directory).resolve().iterdir()):
+        if path.is_file() and path.suffix in (".safetensors", ".json"):
+            info = path.stat()
+            files.append([path.name, info.st_size, info.st_mtime_ns, info.st_dev, info.st_ino])
+    return files
+
+
+def load_identity(
     model_dir: Path,
     model_class: type,
+    model_config: Mapping[str, object],
     dtype: str,
     loader_inputs: Mapping[str, object],
     topology: Topology,
-    digest: str,
     revision: str | None = None,
-) -> tuple[dict, str] | Fallback:
-    """(identity, key), or `unstable_identity` if the loader inputs are not JSON-stable."""
+) -> dict | Fallback:
+    """Everything of the identity but the content digest (see [Note: warm start identity]),
+    or `unstable_identity` if the config or the loader inputs are not JSON-stable."""
     try:
+        config = json.loads(json.dumps(model_config, sort_keys=True, allow_nan=False))
         inputs = json.loads(json.dumps(loader_inputs, sort_keys=True, allow_nan=False))
     except (TypeError, ValueError) as err:
-        return Fallback("unstable_identity", f"loader inputs are not JSON-stable ({err})")
-    identity = {
+        return Fallback("unstable_identity", f"loader inputs or config are not JSON-stable ({err})")
+    return {
         "schema": SCHEMA_VERSION,
         "model_path": str(Path(model_dir).expanduser().resolve()),
         "revision": revision,
-        "model_class": model_class.__name__,
+        "model_class": f"{model_class.__module__}.{model_class.__qualname__}",
+        "config": config,
+        "files": checkpoint_files(model_dir),
         "dtype": dtype,
         "load_format": "diffusers",
         "loader_inputs": inputs,
         "code": code_hash(model_class),
         "tp": [topology.tp_size, topology.tp_rank],
         "sp_size": topology.sp_size,  # an SP guard; the SP rank and all of DP are left out
-        "content": digest,
     }
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return identity, key
+
+
+def build_identity(load: Mapping[str, object], digest: str) -> tuple[dict, str]:
+    """(identity, key) of a load whose final tensors have content digest `digest`."""
+    identity = {**load, CONTENT: digest}
+    return identity, digest_of(identity)
+
+
+def without_content(identity: Mapping[str, object]) -> dict:
+    """The load identity inside a full identity."""
+    return {name: value for name, value in identity.items() if name != CONTENT}

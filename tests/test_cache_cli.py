@@ -1,0 +1,177 @@
+"""`dlo cache` keeps the cache tidy and says exactly what happened (issue 13): read-only
+commands create nothing, leftovers are listed and collected, removal takes everything that
+belonged to an entry, and each refusal is one line with status 2."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+import dlo
+from dlo.cli.main import main
+from dlo.host.cache.entry_store import EntryStore
+from dlo.host.cache.identity import digest_of
+from dlo.models.tiny import TINY_MODELS
+
+
+def cache(root):
+    return ["--cache-dir", str(root)]
+
+
+def error_line(capsys):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    return err.rstrip("\n")
+
+
+def publish(root, name="entry"):
+    key = digest_of({"name": name})
+    EntryStore(root).publish(key, {"w": torch.ones(1024)}, {"name": name})
+    return key
+
+
+def tree(root):
+    """Every path under `root` with its mode and modification time."""
+    return {str(p.relative_to(root)): (p.lstat().st_mode, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["rm", "abc"], ["gc", "--max-size", "1G"]], ids=lambda c: c[0])
+def test_a_missing_cache_root_is_an_error_naming_it_and_is_not_created(tmp_path, capsys, command):
+    root = tmp_path / "typo"
+    assert main(["cache", *command, *cache(root)]) == 2
+    assert error_line(capsys) == (
+        f"dlo: error: the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"
+    )
+    assert not root.exists()
+
+
+def test_the_missing_root_error_from_a_real_process(tmp_path):
+    root = tmp_path / "typo"
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", "ls", *cache(root)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    message = f"dlo: error: the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"
+    assert done.stderr.splitlines() == [message]
+    assert not root.exists()
+
+
+@pytest.fixture
+def used_cache(tmp_path):
+    """A cache a load used and let go: an entry, its lock file, its source record, and the
+    hold file its (closed) hold left behind."""
+    directory = tmp_path / "wan"
+    TINY_MODELS["wan"].build(seed=2).save_pretrained(directory)
+    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"))
+    _, plan = dlo.load_transformer(directory, config)
+    plan.take().checkpoint.close()  # releases the hold; its file stays until proved dead
+    root = tmp_path / "cache"
+    (key,) = os.listdir(root / "v1")
+    assert (root / ".locks" / f"{key}.lock").exists() and len(os.listdir(root / "sources")) == 1
+    assert len(os.listdir(root / ".users" / key)) == 1
+    return root, key
+
+
+def test_ls_and_verify_change_nothing(used_cache, capsys):
+    root, key = used_cache
+    before = tree(root)
+    assert main(["cache", "ls", *cache(root)]) == 0
+    assert main(["cache", "verify", *cache(root)]) == 0
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("command", [["rm", "{key}"], ["gc", "--max-size", "0"]], ids=["rm", "gc"])
+def test_removing_an_entry_removes_everything_that_belonged_to_it(used_cache, capsys, command):
+    root, key = used_cache
+    assert main(["cache", *[part.format(key=key) for part in command], *cache(root)]) == 0
+    assert os.listdir(root / "v1") == [] and os.listdir(root / ".locks") == []
+    assert os.listdir(root / "sources") == [] and os.listdir(root / ".users") == []
+    assert os.listdir(root / ".tmp") == [] and os.listdir(root / ".stamps") == []
+
+
+def test_a_corrupt_entry_moved_aside_is_listed_and_gc_removes_it(tmp_path, capsys):
+    key = publish(tmp_path)
+    shard = next((tmp_path / "v1" / key).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x01")
+    publish(tmp_path)  # moves the corrupt entry aside, publishes a good one
+    (aside,) = os.listdir(tmp_path / ".tmp")
+    assert aside.startswith(f"{key}.corrupt.")
+    assert main(["cache", "ls", *cache(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(key[:16])]
+    assert len(rows) == 2 and f"(corrupt, in .tmp/{aside}: dlo cache gc removes it)" in rows[1]
+    assert main(["cache", "gc", "--max-size", "1G", *cache(tmp_path)]) == 0
+    assert f"removed .tmp/{aside}" in capsys.readouterr().out.splitlines()
+    assert os.listdir(tmp_path / ".tmp") == [] and os.listdir(tmp_path / "v1") == [key]
+
+
+def test_gc_removes_a_dead_writers_temp_dir_but_not_a_live_ones(tmp_path, capsys):
+    key = publish(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / ".tmp" / f"{key}.{int(dead.stdout)}.{uuid.uuid4().hex}"
+    live = tmp_path / ".tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex}"
+    stale.mkdir(mode=0o700)
+    live.mkdir(mode=0o700)
+    assert main(["cache", "gc", "--max-size", "1G", *cache(tmp_path)]) == 0
+    assert not stale.exists() and live.exists()
+
+
+def test_rm_force_with_a_timeout_on_a_busy_entry_says_it_timed_out(tmp_path, capsys):
+    key = publish(tmp_path)
+    hold = EntryStore(tmp_path).hold(key)
+    try:
+        assert main(["cache", "rm", key[:10], "--force", "--timeout", "0.3", *cache(tmp_path)]) == 2
+    finally:
+        os.close(hold)
+    assert error_line(capsys) == f"dlo: error: timed out after 0.3 s: {key[:16]} is still in use by 1 process(es)"
+    assert os.listdir(tmp_path / "v1") == [key]
+
+
+def test_rm_without_force_on_a_busy_entry_says_how_to_wait(tmp_path, capsys):
+    key = publish(tmp_path)
+    hold = EntryStore(tmp_path).hold(key)
+    try:
+        assert main(["cache", "rm", key, *cache(tmp_path)]) == 2
+    finally:
+        os.close(hold)
+    assert error_line(capsys) == (
+        f"dlo: error: {key[:16]} is in use by 1 process(es); stop them, or add --force to wait for them"
+    )
+
+
+def test_a_full_length_key_that_does_not_exist_is_not_found(tmp_path, capsys):
+    publish(tmp_path)
+    missing = digest_of({"name": "missing"})
+    assert main(["cache", "rm", missing, *cache(tmp_path)]) == 2
+    assert error_line(capsys) == f"dlo: error: no entry {missing!r} in {tmp_path} (dlo cache ls lists them)"
+
+
+def test_an_ambiguous_prefix_asks_for_more_of_the_key(tmp_path, capsys):
+    prefix = os.path.commonprefix([publish(tmp_path, "one"), publish(tmp_path, "two")])
+    assert main(["cache", "rm", prefix, *cache(tmp_path)]) == 2
+    assert error_line(capsys) == f"dlo: error: {prefix!r} matches 2 entries in {tmp_path}; give more of the key"
+    assert len(os.listdir(tmp_path / "v1")) == 2
+
+
+def test_timeout_without_force_is_refused_before_anything_is_removed(tmp_path, capsys):
+    key = publish(tmp_path)
+    assert main(["cache", "rm", key, "--timeout", "3", *cache(tmp_path)]) == 2
+    assert error_line(capsys) == (
+        "dlo: error: --timeout is how long --force waits for an entry's users; add --force or drop --timeout"
+    )
+    assert os.listdir(tmp_path / "v1") == [key]
+
+
+def test_a_ten_byte_transformer_checkpoint_is_reported_truncated(tmp_path, capsys):
+    from dlo.models.tiny_pipelines import save_tiny_flux_pipeline
+
+    directory = tmp_path / "flux"
+    save_tiny_flux_pipeline(directory)
+    weights = directory / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:10])
+    command = ["generate", str(directory), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / "a.png")]
+    capsys.readouterr()
+    assert main(command) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dlo")]
+    assert line.startswith(f"dlo: error: {weights}: truncated: header length ") and "10-byte file" in line
