@@ -177,11 +177,11 @@ def digest(tensor: torch.Tensor) -> str:
 # ------------------------------------------------------------------------- one variant
 
 
-def open_variant(variant: str, model: nn.Module, device: torch.device) -> dlo.OffloadHandle | None:
+def open_variant(variant: str, model: nn.Module, device: torch.device, num_slots: int) -> dlo.OffloadHandle | None:
     if variant == "resident":
         model.to(device)
         return None
-    return dlo.enable(model, device, dlo.OffloadConfig(use_allgather=variant == "all-gather"))
+    return dlo.enable(model, device, dlo.OffloadConfig(use_allgather=variant == "all-gather", num_slots=num_slots))
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def measure(shape: Shape, variant: str, ranks: Ranks, args: argparse.Namespace) 
     if ranks.is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     align(ranks)
-    handle = open_variant(variant, model, device)
+    handle = open_variant(variant, model, device, args.num_slots)
     try:
         outputs: list[torch.Tensor] = []
         seconds: list[float] = []
@@ -497,7 +497,8 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
             write_json(args.json, {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "environment": env,
-                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp},
+                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp,
+                             "num_slots": args.num_slots},
                 "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
                 "verdicts": verdicts(rows, ranks.world),
                 "table": markdown_table(rows),
@@ -646,6 +647,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed forwards per variant (default: 5)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights (all ranks); rank r's inputs use seed + 1 + 1000 r (default: 0)")
+    parser.add_argument("--num-slots", type=int, default=2, help="OffloadConfig.num_slots of the dlo variants (default: 2)")
     parser.add_argument("--sp", action="store_true",
                         help="sequence parallelism: diffusers' enable_parallelism(ContextParallelConfig(ulysses_degree="
                         "world)) on every variant, one prompt split over the ranks; all-gather runs over the SP group")
