@@ -1,0 +1,27 @@
+"""Keeping other libraries' warnings and notices out of dlo's normal output (`-v` shows them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# Loggers of the libraries dlo drives; their own verbosity variables also reach spawned ranks.
+_LIBRARIES = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY"}
+
+
+def quiet_other_libraries(verbose: bool) -> None:
+    """dlo's own warnings (fallback codes) always show; other libraries' only with `verbose`."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dlo").setLevel(logging.INFO if verbose else logging.WARNING)
+    if verbose:
+        return
+    for name, variable in _LIBRARIES.items():
+        # The variable covers a library that configures its logger later (at first import),
+        # setLevel one that already did.
+        os.environ.setdefault(variable, "error")
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"^(?!dlo(\.|$))")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per text encoder

@@ -1,0 +1,55 @@
+"""Where a model named on the command line lives: a local directory, or a Hugging Face hub id
+(`org/name`) resolved through the user's hub cache (downloaded there when online)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dlo.errors import ConfigError
+
+# The hub's repository id form; anything that is also an existing path is taken as the path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Only the diffusers layout: model_index.json and the component folders, not the single-file
+# original checkpoints many repositories also carry at their root, nor other frameworks' weights.
+_ALLOW = ["model_index.json", "*/*"]
+_IGNORE = ["*.pth", "*.ckpt", "*.pt", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.gguf"]
+
+
+def is_hub_id(target: str) -> bool:
+    return bool(_HUB_ID.match(target)) and not Path(target).expanduser().exists()
+
+
+def _hub_snapshot(repo_id: str, offline: bool) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:  # the local cache first, without touching the network
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+    except LocalEntryNotFoundError:
+        pass
+    if offline or constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "--offline was given"
+        raise ConfigError(
+            f"MODEL {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE} and {why}; download it "
+            f"first (`huggingface-cli download {repo_id}`) or pass its directory"
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"MODEL {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
+            "(log in with `huggingface-cli login`)"
+        ) from None
+    except (HfHubHTTPError, OSError) as err:
+        raise ConfigError(f"MODEL {repo_id}: download from the Hugging Face hub failed ({err})") from None
+
+
+def resolve_model(target: str, offline: bool = False) -> Path:
+    """The local directory `target` names: itself, or the hub cache snapshot of a hub id."""
+    if is_hub_id(target):
+        return _hub_snapshot(target, offline)
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"MODEL {target}: no such directory (nor a Hugging Face hub id like org/name)")
+    return path
