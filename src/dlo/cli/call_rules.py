@@ -19,8 +19,9 @@ from dlo.host.checkpoint import read_json_object
 # Pipelines that pack 2x2 latent patches into one token whatever the transformer's patch_size
 # (Flux's config says patch_size=1): their sizes are multiples of 2 x the VAE scale.
 _PACKS_2X2_LATENTS = ("Flux", "Chroma", "QwenImage")
-# Default ceiling on height x width x frames: 2**27 pixels, e.g. 1280x720 at 145 frames, 11585² for an image.
-DEFAULT_MAX_PIXELS = 2**27
+# Default ceiling on the transformer's sequence (latent patches x latent frames), what its
+# attention cost grows with: 2**17 tokens, e.g. Wan 1280x720 at 121 frames (111600), Flux 5792².
+DEFAULT_MAX_TOKENS = 2**17
 
 
 class CallRuleError(ConfigError):
@@ -101,7 +102,13 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
-def validate_call(rules: CallRules, request: CallRequest, max_pixels: int, dtype_bytes: int) -> CallRequest:
+def tokens(rules: CallRules, height: int, width: int, frames: int) -> int:
+    """The transformer's sequence length for a size: latent patches x latent frames."""
+    latent_frames = (frames - 1) // rules.temporal_multiple + 1 if rules.temporal_multiple else 1
+    return (height // rules.spatial_multiple) * (width // rules.spatial_multiple) * latent_frames
+
+
+def validate_call(rules: CallRules, request: CallRequest, max_tokens: int, dtype_bytes: int) -> CallRequest:
     """`request` if `rules` allow it, else the first `CallRuleError` (height, width, frames,
     sequence length, then the size limit with an estimate of the memory it would take)."""
     multiple = rules.spatial_multiple
@@ -120,19 +127,19 @@ def validate_call(rules: CallRules, request: CallRequest, max_pixels: int, dtype
         most = rules.max_sequence_length
         if length < 1 or (most is not None and length > most):
             raise CallRuleError("max_sequence_length", length, f"{rules.pipeline} takes 1 to {most}" if most else "at least 1")
-    height, width, default_frames = (
+    height, width, frame_count = (
         given if given is not None else fallback
         for given, fallback in zip((request.height, request.width, frames), rules.default_size)
     )
-    pixels = height * width * default_frames
-    if pixels > max_pixels:
+    sequence = tokens(rules, height, width, frame_count)
+    if sequence > max_tokens:
         # The VAE decoder's last stage holds `vae_channels` values per output pixel (in the
         # run's dtype), and the decoded result 3 float32 values per pixel: a lower bound.
-        estimate = pixels * (rules.vae_channels * dtype_bytes + 3 * 4)
-        size = f"{height}x{width}" + (f"x{default_frames} frames" if rules.temporal_multiple else "")
+        estimate = height * width * frame_count * (rules.vae_channels * dtype_bytes + 3 * 4)
+        size = f"{height}x{width}" + (f"x{frame_count}" if rules.temporal_multiple else "")
         raise CallRuleError(
             "size", size,
-            f"{pixels} pixels is over the limit of {max_pixels} (max_pixels); the VAE alone would need at least "
-            f"{_gib(estimate)}: ask for a smaller size or raise the limit",
+            f"{sequence} transformer tokens, over the limit of {max_tokens} (max_tokens); the VAE alone would need "
+            f"at least {_gib(estimate)}: ask for a smaller size or raise the limit",
         )
     return request

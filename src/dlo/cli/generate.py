@@ -58,7 +58,7 @@ def checked_request(model_dir: Path, cls: type, args: argparse.Namespace, dtype:
     request = CallRequest(args.height, args.width, args.frames, args.max_sequence_length)
     try:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        return validate_call(read_call_rules(model_dir, cls), request, args.max_pixels, dtype_bytes)
+        return validate_call(read_call_rules(model_dir, cls), request, args.max_tokens, dtype_bytes)
     except CallRuleError as err:
         raise ConfigError(f"{_FLAG_OF_FIELD[err.field]} {err.value}: {err.allowed}") from None
 
@@ -105,7 +105,7 @@ def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float,
 def run(args: argparse.Namespace) -> int:
     # Every check reads flags, configs and headers only; weights load after the last one.
     output = Path(args.output).expanduser()
-    model_dir = resolve_model(args.model_dir, args.offline)
+    model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
     cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
     check_output(output, video)

@@ -67,7 +67,8 @@ def _plan_text(module, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = str(resolve_model(args.target)) if is_hub_id(args.target) else args.target
+    cached = is_hub_id(args.target)
+    target = str(resolve_model(args.target, "dlo inspect never downloads")) if cached else args.target
     if not Path(target).expanduser().is_dir():
         print(_plan_text(build_on_meta(target), args))
         return 0

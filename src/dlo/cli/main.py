@@ -7,7 +7,7 @@ import sys
 
 import dlo
 from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny
-from dlo.cli.call_rules import DEFAULT_MAX_PIXELS
+from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.library_noise import quiet_other_libraries
 from dlo.errors import DloError
@@ -105,8 +105,9 @@ def _add_generate(commands) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise; same seed, same output (default: 0)")
     parser.add_argument("--fps", type=positive_int, default=16, help="video frame rate (default: 16)")
     parser.add_argument(
-        "--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS, metavar="N",
-        help=f"refuse height x width x frames above N, before loading (default: {DEFAULT_MAX_PIXELS} = 2**27)",
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+        help="refuse, before loading, a size whose transformer sequence (latent patches x latent frames) is over "
+        f"N tokens: attention time and memory grow with it (default: {DEFAULT_MAX_TOKENS} = 2**17)",
     )
     parser.add_argument(
         "--offline", action="store_true",

@@ -20,7 +20,11 @@ def is_hub_id(target: str) -> bool:
     return bool(_HUB_ID.match(target)) and not Path(target).expanduser().exists()
 
 
-def _hub_snapshot(repo_id: str, offline: bool) -> Path:
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _hub_snapshot(repo_id: str, cache_only: str | None) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -28,11 +32,11 @@ def _hub_snapshot(repo_id: str, offline: bool) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
     except LocalEntryNotFoundError:
         pass
-    if offline or constants.HF_HUB_OFFLINE:
-        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "--offline was given"
+    missing = f"MODEL {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE}"
+    if cache_only or constants.HF_HUB_OFFLINE:
+        why = cache_only or "HF_HUB_OFFLINE is set"
         raise ConfigError(
-            f"MODEL {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE} and {why}; download it "
-            f"first (`huggingface-cli download {repo_id}`) or pass its directory"
+            f"{missing} and {why}; download it first (`huggingface-cli download {repo_id}`) or pass its directory"
         )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
@@ -42,13 +46,14 @@ def _hub_snapshot(repo_id: str, offline: bool) -> Path:
             "(log in with `huggingface-cli login`)"
         ) from None
     except (HfHubHTTPError, OSError) as err:
-        raise ConfigError(f"MODEL {repo_id}: download from the Hugging Face hub failed ({err})") from None
+        raise ConfigError(f"{missing} and the download failed ({_first_line(err)})") from None
 
 
-def resolve_model(target: str, offline: bool = False) -> Path:
-    """The local directory `target` names: itself, or the hub cache snapshot of a hub id."""
+def resolve_model(target: str, cache_only: str | None = None) -> Path:
+    """The local directory `target` names: itself, or the hub cache snapshot of a hub id.
+    `cache_only`: why the hub must not be asked (said when the model is not cached)."""
     if is_hub_id(target):
-        return _hub_snapshot(target, offline)
+        return _hub_snapshot(target, cache_only)
     path = Path(target).expanduser()
     if not path.is_dir():
         raise ConfigError(f"MODEL {target}: no such directory (nor a Hugging Face hub id like org/name)")

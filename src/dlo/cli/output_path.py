@@ -19,7 +19,8 @@ def check_writable(path: Path, flag: str) -> None:
     except IsADirectoryError:
         raise ConfigError(f"{flag} {path}: is a directory; give a file name inside it") from None
     except FileExistsError:
-        raise ConfigError(f"{flag} {path}: exists and is not a regular file; give another name") from None
+        what = "is a directory; give a file name inside it" if path.is_dir() else "exists and is not a regular file"
+        raise ConfigError(f"{flag} {path}: {what}") from None
     except OSError as err:
         if err.errno == errno.ENOTDIR:
             raise ConfigError(f"{flag} {path}: a parent of it is a file, not a directory") from None
