@@ -23,6 +23,8 @@ from dlo.host.checkpoint import read_json_object
 
 # The pipeline's argument names (call_rules' fields) -> this command's flags.
 _FLAG_OF_FIELD = {
+    "negative_prompt": "--negative-prompt",
+    "guidance_scale": "--guidance",
     "height": "--height",
     "width": "--width",
     "num_frames": "--frames",
@@ -80,7 +82,7 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     given = {k: v for k, v in wanted.items() if v is not None}
     unsupported = [k for k in given if k not in accepted]
     if unsupported:
-        raise ConfigError(f"{cls.__name__} does not take {', '.join(unsupported)}")
+        raise ConfigError(f"{', '.join(_FLAG_OF_FIELD[k] for k in unsupported)}: {cls.__name__} does not take it")
     return given
 
 
