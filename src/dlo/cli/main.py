@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import dlo
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         # Whatever was running unwound through its `with` blocks and `finally`s on the way here.
         print("dlo: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+    except BrokenPipeError:  # `dlo inspect ... | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
 
 
 if __name__ == "__main__":
