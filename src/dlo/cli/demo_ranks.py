@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import multiprocessing
 import queue as queue_module
 import signal
@@ -27,6 +28,12 @@ from dlo.cli.format import human_bytes, table
 from dlo.models.tiny import TINY_MODELS
 
 _TIMEOUT_S = 300
+
+
+def _as_bytes(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _rank(rank: int, nproc: int, rendezvous: str, args: tuple, results) -> None:
@@ -49,7 +56,9 @@ def _rank(rank: int, nproc: int, rendezvous: str, args: tuple, results) -> None:
             run = denoise(streamed, entry, steps, dtype, device, prompt_seed=rank)
             stats = handle.stats()
         identical = all(torch.equal(a, b) for a, b in zip(resident.outputs, run.outputs))
-        outputs = dict(resident=resident.outputs, streamed=run.outputs) if keep_outputs else {}
+        # As bytes: a tensor put on a multiprocessing queue travels as a file descriptor of shared
+        # memory, which is gone once this rank exits, possibly before the parent reads it.
+        outputs = _as_bytes(dict(resident=resident.outputs, streamed=run.outputs)) if keep_outputs else b""
         results.put((rank, dict(identical=identical, host_bytes=stats.host_bytes, block_bytes=block_bytes,
                                 collectives=stats.collectives, group=stats.gather_group_size, outputs=outputs)))
     except BaseException as err:
@@ -106,8 +115,8 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
             print(f"rank {rank} failed: {text}", file=sys.stderr)
         return 1
     if save_path is not None:
-        torch.save({kind: {r: rep["outputs"][kind] for r, rep in reports.items()} for kind in ("resident", "streamed")},
-                   save_path)
+        outputs = {rank: torch.load(io.BytesIO(rep["outputs"])) for rank, rep in reports.items()}
+        torch.save({kind: {rank: out[kind] for rank, out in outputs.items()} for kind in ("resident", "streamed")}, save_path)
     rows = [
         [rank, human_bytes(rep["host_bytes"]), human_bytes(rep["block_bytes"] / nproc), rep["collectives"],
          "bit-identical" if rep["identical"] else "DIFFERENT"]
