@@ -1,6 +1,7 @@
 """The `dlo` process as a user meets it: Ctrl-C, version, help, quiet output, models in the
 Hugging Face cache, `dlo make-tiny`."""
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -96,9 +97,16 @@ def test_help_explains_prompt_and_seed(capsys):
 
 @pytest.fixture
 def hub_cache(tiny_flux_dir, tmp_path):
-    """A Hugging Face cache laid out as the hub writes it, holding org/tiny-flux at revision `abc123`."""
+    """A Hugging Face cache laid out as the hub writes it, holding org/tiny-flux at revision
+    `abc123`: files in blobs/ named by their hash, the snapshot made of relative symlinks to them."""
     repo = tmp_path / "hub" / "models--org--tiny-flux"
-    shutil.copytree(tiny_flux_dir, repo / "snapshots" / "abc123")
+    (repo / "blobs").mkdir(parents=True)
+    for source in sorted(p for p in tiny_flux_dir.rglob("*") if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(source.read_bytes()).hexdigest()
+        shutil.copyfile(source, blob)
+        link = repo / "snapshots" / "abc123" / source.relative_to(tiny_flux_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     return tmp_path / "hub"
@@ -154,3 +162,10 @@ def test_make_tiny_writes_a_pipeline_that_its_suggested_command_runs(tmp_path, m
     assert frames.n_frames == 5 and np.asarray(frames.convert("RGB")).std() > 0
     assert main(["make-tiny", "wan", str(directory)]) == 2  # never written over
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_quiet_output_keeps_the_download_progress_bar(capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    assert main(["inspect", "flux"]) == 0
+    assert not are_progress_bars_disabled()

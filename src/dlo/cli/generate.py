@@ -14,9 +14,10 @@ from dlo.backend.pipeline import STREAMED_COMPONENTS
 from dlo.cli.call_rules import CallRequest, CallRuleError, read_call_rules, validate_call
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
-from dlo.cli.media_output import check_output, write_image, write_video
+from dlo.cli.media_output import check_output_kind, write_image, write_video
 from dlo.cli.model_source import resolve_model
 from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.output_path import check_writable
 from dlo.cli.pipeline_loading import check_components, load_pipeline
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
@@ -107,10 +108,11 @@ def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float,
 def run(args: argparse.Namespace) -> int:
     # Every check reads flags, configs and headers only; weights load after the last one.
     output = Path(args.output).expanduser()
+    check_writable(output, "--output")  # before a hub id's download too
     model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
     cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
-    check_output(output, video)
+    check_output_kind(output, video)
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
     kwargs = call_kwargs(cls, args, checked_request(model_dir, cls, args, dtype))

@@ -22,6 +22,10 @@ def quiet_other_libraries(verbose: bool) -> None:
         os.environ.setdefault(variable, "error")
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"^(?!dlo(\.|$))")
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per text encoder
+    downloads_shown = not are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per text encoder...
+    if downloads_shown:
+        enable_progress_bars()  # ...but it also turns off the hub's download bars: keep those

@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dlo.cli.output_path import check_writable
 from dlo.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -24,8 +23,8 @@ def _has_mp4_encoder() -> bool:
     return True
 
 
-def check_output(path: Path, video: bool) -> None:
-    """Refuse, before any model is loaded, an output this run cannot write."""
+def check_output_kind(path: Path, video: bool) -> None:
+    """Refuse, before any model is loaded, an output format this pipeline cannot write."""
     suffix = path.suffix.lower()
     allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
     kind = "a video" if video else "an image"
@@ -35,7 +34,6 @@ def check_output(path: Path, video: bool) -> None:
         raise ConfigError(
             f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
         )
-    check_writable(path, "--output")
 
 
 @contextlib.contextmanager
