@@ -22,8 +22,8 @@ from dlo.cli.pipeline_loading import check_components, load_pipeline
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
 
-# The pipeline's argument names (call_rules' fields) -> this command's flags.
-_FLAG_OF_FIELD = {
+# The pipeline's argument names (and call_rules' fields) -> this command's flags.
+FLAG_OF_ARGUMENT = {
     "negative_prompt": "--negative-prompt",
     "guidance_scale": "--guidance",
     "height": "--height",
@@ -63,7 +63,7 @@ def checked_request(model_dir: Path, cls: type, args: argparse.Namespace, dtype:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         return validate_call(read_call_rules(model_dir, cls), request, args.max_tokens, dtype_bytes)
     except CallRuleError as err:
-        raise ConfigError(f"{_FLAG_OF_FIELD[err.field]} {err.value}: {err.allowed}") from None
+        raise ConfigError(f"{FLAG_OF_ARGUMENT[err.field]} {err.value}: {err.allowed}") from None
 
 
 def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> dict:
@@ -83,7 +83,7 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     given = {k: v for k, v in wanted.items() if v is not None}
     unsupported = [k for k in given if k not in accepted]
     if unsupported:
-        raise ConfigError(f"{', '.join(_FLAG_OF_FIELD[k] for k in unsupported)}: {cls.__name__} does not take it")
+        raise ConfigError(f"{', '.join(FLAG_OF_ARGUMENT.get(k, k) for k in unsupported)}: {cls.__name__} does not take it")
     return given
 
 

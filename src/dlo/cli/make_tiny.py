@@ -7,17 +7,14 @@ import shlex
 from pathlib import Path
 
 from dlo.cli.format import human_bytes
+from dlo.cli.generate import FLAG_OF_ARGUMENT
 from dlo.errors import ConfigError
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, TINY_PIPELINES
-
-# GENERATE_DEFAULTS keys -> `dlo generate` flags
-_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--frames",
-          "max_sequence_length": "--max-sequence-length", "guidance_scale": "--guidance"}
 
 
 def try_command(kind: str, directory: Path) -> str:
     """A `dlo generate` command line that fits the tiny pipeline."""
-    sizes = [f"{_FLAGS[k]} {v}" for k, v in GENERATE_DEFAULTS[kind].items()]
+    sizes = [f"{FLAG_OF_ARGUMENT[k]} {v}" for k, v in GENERATE_DEFAULTS[kind].items()]
     output = "cube.png" if kind == "flux" else "cat.gif"
     return f"dlo generate {shlex.quote(str(directory))} --prompt 'a red cube' --steps 2 {' '.join(sizes)} --output {output}"
 
