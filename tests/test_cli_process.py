@@ -32,7 +32,9 @@ def interrupt_when(process: subprocess.Popen, ready, timeout_s: float = 240) -> 
     children = psutil.Process(process.pid).children(recursive=True)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
-    assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    # multiprocessing's resource tracker ends on its own once its parent's pipe closes: give it a moment
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [c.pid for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     return stderr
 
 

@@ -13,8 +13,8 @@ _LIBRARIES = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_
 def quiet_other_libraries(verbose: bool) -> None:
     """dlo's own warnings (fallback codes) always show; other libraries' only with `verbose`."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("dlo").setLevel(logging.INFO if verbose else logging.WARNING)
     if verbose:
+        logging.getLogger("dlo").setLevel(logging.INFO)  # e.g. hashing rates
         return
     for name, variable in _LIBRARIES.items():
         # The variable covers a library that configures its logger later (at first import),
