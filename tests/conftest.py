@@ -37,3 +37,19 @@ def small_filesystem(tmp_path):
     yield mount
     for mount_point in mounted:
         subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory):
+    """A tiny FluxPipeline directory, written once per test session (read-only for tests)."""
+    from dlo.models.tiny_pipelines import save_tiny_flux_pipeline
+
+    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("pipelines") / "flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory):
+    """A tiny WanPipeline directory, written once per test session (read-only for tests)."""
+    from dlo.models.tiny_pipelines import save_tiny_wan_pipeline
+
+    return save_tiny_wan_pipeline(tmp_path_factory.mktemp("pipelines") / "wan")

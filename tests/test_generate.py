@@ -9,19 +9,9 @@ from PIL import Image
 
 import dlo
 from dlo.cli.main import main
-from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, save_tiny_flux_pipeline, save_tiny_wan_pipeline
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
 
 diffusers = pytest.importorskip("diffusers")
-
-
-@pytest.fixture(scope="module")
-def flux_dir(tmp_path_factory):
-    return save_tiny_flux_pipeline(tmp_path_factory.mktemp("pipelines") / "flux")
-
-
-@pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory):
-    return save_tiny_wan_pipeline(tmp_path_factory.mktemp("pipelines") / "wan")
 
 
 def flags(name):
@@ -49,18 +39,18 @@ def reference_call(pipe, name, seed=0):
         return pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
-def test_generate_writes_a_png_identical_to_the_plain_pipeline(flux_dir, tmp_path, capsys):
+def test_generate_writes_a_png_identical_to_the_plain_pipeline(tiny_flux_dir, tmp_path, capsys):
     out = tmp_path / "cube.png"
-    assert main(["generate", str(flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux")]) == 0
+    assert main(["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux")]) == 0
     printed = capsys.readouterr().out
     assert "transformer" in printed and "checkpoint_mmap" in printed and f"wrote {out}" in printed
     written = Image.open(out)
     assert written.format == "PNG" and written.size == (64, 64)
-    expected = reference_call(plain_pipeline(flux_dir), "flux").images[0]
+    expected = reference_call(plain_pipeline(tiny_flux_dir), "flux").images[0]
     assert np.array_equal(np.asarray(written.convert("RGB")), np.asarray(expected))
 
 
-def test_generate_through_a_registered_cache_is_identical_and_says_so(flux_dir, tmp_path, capsys, monkeypatch):
+def test_generate_through_a_registered_cache_is_identical_and_says_so(tiny_flux_dir, tmp_path, capsys, monkeypatch):
     from fake_driver import FakeDriver
 
     from dlo.backend import cuda_registration
@@ -68,32 +58,32 @@ def test_generate_through_a_registered_cache_is_identical_and_says_so(flux_dir, 
     monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: FakeDriver())
     out = tmp_path / "cube.png"
     cache = ["--host-weight-cache", "--cache-dir", str(tmp_path / "cache")]
-    assert main(["generate", str(flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux"), *cache]) == 0
+    assert main(["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux"), *cache]) == 0
     assert "host_weight_cache (registered)" in capsys.readouterr().out
-    expected = reference_call(plain_pipeline(flux_dir), "flux").images[0]
+    expected = reference_call(plain_pipeline(tiny_flux_dir), "flux").images[0]
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
 
 
-def test_generate_writes_an_mp4(wan_dir, tmp_path):
+def test_generate_writes_an_mp4(tiny_wan_dir, tmp_path):
     import imageio.v3 as iio
 
     out = tmp_path / "clip.mp4"
-    assert main(["generate", str(wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
+    assert main(["generate", str(tiny_wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
     frames = iio.imread(out, index=None)  # decoded back by ffmpeg
     assert frames.shape[0] == 5 and frames.shape[1:3] == (32, 32)
 
 
 @pytest.mark.parametrize("suffix", [".gif", ".webp"])
-def test_generate_writes_an_animation_without_an_mp4_encoder(wan_dir, tmp_path, suffix):
+def test_generate_writes_an_animation_without_an_mp4_encoder(tiny_wan_dir, tmp_path, suffix):
     out = tmp_path / f"clip{suffix}"
-    assert main(["generate", str(wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
+    assert main(["generate", str(tiny_wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
     animation = Image.open(out)
     assert animation.n_frames == 5 and animation.size == (32, 32)
 
 
-def test_enable_pipeline_matches_the_plain_pipeline(wan_dir):
-    expected = reference_call(plain_pipeline(wan_dir), "wan").frames[0]
-    pipe = plain_pipeline(wan_dir)
+def test_enable_pipeline_matches_the_plain_pipeline(tiny_wan_dir):
+    expected = reference_call(plain_pipeline(tiny_wan_dir), "wan").frames[0]
+    pipe = plain_pipeline(tiny_wan_dir)
     with dlo.enable_pipeline(pipe, "cpu", dlo.OffloadConfig(num_slots=3)) as handle:
         got = reference_call(pipe, "wan").frames[0]
         stats = handle.stats()["transformer"]
@@ -106,19 +96,19 @@ def test_enable_pipeline_matches_the_plain_pipeline(wan_dir):
 @pytest.mark.parametrize(
     ("setup", "output", "message"),
     [
-        ("missing", "a.png", "does not exist"),
+        ("missing", "a.png", "no such directory (nor a Hugging Face hub id like org/name)"),
         ("no_index", "a.png", "no model_index.json"),
         ("unknown", "a.png", "unknown pipeline 'NoSuchPipeline'"),
         ("bad_json", "a.png", "model_index.json is not readable JSON"),
         ("unet", "a.png", "has no transformer component"),
-        ("flux", "a.mp3", "makes a image; write one of .png"),
-        ("flux", "a.mp4", "makes a image"),
+        ("flux", "a.mp3", "makes an image; write one of .png"),
+        ("flux", "a.mp4", "makes an image"),
         ("wan", "a.png", "makes a video; write one of .mp4"),
-        ("flux", "missing-dir/a.png", "does not exist"),
+        ("flux", "missing-dir/a.png", "directory {tmp}/missing-dir does not exist"),
     ],
 )
-def test_generate_refuses_bad_input_before_loading(tmp_path, flux_dir, wan_dir, capsys, setup, output, message):
-    directory = {"flux": flux_dir, "wan": wan_dir}.get(setup, tmp_path / setup)
+def test_generate_refuses_bad_input_before_loading(tmp_path, tiny_flux_dir, tiny_wan_dir, capsys, setup, output, message):
+    directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}.get(setup, tmp_path / setup)
     if setup in ("no_index", "unknown", "unet", "bad_json"):
         directory.mkdir()
     if setup == "bad_json":
@@ -129,13 +119,13 @@ def test_generate_refuses_bad_input_before_loading(tmp_path, flux_dir, wan_dir, 
         index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}
         (directory / "model_index.json").write_text(json.dumps(index))
     assert main(["generate", str(directory), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / output)]) == 2
-    assert message in capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
-def test_frames_on_an_image_pipeline_is_refused(flux_dir, tmp_path, capsys):
-    args = ["generate", str(flux_dir), "--prompt", "x", "--device", "cpu", "--frames", "5", "--output", str(tmp_path / "a.png")]
+def test_frames_on_an_image_pipeline_is_refused(tiny_flux_dir, tmp_path, capsys):
+    args = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--frames", "5", "--output", str(tmp_path / "a.png")]
     assert main(args) == 2
-    assert "FluxPipeline does not take num_frames" in capsys.readouterr().err
+    assert "--frames: FluxPipeline does not take it" in capsys.readouterr().err
 
 
 def test_enable_pipeline_needs_a_transformer():
@@ -146,14 +136,14 @@ def test_enable_pipeline_needs_a_transformer():
         dlo.enable_pipeline(NotAPipeline(), "cpu")
 
 
-def test_mp4_without_an_encoder_is_refused_with_the_alternatives(wan_dir, tmp_path):
+def test_mp4_without_an_encoder_is_refused_with_the_alternatives(tiny_wan_dir, tmp_path):
     import subprocess
     import sys
 
     # A real failed import in a fresh interpreter: imageio_ffmpeg is absent there.
     code = (
         "import sys; sys.modules['imageio_ffmpeg'] = None; from dlo.cli.main import main; "
-        f"sys.exit(main(['generate', {str(wan_dir)!r}, '--prompt', 'x', '--device', 'cpu', "
+        f"sys.exit(main(['generate', {str(tiny_wan_dir)!r}, '--prompt', 'x', '--device', 'cpu', "
         f"'--output', {str(tmp_path / 'a.mp4')!r}]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

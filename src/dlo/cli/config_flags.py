@@ -24,9 +24,12 @@ def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per OffloadConfig field, or per field named in `only`."""
     group = parser.add_argument_group("offload options (dlo.OffloadConfig fields)")
     for spec in dataclasses.fields(OffloadConfig):
+        if only is not None and spec.name not in only:
+            continue
         flag = "--" + spec.name.replace("_", "-")
         help_text = f"{spec.metadata['help']} (default: {spec.default})"
         if spec.type in (bool, "bool"):
@@ -37,4 +40,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_flags(args: argparse.Namespace) -> OffloadConfig:
-    return OffloadConfig(**{spec.name: getattr(args, spec.name) for spec in dataclasses.fields(OffloadConfig)})
+    """The config the flags give; fields without a flag on this command keep their defaults."""
+    fields = dataclasses.fields(OffloadConfig)
+    return OffloadConfig(**{spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)})

@@ -22,6 +22,9 @@ from torch import nn
 import dlo
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
+from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.output_path import check_writable
+from dlo.cli.weight_bytes import payload_bytes
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
 
@@ -113,7 +116,7 @@ def run_demo(
     else:
         reference = entry.build(seed=0, dtype=dtype)
         streamed = copy.deepcopy(reference)
-    weight_bytes = sum(t.numel() * t.element_size() for t in [*reference.parameters(), *reference.buffers()])
+    weight_bytes = payload_bytes(reference)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -180,15 +183,24 @@ def render(result: DemoResult) -> str:
     )
 
 
+def save_outputs(path: str, resident: list[torch.Tensor], streamed: list[torch.Tensor]) -> None:
+    """Both runs' per-step outputs, for a check that does not take the demo's word for it."""
+    torch.save({"resident": resident, "streamed": streamed}, path)
+
+
 def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
+    for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
+        if path:
+            check_writable(Path(path).expanduser(), flag)
+    check_resident_layers(build_on_meta(args.model), config, args.model)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
         if args.trace or args.from_checkpoint is not None:
             raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
-        return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype)
+        return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype, args.save_outputs)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace)
     elif args.from_checkpoint:
@@ -196,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="dlo-demo-") as directory:
             result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory))
+    if args.save_outputs:
+        save_outputs(args.save_outputs, result.resident.outputs, result.streamed.outputs)
     print(render(result))
     if args.trace:
         print(f"timeline written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import multiprocessing
 import queue as queue_module
+import signal
 import sys
 import tempfile
 import traceback
@@ -28,8 +30,14 @@ from dlo.models.tiny import TINY_MODELS
 _TIMEOUT_S = 300
 
 
+def _as_bytes(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _rank(rank: int, nproc: int, rendezvous: str, args: tuple, results) -> None:
-    model_name, device_type, config, steps, dtype = args
+    model_name, device_type, config, steps, dtype, keep_outputs = args
     try:
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(
@@ -48,8 +56,11 @@ def _rank(rank: int, nproc: int, rendezvous: str, args: tuple, results) -> None:
             run = denoise(streamed, entry, steps, dtype, device, prompt_seed=rank)
             stats = handle.stats()
         identical = all(torch.equal(a, b) for a, b in zip(resident.outputs, run.outputs))
+        # As bytes: a tensor put on a multiprocessing queue travels as a file descriptor of shared
+        # memory, which is gone once this rank exits, possibly before the parent reads it.
+        outputs = _as_bytes(dict(resident=resident.outputs, streamed=run.outputs)) if keep_outputs else b""
         results.put((rank, dict(identical=identical, host_bytes=stats.host_bytes, block_bytes=block_bytes,
-                                collectives=stats.collectives, group=stats.gather_group_size)))
+                                collectives=stats.collectives, group=stats.gather_group_size, outputs=outputs)))
     except BaseException as err:
         results.put((rank, dict(error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
     finally:
@@ -57,8 +68,21 @@ def _rank(rank: int, nproc: int, rendezvous: str, args: tuple, results) -> None:
             dist.destroy_process_group()
 
 
+def _start(ranks: list) -> None:
+    """Start the ranks with Ctrl-C ignored (a spawned interpreter keeps an ignored SIGINT ignored):
+    the terminal's SIGINT reaches the whole process group, and only the parent should react (it
+    ends the ranks), else every rank prints its own traceback."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for process in ranks:
+            process.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.OffloadConfig, steps: int,
-              dtype: torch.dtype) -> int:
+              dtype: torch.dtype, save_path: str | None = None) -> int:
+    """`save_path`: torch.save each rank's outputs there, {"resident": {rank: [...]}, "streamed": {...}}."""
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise dlo.ConfigError(f"--nproc {nproc} on cuda needs {nproc} GPUs, {torch.cuda.device_count()} visible")
     config = dataclasses.replace(config, use_allgather=True)
@@ -66,10 +90,9 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="dlo-ranks-") as scratch:
         rendezvous = str(Path(scratch) / "rendezvous")
-        args = (model_name, device_type, config, steps, dtype)
+        args = (model_name, device_type, config, steps, dtype, save_path is not None)
         ranks = [context.Process(target=_rank, args=(r, nproc, rendezvous, args, results)) for r in range(nproc)]
-        for process in ranks:
-            process.start()
+        _start(ranks)
         reports: dict[int, dict] = {}
         try:
             while len(reports) < nproc:
@@ -77,6 +100,10 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
                 reports[rank] = report
         except queue_module.Empty:
             raise dlo.StreamingError(f"ranks {sorted(set(range(nproc)) - set(reports))} did not report") from None
+        except BaseException:  # Ctrl-C: the ranks ignore it, end them now
+            for process in ranks:
+                process.terminate()
+            raise
         finally:
             for process in ranks:
                 process.join(timeout=30)
@@ -87,6 +114,9 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
         for rank, text in sorted(errors.items()):
             print(f"rank {rank} failed: {text}", file=sys.stderr)
         return 1
+    if save_path is not None:
+        outputs = {rank: torch.load(io.BytesIO(rep["outputs"])) for rank, rep in reports.items()}
+        torch.save({kind: {rank: out[kind] for rank, out in outputs.items()} for kind in ("resident", "streamed")}, save_path)
     rows = [
         [rank, human_bytes(rep["host_bytes"]), human_bytes(rep["block_bytes"] / nproc), rep["collectives"],
          "bit-identical" if rep["identical"] else "DIFFERENT"]

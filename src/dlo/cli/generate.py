@@ -11,17 +11,31 @@ import torch
 
 import dlo
 from dlo.backend.pipeline import STREAMED_COMPONENTS
+from dlo.cli.call_rules import CallRequest, CallRuleError, read_call_rules, validate_call
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
-from dlo.cli.media_output import check_output, write_image, write_video
+from dlo.cli.media_output import check_output_kind, write_image, write_video
+from dlo.cli.model_source import resolve_model
+from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.output_path import check_writable
+from dlo.cli.pipeline_loading import check_components, load_pipeline
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
+
+# The pipeline's argument names (and call_rules' fields) -> this command's flags.
+FLAG_OF_ARGUMENT = {
+    "negative_prompt": "--negative-prompt",
+    "guidance_scale": "--guidance",
+    "height": "--height",
+    "width": "--width",
+    "num_frames": "--frames",
+    "max_sequence_length": "--max-sequence-length",
+    "size": "--height/--width/--frames",
+}
 
 
 def pipeline_class(model_dir: Path) -> tuple[type, dict]:
     """The pipeline class named by model_index.json, and the index; clear errors otherwise."""
-    if not model_dir.is_dir():
-        raise ConfigError(f"MODEL_DIR {model_dir} does not exist or is not a directory")
     index_path = model_dir / "model_index.json"
     if not index_path.is_file():
         raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
@@ -42,33 +56,35 @@ def pipeline_class(model_dir: Path) -> tuple[type, dict]:
     return cls, index
 
 
-def call_kwargs(cls: type, args: argparse.Namespace, device: torch.device) -> dict:
+def checked_request(model_dir: Path, cls: type, args: argparse.Namespace, dtype: torch.dtype) -> CallRequest:
+    """The sizes asked for, checked against the pipeline's configs (see call_rules)."""
+    request = CallRequest(args.height, args.width, args.frames, args.max_sequence_length)
+    try:
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        return validate_call(read_call_rules(model_dir, cls), request, args.max_tokens, dtype_bytes)
+    except CallRuleError as err:
+        raise ConfigError(f"{FLAG_OF_ARGUMENT[err.field]} {err.value}: {err.allowed}") from None
+
+
+def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> dict:
     """The pipeline's own arguments for what the user asked, where its __call__ takes them."""
     accepted = inspect.signature(cls.__call__).parameters
     wanted = {
         "prompt": args.prompt,
         "negative_prompt": args.negative_prompt,
         "num_inference_steps": args.steps,
-        "height": args.height,
-        "width": args.width,
-        "num_frames": args.frames,
+        "height": request.height,
+        "width": request.width,
+        "num_frames": request.num_frames,
         "guidance_scale": args.guidance,
-        "max_sequence_length": args.max_sequence_length,
+        "max_sequence_length": request.max_sequence_length,
         "generator": torch.Generator(device="cpu").manual_seed(args.seed),
     }
     given = {k: v for k, v in wanted.items() if v is not None}
     unsupported = [k for k in given if k not in accepted]
     if unsupported:
-        raise ConfigError(f"{cls.__name__} does not take {', '.join(unsupported)}")
+        raise ConfigError(f"{', '.join(FLAG_OF_ARGUMENT.get(k, k) for k in unsupported)}: {cls.__name__} does not take it")
     return given
-
-
-def load_pipeline(model_dir: Path, cls: type, config: dlo.OffloadConfig, dtype: torch.dtype):
-    """The pipeline with its transformer loaded by dlo.load_transformer (streamed from the
-    checkpoint mapping when possible), and the plan to consume."""
-    transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)
-    pipe = cls.from_pretrained(model_dir, transformer=transformer, torch_dtype=dtype)
-    return pipe, plan
 
 
 def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device) -> str:
@@ -90,16 +106,21 @@ def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float,
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir = Path(args.model_dir).expanduser()
+    # Every check reads flags, configs and headers only; weights load after the last one.
     output = Path(args.output).expanduser()
-    cls, _ = pipeline_class(model_dir)
+    check_writable(output, "--output")  # before a hub id's download too
+    model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
+    cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
-    check_output(output, video)
+    check_output_kind(output, video)
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
-    kwargs = call_kwargs(cls, args, device)
+    kwargs = call_kwargs(cls, args, checked_request(model_dir, cls, args, dtype))
+    check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer")
+    check_components(model_dir, index)
 
-    pipe, plan = load_pipeline(model_dir, cls, config, dtype)
+    transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)
+    pipe = load_pipeline(model_dir, cls, dtype, transformer=transformer)
     with dlo.enable_pipeline(pipe, device, config, plans={"transformer": plan}) as handle:
         started = time.perf_counter()
         with torch.inference_mode():

@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 from dlo.cli.config_flags import DTYPES, config_from_flags
 from dlo.cli.format import human_bytes, table
+from dlo.cli.model_source import is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta
+from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
 from dlo.host.tensor_source import count_adapters
 from dlo.planning.offload_plan import discover
 from dlo.planning.plan_summary import PlanSummary, summarize
 
+# The OffloadConfig fields that change what inspect prints (its only config flags).
+CONFIG_FIELDS = ("num_slots", "resident_layers")
 
 
-def render(summary: PlanSummary) -> str:
+def render(summary: PlanSummary, weight_bytes: int) -> str:
+    """`weight_bytes`: the model's payload; the summary's sizes are aligned layouts."""
     rows = []
     for path in summary.plan.block_lists:
         sizes = [b for b in summary.blocks if b.name.rsplit(".", 1)[0] == path]
@@ -26,7 +30,7 @@ def render(summary: PlanSummary) -> str:
         rows.append([path, len(sizes), ", ".join(classes), " / ".join(sorted(per_block))])
     largest = summary.largest_block
     lines = [
-        f"{summary.class_name}: {len(summary.blocks)} blocks, {human_bytes(summary.total_bytes)} of weights "
+        f"{summary.class_name}: {len(summary.blocks)} blocks, {human_bytes(weight_bytes)} of weights "
         f"(plan: {summary.plan.source})",
         "",
         table(["block list", "blocks", "class", "bytes per block"], rows),
@@ -36,8 +40,10 @@ def render(summary: PlanSummary) -> str:
         f"always on device:     {human_bytes(summary.non_block_bytes)} (embeddings, norms, heads)",
         f"slots:                {summary.num_slots} x {human_bytes(largest.nbytes if largest else 0)}",
         f"device weight memory: {human_bytes(summary.device_weight_bytes)} "
-        f"(resident run: {human_bytes(summary.total_bytes)})",
+        f"(resident run: {human_bytes(weight_bytes)})",
         f"streamed per call:    {human_bytes(summary.streamed_bytes)}",
+        f"alignment padding:    {human_bytes(summary.total_bytes - weight_bytes)} (tensors at 512-byte offsets in "
+        "slots and host buffers; block sizes above include it)",
     ]
     return "\n".join(lines)
 
@@ -54,21 +60,23 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    if Path(args.target).expanduser().is_dir():
-        result = preflight(args.target, DTYPES[args.dtype] if args.dtype else None)
-        try:
-            module = result.skeleton if isinstance(result, MappedLoad) else build_on_meta(args.target)
-            if args.dtype:
-                module = module.to(DTYPES[args.dtype])
-            print(render(summarize(module, discover(module), config_from_flags(args))))
-            print(render_preflight(result))
-        finally:
-            if isinstance(result, MappedLoad):
-                result.checkpoint.close()
-        return 0
-    module = build_on_meta(args.target)
+def _plan_text(module, args: argparse.Namespace) -> str:
     if args.dtype:
         module = module.to(DTYPES[args.dtype])
-    print(render(summarize(module, discover(module), config_from_flags(args))))
+    return render(summarize(module, discover(module), config_from_flags(args)), payload_bytes(module))
+
+
+def run(args: argparse.Namespace) -> int:
+    cached = is_hub_id(args.target)
+    target = str(resolve_model(args.target, "dlo inspect never downloads")) if cached else args.target
+    if not Path(target).expanduser().is_dir():
+        print(_plan_text(build_on_meta(target), args))
+        return 0
+    result = preflight(target, DTYPES[args.dtype] if args.dtype else None)
+    try:
+        print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
+        print(render_preflight(result))
+    finally:
+        if isinstance(result, MappedLoad):
+            result.checkpoint.close()
     return 0

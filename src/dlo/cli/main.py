@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
-from dlo.cli import cache_cmd, demo, generate, inspect_plan
+import dlo
+from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny
+from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
+from dlo.cli.library_noise import quiet_other_libraries
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
+from dlo.models.tiny_pipelines import TINY_PIPELINES
+
+# What a shell reports for a process ended by Ctrl-C (128 + SIGINT).
+INTERRUPTED_STATUS = 130
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"dlo: error: {message} (see `{self.prog} --help`)\n")
 
 
 def positive_int(text: str) -> int:
@@ -19,15 +33,16 @@ def positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dlo",
-        description="Layerwise offload for diffusion transformers: stream a DiT's blocks from host memory "
-        "into rotating device slots, overlapping copies with compute.",
+def _add_verbose(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    # On a subcommand the flag must not reset what `dlo -v COMMAND` set: no default there.
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=False if top_level else argparse.SUPPRESS,
+        help="also show other libraries' warnings and notices (diffusers, transformers, torch)",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo_parser = commands.add_parser(
+
+def _add_demo(commands) -> None:
+    parser = commands.add_parser(
         "demo",
         help="stream a small built-in DiT (no download) and check it matches the resident run",
         description="Build a small real diffusers transformer with random seeded weights, run a short "
@@ -35,10 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         "print time per step, device memory, bytes streamed and the achieved H2D rate. Exit status 1 if "
         "the outputs differ.",
     )
-    demo_parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
-    add_device_flags(demo_parser)
-    demo_parser.add_argument("--steps", type=positive_int, default=6, help="denoising steps (default: 6)")
-    demo_parser.add_argument(
+    parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
+    add_device_flags(parser)
+    parser.add_argument("--steps", type=positive_int, default=6, help="denoising steps (default: 6)")
+    parser.add_argument(
         "--from-checkpoint",
         nargs="?",
         const="",
@@ -47,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mapping. DIR (written first if empty or missing) must hold the --model checkpoint; without DIR a "
         "temporary one is written",
     )
-    demo_parser.add_argument(
+    parser.add_argument(
         "--nproc",
         type=positive_int,
         default=1,
@@ -55,60 +70,111 @@ def build_parser() -> argparse.ArgumentParser:
         help="spawn N ranks (Gloo on cpu, NCCL on cuda: one GPU each) and stream with use_allgather: each rank "
         "holds 1/N of the blocks; prints per-rank host bytes and parity",
     )
-    demo_parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
-    add_config_flags(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
-
-    generate_parser = commands.add_parser(
-        "generate",
-        help="generate an image or video with a diffusers pipeline directory, its transformer streamed",
-        description="Load a diffusers pipeline directory (Flux, Wan, Qwen-Image, SD3, ...), stream its transformer "
-        "with dlo (from the checkpoint mapping when the preflight allows), keep the text encoders and VAE on the "
-        "device when they fit (else CPU-offload them), run it and write the image (PNG/JPEG/WebP) or video "
-        "(MP4, or animated WebP/GIF). Prints the offload statistics.",
+    parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
+    parser.add_argument(
+        "--save-outputs", metavar="OUT.pt",
+        help="save both runs' per-step outputs ({'resident': [...], 'streamed': [...]}) with torch.save",
     )
-    generate_parser.add_argument("model_dir", metavar="MODEL_DIR", help="a diffusers pipeline directory (model_index.json)")
-    generate_parser.add_argument("--prompt", required=True)
-    generate_parser.add_argument("--negative-prompt")
-    generate_parser.add_argument("--steps", type=positive_int, default=28, help="denoising steps (default: 28)")
-    generate_parser.add_argument("--height", type=int, help="default: the pipeline's")
-    generate_parser.add_argument("--width", type=int, help="default: the pipeline's")
-    generate_parser.add_argument("--frames", type=int, help="video pipelines: number of frames")
-    generate_parser.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's)")
-    generate_parser.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
-    generate_parser.add_argument("--seed", type=int, default=0)
-    generate_parser.add_argument("--fps", type=int, default=16, help="video frame rate (default: 16)")
-    generate_parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
-    add_device_flags(generate_parser)
-    add_config_flags(generate_parser)
-    generate_parser.set_defaults(run=generate.run)
+    _add_verbose(parser)
+    add_config_flags(parser)
+    parser.set_defaults(run=demo.run)
 
-    cache_cmd.add_parser(commands)
 
-    inspect_parser = commands.add_parser(
+def _add_generate(commands) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="generate an image or video with a diffusers pipeline, its transformer streamed",
+        description="Load a diffusers pipeline (a directory, or a Hugging Face hub id found in or downloaded to "
+        "the hub cache: Flux, Wan, Qwen-Image, SD3, ...), stream its transformer with dlo (from the checkpoint "
+        "mapping when the preflight allows), keep the text encoders and VAE on the device when they fit (else "
+        "CPU-offload them), run it and write the image (PNG/JPEG/WebP) or video (MP4, or animated WebP/GIF). "
+        "Every size is checked against the pipeline's configs before anything loads. Prints the offload "
+        "statistics.",
+    )
+    parser.add_argument(
+        "model_dir", metavar="MODEL",
+        help="a diffusers pipeline directory (model_index.json), or a Hugging Face hub id (org/name)",
+    )
+    parser.add_argument("--prompt", required=True, help="the text describing the image or video to generate")
+    parser.add_argument("--negative-prompt", help="what to steer away from (pipelines with guidance)")
+    parser.add_argument("--steps", type=positive_int, default=28, help="denoising steps (default: 28)")
+    parser.add_argument("--height", type=int, help="pixels; a multiple the pipeline sets (default: the pipeline's)")
+    parser.add_argument("--width", type=int, help="pixels; a multiple the pipeline sets (default: the pipeline's)")
+    parser.add_argument("--frames", type=int, help="video pipelines: number of frames, e.g. 4k+1 for Wan")
+    parser.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's)")
+    parser.add_argument("--max-sequence-length", type=int, help="text tokens (default and maximum: the pipeline's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise; same seed, same output (default: 0)")
+    parser.add_argument("--fps", type=positive_int, default=16, help="video frame rate (default: 16)")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+        help="refuse, before loading, a size whose transformer sequence (latent patches x latent frames) is over "
+        f"N tokens: attention time and memory grow with it (default: {DEFAULT_MAX_TOKENS} = 2**17)",
+    )
+    parser.add_argument(
+        "--offline", action="store_true",
+        help="use only models already in the Hugging Face cache, never download (also: HF_HUB_OFFLINE=1)",
+    )
+    parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
+    add_device_flags(parser)
+    _add_verbose(parser)
+    add_config_flags(parser)
+    parser.set_defaults(run=generate.run)
+
+
+def _add_inspect(commands) -> None:
+    parser = commands.add_parser(
         "inspect",
         help="print the blocks dlo would stream for a model and what stays on the device",
         description="Show the offload plan of a model without loading weights: block lists, bytes per block, "
         "the largest block (the slot size), what stays resident and the device memory dlo needs.",
     )
-    inspect_parser.add_argument(
+    parser.add_argument(
         "target",
         metavar="MODEL",
-        help="a diffusers model or pipeline directory, a diffusers class name (default config, e.g. "
-        f"WanTransformer3DModel) or a built-in model ({', '.join(sorted(TINY_MODELS))})",
+        help="a diffusers model or pipeline directory, a Hugging Face hub id in the hub cache (org/name), a "
+        f"diffusers class name (default config, e.g. WanTransformer3DModel) or a built-in model "
+        f"({', '.join(sorted(TINY_MODELS))})",
     )
-    inspect_parser.add_argument("--dtype", choices=sorted(DTYPES), help="size the weights in this dtype")
-    add_config_flags(inspect_parser)
-    inspect_parser.set_defaults(run=inspect_plan.run)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="size the weights in this dtype")
+    _add_verbose(parser)
+    add_config_flags(parser, only=inspect_plan.CONFIG_FIELDS)
+    parser.set_defaults(run=inspect_plan.run)
+
+
+def _add_make_tiny(commands) -> None:
+    parser = commands.add_parser(
+        "make-tiny",
+        help="write a tiny random-weight pipeline directory to try `dlo generate` with (no download)",
+        description="Write a complete diffusers pipeline (scheduler, VAE, tokenizers, text encoders, transformer) "
+        "with tiny configs and random seeded weights to DIR: a few MiB, generating in about a second on a CPU. "
+        "Its images are noise; it is for trying the commands, not for pictures.",
+    )
+    parser.add_argument("kind", choices=sorted(TINY_PIPELINES), help="flux (image) or wan (video)")
+    parser.add_argument("directory", metavar="DIR", help="where to write it (must not exist, or be empty)")
+    _add_verbose(parser)
+    parser.set_defaults(run=make_tiny.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="dlo",
+        description="Layerwise offload for diffusion transformers: stream a DiT's blocks from host memory "
+        "into rotating device slots, overlapping copies with compute.",
+    )
+    parser.add_argument("--version", action="version", version=f"dlo {dlo.__version__}")
+    _add_verbose(parser, top_level=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(commands)
+    _add_generate(commands)
+    cache_cmd.add_parser(commands)
+    _add_inspect(commands)
+    _add_make_tiny(commands)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # diffusers warns about every dtype cast of a model it did not load itself; the CLI
-    # builds its models that way on purpose.
-    logging.getLogger("diffusers").setLevel(logging.ERROR)
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_other_libraries(args.verbose)
     if getattr(args, "trace", None) and not args.record_timeline:
         args.record_timeline = True  # --trace implies recording the timeline
     try:
@@ -116,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     except DloError as err:
         print(f"dlo: error: {err}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        # Whatever was running unwound through its `with` blocks and `finally`s on the way here.
+        print("dlo: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    except BrokenPipeError:  # `dlo inspect ... | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
 
 
 if __name__ == "__main__":

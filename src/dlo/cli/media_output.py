@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from dlo.errors import ConfigError
@@ -20,23 +23,34 @@ def _has_mp4_encoder() -> bool:
     return True
 
 
-def check_output(path: Path, video: bool) -> None:
-    """Refuse, before any model is loaded, an output this run cannot write."""
+def check_output_kind(path: Path, video: bool) -> None:
+    """Refuse, before any model is loaded, an output format this pipeline cannot write."""
     suffix = path.suffix.lower()
     allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
-    kind = "video" if video else "image"
+    kind = "a video" if video else "an image"
     if suffix not in allowed:
-        raise ConfigError(f"--output {path}: this pipeline makes a {kind}; write one of {', '.join(allowed)}")
+        raise ConfigError(f"--output {path}: this pipeline makes {kind}; write one of {', '.join(allowed)}")
     if suffix == ".mp4" and not _has_mp4_encoder():
         raise ConfigError(
             f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
         )
-    if not path.parent.exists():
-        raise ConfigError(f"--output {path}: directory {path.parent} does not exist")
+
+
+@contextlib.contextmanager
+def _published(path: Path) -> Iterator[Path]:
+    """A sibling temp file (same suffix: the encoders pick the format by it) renamed onto `path`
+    once complete: an interrupted or failed write leaves nothing behind."""
+    partial = path.with_name(f".{path.stem}.dlo-partial-{os.getpid()}{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def write_image(image, path: Path) -> None:
-    image.save(path)
+    with _published(path) as partial:
+        image.save(partial)
 
 
 def write_video(frames, path: Path, fps: int) -> None:
@@ -48,14 +62,15 @@ def write_video(frames, path: Path, fps: int) -> None:
         frame if isinstance(frame, Image.Image) else Image.fromarray(_uint8(np.asarray(frame)))
         for frame in frames
     ]
-    if path.suffix.lower() == ".mp4":
-        import imageio
+    with _published(path) as partial:
+        if path.suffix.lower() == ".mp4":
+            import imageio
 
-        with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=1) as writer:
-            for image in images:
-                writer.append_data(np.asarray(image))
-    else:  # animated GIF / WebP through Pillow
-        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+            with imageio.get_writer(partial, fps=fps, codec="libx264", macro_block_size=1) as writer:
+                for image in images:
+                    writer.append_data(np.asarray(image))
+        else:  # animated GIF / WebP through Pillow
+            images[0].save(partial, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
 
 
 def _uint8(array):

@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import find_transformer_dir, read_model_config
 from dlo.host.loader import model_class
 from dlo.models.tiny import TINY_MODELS
+from dlo.planning.offload_plan import discover, resolve_blocks
 
 
 def build_on_meta(target: str) -> nn.Module:
@@ -36,3 +38,16 @@ def build_on_meta(target: str) -> nn.Module:
         ) from None
     with torch.device("meta"):
         return cls()
+
+
+def check_resident_layers(meta_module: nn.Module, config: OffloadConfig, name: str) -> None:
+    """Refuse `--resident-layers` beyond the leading blocks the plan lets stay resident, counted
+    on the meta module: before any weight is built or loaded."""
+    plan = discover(meta_module)
+    refs = resolve_blocks(meta_module, plan)
+    eligible = 0
+    while eligible < len(refs) and plan.is_resident_eligible(refs[eligible].list_path):
+        eligible += 1
+    if config.resident_layers > eligible:
+        where = f"{len(refs)} blocks" + (f", the first {eligible} may stay resident" if eligible < len(refs) else "")
+        raise ConfigError(f"--resident-layers {config.resident_layers}: {name} has {where}; give 0 to {eligible}")

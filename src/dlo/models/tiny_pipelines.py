@@ -150,3 +150,7 @@ def save_tiny_wan_pipeline(directory: Path, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(directory)
     return Path(directory)
+
+
+# `dlo make-tiny KIND DIR`: the pipelines by kind.
+TINY_PIPELINES: dict[str, Callable[[Path], Path]] = {"flux": save_tiny_flux_pipeline, "wan": save_tiny_wan_pipeline}

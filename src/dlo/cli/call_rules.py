@@ -1,0 +1,145 @@
+"""What a diffusers pipeline accepts as a call, read from its directory's configs alone.
+
+`read_call_rules` reads `vae/config.json`, `transformer/config.json` and the pipeline class's
+`__call__` signature (no weights); `validate_call` is a pure function from those rules and a
+request to the request itself or one `CallRuleError` naming the field and the allowed values.
+The CLI and any other front end (an HTTP server) validate with the same two functions, before
+anything is loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlo.errors import ConfigError
+from dlo.host.checkpoint import read_json_object
+
+# Pipelines that pack 2x2 latent patches into one token whatever the transformer's patch_size
+# (Flux's config says patch_size=1): their sizes are multiples of 2 x the VAE scale.
+_PACKS_2X2_LATENTS = ("Flux", "Chroma", "QwenImage")
+# Default ceiling on the transformer's sequence (latent patches x latent frames), what its
+# attention cost grows with: 2**17 tokens, e.g. Wan 1280x720 at 121 frames (111600), Flux 5792².
+DEFAULT_MAX_TOKENS = 2**17
+
+
+class CallRuleError(ConfigError):
+    """A requested value the pipeline cannot take. `field` is the pipeline's argument name."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        super().__init__(f"{field} {value}: {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
+@dataclass(frozen=True)
+class CallRules:
+    pipeline: str  # the pipeline class name, for messages
+    spatial_multiple: int  # height and width: VAE scale x patch (or 2x2 packing)
+    temporal_multiple: int | None  # video: num_frames = k * temporal_multiple + 1
+    max_sequence_length: int | None  # the pipeline's default, which is its maximum
+    vae_channels: int  # channels of the VAE decoder at full resolution (memory estimate)
+    default_size: tuple[int, int, int]  # (height, width, frames) the pipeline takes when not given
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """The sizes of one call; None means the pipeline's default."""
+
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    max_sequence_length: int | None = None
+
+
+def _vae_scales(vae: dict) -> tuple[int, int | None]:
+    """(spatial, temporal) downscaling of a VAE config, as the diffusers pipelines compute them."""
+    if "scale_factor_spatial" in vae:  # AutoencoderKLWan
+        return int(vae["scale_factor_spatial"]), int(vae["scale_factor_temporal"])
+    if "spatial_compression_ratio" in vae:  # LTX, HunyuanVideo, Mochi...
+        return int(vae["spatial_compression_ratio"]), vae.get("temporal_compression_ratio")
+    if "temperal_downsample" in vae:  # AutoencoderKLQwenImage
+        return 2 ** len(vae["temperal_downsample"]), None
+    if "block_out_channels" in vae:  # AutoencoderKL
+        return 2 ** (len(vae["block_out_channels"]) - 1), vae.get("temporal_compression_ratio")
+    return 8, None  # what diffusers' pipelines assume without a VAE
+
+
+def _spatial_patch(transformer: dict) -> int:
+    patch = transformer.get("patch_size", 1) or 1
+    return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+
+def read_call_rules(model_dir: Path, pipeline_cls: type) -> CallRules:
+    """The rules of `pipeline_cls` loaded from `model_dir`, from configs and signatures only."""
+    vae_dir = model_dir / "vae"
+    vae = read_json_object(vae_dir / "config.json") if (vae_dir / "config.json").is_file() else {}
+    transformer = read_json_object(model_dir / "transformer" / "config.json")
+    spatial, temporal = _vae_scales(vae)
+    packing = 2 if pipeline_cls.__name__.startswith(_PACKS_2X2_LATENTS) else 1
+    parameters = inspect.signature(pipeline_cls.__call__).parameters
+    sequence = parameters.get("max_sequence_length")
+    takes_frames = "num_frames" in parameters
+    channels = vae.get("block_out_channels") or [vae.get("base_dim", 128)]
+    # Pipelines without size defaults in their signature (Flux, SD3) take sample_size latents.
+    side = transformer.get("sample_size") if isinstance(transformer.get("sample_size"), int) else 128
+
+    def default(name: str, fallback: int) -> int:
+        value = parameters[name].default if name in parameters else None
+        return value if isinstance(value, int) else fallback
+
+    return CallRules(
+        pipeline=pipeline_cls.__name__,
+        spatial_multiple=spatial * max(_spatial_patch(transformer), packing),
+        temporal_multiple=int(temporal) if takes_frames and temporal else None,
+        max_sequence_length=sequence.default if sequence and isinstance(sequence.default, int) else None,
+        vae_channels=int(channels[0]),
+        default_size=(default("height", side * spatial), default("width", side * spatial), default("num_frames", 1)),
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def tokens(rules: CallRules, height: int, width: int, frames: int) -> int:
+    """The transformer's sequence length for a size: latent patches x latent frames."""
+    latent_frames = (frames - 1) // rules.temporal_multiple + 1 if rules.temporal_multiple else 1
+    return (height // rules.spatial_multiple) * (width // rules.spatial_multiple) * latent_frames
+
+
+def validate_call(rules: CallRules, request: CallRequest, max_tokens: int, dtype_bytes: int) -> CallRequest:
+    """`request` if `rules` allow it, else the first `CallRuleError` (height, width, frames,
+    sequence length, then the size limit with an estimate of the memory it would take)."""
+    multiple = rules.spatial_multiple
+    for name in ("height", "width"):
+        value = getattr(request, name)
+        if value is not None and (value < multiple or value % multiple):
+            raise CallRuleError(name, value, f"{rules.pipeline} takes positive multiples of {multiple} ({multiple}, {2 * multiple}, ...)")
+    frames = request.num_frames
+    if frames is not None:
+        step = rules.temporal_multiple or 1
+        if frames < 1 or (frames - 1) % step:
+            allowed = f"{rules.pipeline} takes {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...)" if step > 1 else "at least 1"
+            raise CallRuleError("num_frames", frames, allowed)
+    length = request.max_sequence_length
+    if length is not None:
+        most = rules.max_sequence_length
+        if length < 1 or (most is not None and length > most):
+            raise CallRuleError("max_sequence_length", length, f"{rules.pipeline} takes 1 to {most}" if most else "at least 1")
+    height, width, frame_count = (
+        given if given is not None else fallback
+        for given, fallback in zip((request.height, request.width, frames), rules.default_size)
+    )
+    sequence = tokens(rules, height, width, frame_count)
+    if sequence > max_tokens:
+        # The VAE decoder's last stage holds `vae_channels` values per output pixel (in the
+        # run's dtype), and the decoded result 3 float32 values per pixel: a lower bound.
+        estimate = height * width * frame_count * (rules.vae_channels * dtype_bytes + 3 * 4)
+        size = f"{height}x{width}" + (f"x{frame_count}" if rules.temporal_multiple else "")
+        raise CallRuleError(
+            "size", size,
+            f"{sequence} transformer tokens, over the limit of {max_tokens} (max_tokens); the VAE alone would need "
+            f"at least {_gib(estimate)}: ask for a smaller size or raise the limit",
+        )
+    return request

@@ -1,0 +1,60 @@
+"""Where a model named on the command line lives: a local directory, or a Hugging Face hub id
+(`org/name`) resolved through the user's hub cache (downloaded there when online)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dlo.errors import ConfigError
+
+# The hub's repository id form; anything that is also an existing path is taken as the path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Only the diffusers layout: model_index.json and the component folders, not the single-file
+# original checkpoints many repositories also carry at their root, nor other frameworks' weights.
+_ALLOW = ["model_index.json", "*/*"]
+_IGNORE = ["*.pth", "*.ckpt", "*.pt", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.gguf"]
+
+
+def is_hub_id(target: str) -> bool:
+    return bool(_HUB_ID.match(target)) and not Path(target).expanduser().exists()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _hub_snapshot(repo_id: str, cache_only: str | None) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:  # the local cache first, without touching the network
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+    except LocalEntryNotFoundError:
+        pass
+    missing = f"MODEL {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE}"
+    if cache_only or constants.HF_HUB_OFFLINE:
+        why = cache_only or "HF_HUB_OFFLINE is set"
+        raise ConfigError(
+            f"{missing} and {why}; download it first (`huggingface-cli download {repo_id}`) or pass its directory"
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"MODEL {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
+            "(log in with `huggingface-cli login`)"
+        ) from None
+    except (HfHubHTTPError, OSError) as err:
+        raise ConfigError(f"{missing} and the download failed ({_first_line(err)})") from None
+
+
+def resolve_model(target: str, cache_only: str | None = None) -> Path:
+    """The local directory `target` names: itself, or the hub cache snapshot of a hub id.
+    `cache_only`: why the hub must not be asked (said when the model is not cached)."""
+    if is_hub_id(target):
+        return _hub_snapshot(target, cache_only)
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"MODEL {target}: no such directory (nor a Hugging Face hub id like org/name)")
+    return path

@@ -1,0 +1,172 @@
+"""The `dlo` process as a user meets it: Ctrl-C, version, help, quiet output, models in the
+Hugging Face cache, `dlo make-tiny`."""
+
+import hashlib
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+
+from dlo.cli.main import build_parser, main
+
+DLO = [sys.executable, "-m", "dlo.cli.main"]
+
+
+def interrupt_when(process: subprocess.Popen, ready, timeout_s: float = 240) -> str:
+    """Send Ctrl-C (SIGINT to the whole process group, as a terminal does) once `ready()`; the
+    process's stderr afterwards."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "never got ready"
+        time.sleep(0.2)
+    children = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    # multiprocessing's resource tracker ends on its own once its parent's pipe closes: give it a moment
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [c.pid for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    return stderr
+
+
+def test_ctrl_c_during_generate_prints_one_line_exits_130_and_leaves_no_file(tiny_flux_dir, tmp_path):
+    out = tmp_path / "out" / "cube.png"
+    out.parent.mkdir()
+    stderr_log = tmp_path / "stderr.txt"
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "5000", "--height", "32",
+            "--width", "32", "--output", str(out)]
+    with open(stderr_log, "w") as log:
+        process = subprocess.Popen([*DLO, *argv], stderr=log, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        # the denoising loop's progress bar: the transformer is loaded and running
+        interrupt_when(process, lambda: "/5000" in stderr_log.read_text())
+    lines = stderr_log.read_text().replace("\r", "\n").strip().splitlines()
+    assert process.returncode == 130
+    assert lines[-1] == "dlo: interrupted" and "Traceback" not in stderr_log.read_text()
+    assert list(out.parent.iterdir()) == []
+
+
+def test_ctrl_c_during_demo_across_two_ranks_ends_every_rank(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    argv = ["demo", "--model", "wan", "--device", "cpu", "--steps", "100000", "--nproc", "2"]
+    process = subprocess.Popen([*DLO, *argv], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+
+    def ranks_running() -> bool:  # both ranks spawned and past their imports
+        children = psutil.Process(process.pid).children()
+        return len(children) >= 3 and all(c.cpu_times().user > 1 for c in children[-2:])  # + the resource tracker
+
+    stderr = interrupt_when(process, ranks_running)
+    assert process.returncode == 130
+    assert stderr.splitlines() == ["dlo: interrupted"]
+    assert list(scratch.iterdir()) == []  # the rendezvous directory is gone
+
+
+def test_version(capsys):
+    import dlo
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"dlo {dlo.__version__}\n"
+
+
+def _options(command: str) -> set[str]:
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    return set(commands.choices[command]._option_string_actions)
+
+
+def test_inspect_takes_only_flags_that_change_what_it_prints():
+    assert _options("inspect") == {"-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers"}
+
+
+def test_help_explains_prompt_and_seed(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--prompt PROMPT the text describing the image or video to generate" in text
+    assert "--seed SEED seed of the initial noise; same seed, same output (default: 0)" in text
+
+
+@pytest.fixture
+def hub_cache(tiny_flux_dir, tmp_path):
+    """A Hugging Face cache laid out as the hub writes it, holding org/tiny-flux at revision
+    `abc123`: files in blobs/ named by their hash, the snapshot made of relative symlinks to them."""
+    repo = tmp_path / "hub" / "models--org--tiny-flux"
+    (repo / "blobs").mkdir(parents=True)
+    for source in sorted(p for p in tiny_flux_dir.rglob("*") if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(source.read_bytes()).hexdigest()
+        shutil.copyfile(source, blob)
+        link = repo / "snapshots" / "abc123" / source.relative_to(tiny_flux_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    return tmp_path / "hub"
+
+
+def test_generate_a_hub_id_from_the_cache_offline_quietly(hub_cache, tiny_flux_dir, tmp_path):
+    out = tmp_path / "cube.png"
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    argv = ["generate", "org/tiny-flux", "--prompt", "a red cube", "--device", "cpu", "--steps", "2", "--height", "32",
+            "--width", "32", "--max-sequence-length", "32", "--guidance", "0", "--output", str(out)]
+    done = subprocess.run([*DLO, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert Image.open(out).size == (32, 32)
+    # progress bars only: no warnings, notices or deprecations from dlo's calls or other libraries
+    for noise in ("Warning", "warning", "[transformers]", "torch_dtype", "deprecated"):
+        assert noise not in done.stderr
+
+
+def test_a_hub_id_not_in_the_cache_says_so_offline(hub_cache, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png"]) == 2
+    assert capsys.readouterr().err == (
+        f"dlo: error: MODEL org/absent: not in the Hugging Face cache {hub_cache} and HF_HUB_OFFLINE is set; download "
+        "it first (`huggingface-cli download org/absent`) or pass its directory\n"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png", "--offline"]) == 2
+    assert "and --offline was given" in capsys.readouterr().err
+    assert main(["inspect", "org/tiny-flux"]) == 0  # found in the cache
+    assert "FluxTransformer2DModel: 5 blocks" in capsys.readouterr().out
+
+
+def test_generate_passes_diffusers_the_current_dtype_argument(tiny_flux_dir, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
+                "--width", "32", "--output", str(tmp_path / "x.png"), "-v"]
+        assert main(argv) == 0
+    assert not [w for w in caught if "torch_dtype" in str(w.message)]
+
+
+def test_make_tiny_writes_a_pipeline_that_its_suggested_command_runs(tmp_path, monkeypatch, capsys):
+    directory = tmp_path / "tiny-wan"
+    assert main(["make-tiny", "wan", str(directory)]) == 0
+    command = capsys.readouterr().out.splitlines()[-1].removeprefix("try: ")
+    monkeypatch.chdir(tmp_path)
+    assert main([*shlex.split(command)[1:], "--device", "cpu"]) == 0
+    frames = Image.open(tmp_path / "cat.gif")
+    assert frames.n_frames == 5 and np.asarray(frames.convert("RGB")).std() > 0
+    assert main(["make-tiny", "wan", str(directory)]) == 2  # never written over
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_quiet_output_keeps_the_download_progress_bar(capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    assert main(["inspect", "flux"]) == 0
+    assert not are_progress_bars_disabled()
