@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -21,6 +20,7 @@ from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.registration import RegistrationCleanupError
 from dlo.host.tensor_source import TensorSource
+from dlo.hotpath.compiled_call import StreamedCallHandle
 from dlo.hotpath.gather import BlockGather
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
@@ -379,10 +379,8 @@ def enable(
         weights.checkpoint.close()
         weights = None
 
-    hooks = []
-    for index, ref in enumerate(streamed_refs):
-        hooks.append(ref.module.register_forward_pre_hook(partial(_before_block, runtime, index)))
-        hooks.append(ref.module.register_forward_hook(partial(_after_block, runtime, index), always_call=True))
+    # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
+    hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return OffloadHandle(
@@ -401,10 +399,3 @@ def enable(
         registration=registered,
     )
 
-
-def _before_block(runtime: StreamingRuntime, index: int, module: nn.Module, args: tuple) -> None:
-    runtime.before_block(index)
-
-
-def _after_block(runtime: StreamingRuntime, index: int, module: nn.Module, args: tuple, output: object) -> None:
-    runtime.after_block(index)

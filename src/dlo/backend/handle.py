@@ -18,9 +18,10 @@ from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
+from dlo.hotpath.compiled_call import CompileWatch, StreamedCallHandle
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.transfer import Transfer
-from dlo.observe.stats import OffloadStats
+from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
 
@@ -59,7 +60,7 @@ class OffloadHandle:
         config: OffloadConfig,
         plan: OffloadPlan,
         runtime: StreamingRuntime,
-        hooks: Sequence[RemovableHandle],
+        hooks: Sequence[RemovableHandle | StreamedCallHandle],
         managed: Sequence[nn.Module],
         resident_blocks: int,
         device_weight_bytes: int,
@@ -93,16 +94,37 @@ class OffloadHandle:
             self, _abandoned, runtime.transfer, self._registration.registration, self._releases, checkpoint
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
+        self._streamed_calls = [hook for hook in self._hooks if isinstance(hook, StreamedCallHandle)]
+        self._compile_watch = CompileWatch()
+        self._warned_recompiles = False
         # Root hooks are bound methods: the module keeps its handle alive through them, even
-        # when the caller drops the handle (the registry only holds it weakly).
-        self._hooks.append(module.register_forward_pre_hook(self._call_starts))
+        # when the caller drops the handle (the registry only holds it weakly). Disabled for
+        # dynamo: whole-model compilation must not trace them. See [Note: compiled blocks]
+        self._hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._call_starts)))
         if runtime.gather is not None:
-            self._hooks.append(module.register_forward_hook(self._call_ends, always_call=True))
+            self._hooks.append(module.register_forward_hook(torch.compiler.disable(self._call_ends), always_call=True))
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
+            call.keep_installed()
+        self._watch_compiles()
         self._runtime.start_call()
+
+    def _watch_compiles(self) -> None:
+        before = self._compile_watch.recompiles
+        self._compile_watch.poll()
+        if self._compile_watch.recompiles > before and not self._warned_recompiles:
+            self._warned_recompiles = True
+            logger.warning(
+                "dlo: torch.compile recompiled while %s ran under dlo (%s). Streaming keeps every weight's shape, "
+                "stride and dtype, so this is not dlo moving weights; a reason naming a module or parameter "
+                "identity means dynamo specializes on it: keep torch._dynamo.config.inline_inbuilt_nn_modules=True "
+                "(the default). handle.stats().compile counts recompiles",
+                type(self.module).__name__,
+                self._compile_watch.recompile_reasons[before],
+            )
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
@@ -153,7 +175,13 @@ class OffloadHandle:
             registration_fallback=self._registration.fallback,
             setup_s=self._setup_s,
             host_memory=read_smaps_rollup(),
+            compile=self._compile_stats(),
         )
+
+    def _compile_stats(self) -> CompileStats:
+        watch = self._compile_watch
+        watch.poll()
+        return CompileStats(graphs=watch.graphs, recompiles=watch.recompiles, graph_breaks=watch.graph_breaks)
 
     def export_trace(self, path: str | Path) -> int:
         """Write the copy/compute timeline as Chrome/Perfetto JSON; returns the event count.

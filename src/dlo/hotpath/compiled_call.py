@@ -1,0 +1,219 @@
+"""How a streamed block is called: dlo's bookkeeping around the block, outside torch.compile.
+
+[Note: compiled blocks]
+`nn.Module.__call__` runs `module._compiled_call_impl` when it is set (what `block.compile()`
+and diffusers' `compile_repeated_blocks` set, to `torch.compile(block._call_impl)`), else
+`_call_impl`, which runs the forward hooks. Forward hooks therefore run *inside* a compiled
+block, where dynamo would trace dlo's slot planner and copies. So dlo does not hook streamed
+blocks: it sets `block._compiled_call_impl` to a `StreamedCall` that loads the block
+(`before_block`), calls the user's compiled callable (or `_call_impl`), and releases the slot
+(`after_block`, in a `finally`). Both orders work: a compiled callable found at enable() is
+wrapped; one set after enable() (`block.compile()` replaces the attribute) is wrapped again by
+the root module's pre-hook before the next call (`keep_installed`); disable() puts the user's
+callable back, so a compiled model stays compiled and runs resident.
+
+Whole-model `torch.compile(model)` traces the root's forward. `StreamedCall.__call__` is
+`torch.compiler.disable(recursive=False)`: dynamo stops the graph at each streamed block call
+(and at the root's pre-hook, disabled too), runs the record eagerly and compiles what the record
+calls, `_call_impl` of the block, as a frame of its own. The bookkeeping is disabled
+recursively, so it is never traced. Dynamo calls a module's `__call__` (and so sees
+`_compiled_call_impl`) only when the module has hooks; without any it inlines `forward`
+directly, with the block's tensors still placeholders. Hence one no-op forward pre-hook per
+streamed block (`_seen_by_dynamo`).
+
+Why no recompilation: with dynamo's default `inline_inbuilt_nn_modules`, a block's parameters
+are graph inputs and its guards check each input's size, stride, dtype, device and
+requires_grad, not its address, storage offset or which storage it views (the overlap guard
+only concerns inputs a graph mutates; blocks mutate none). A parameter repointed into a slot
+keeps its size, stride and dtype, so every block of one class runs the one graph, whichever
+slot it sits in. The guards are on the module's type and attributes, not its identity, so
+blocks share the cache entry of `Module._call_impl`. Offsets inside a slot are 512-byte
+aligned, above the 16 bytes inductor assumes of its inputs.
+
+What cannot be served: CUDA graphs (`mode="reduce-overhead"`, or inductor's
+`triton.cudagraphs`) record the addresses of a block's weights at capture and replay them; a
+streamed block's weights are in a different slot from call to call (N blocks over 2 slots).
+Inductor's `freezing` folds the weights into the graph as constants: every block would run with
+the weights of the block it was compiled with. Both are refused with an error that names them.
+
+Whole-model graph breaks, per call: one at the root's pre-hook and one at each streamed block
+call; the glue between blocks is compiled separately. So whole-model output equals the resident
+model compiled whole with breaks at the same places (`dlo.hotpath.compiled_call.isolate`), not
+a resident model compiled as one graph, whose inductor fusions across block boundaries round
+differently in the last bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+from dlo.errors import StreamingError
+
+
+class BlockRuntime(Protocol):
+    def before_block(self, index: int) -> None: ...
+
+    def after_block(self, index: int) -> None: ...
+
+
+@torch.compiler.disable  # recursive: dlo's bookkeeping is never traced
+def _before(runtime: BlockRuntime, index: int) -> None:
+    runtime.before_block(index)
+
+
+@torch.compiler.disable
+def _after(runtime: BlockRuntime, index: int) -> None:
+    runtime.after_block(index)
+
+
+def _seen_by_dynamo(module: nn.Module, args: tuple) -> None:
+    """A no-op forward pre-hook: its presence makes dynamo call the block's `__call__`. See
+    [Note: compiled blocks]"""
+
+
+@dataclass(frozen=True)
+class StreamedCall:
+    """A streamed block's `_compiled_call_impl`. `compiled`: the user's compiled callable it
+    replaced (None: the block runs eagerly through `call_impl`)."""
+
+    runtime: BlockRuntime
+    index: int
+    call_impl: Callable[..., Any]
+    compiled: Callable[..., Any] | None
+
+    @torch.compiler.disable(recursive=False)  # a graph break here, not a trace of what follows
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is not None and self.compiled not in _VETTED:
+            _vet(self.compiled, "this block was compiled")
+        callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+        if callback is not None and callback not in _VETTED:  # whole-model: the compile that broke here
+            _vet(_backend(callback), "the model was compiled")
+            _VETTED.add(callback)
+        _before(self.runtime, self.index)
+        try:
+            return (self.compiled or self.call_impl)(*args, **kwargs)
+        finally:
+            _after(self.runtime, self.index)
+
+
+class StreamedCallHandle:
+    """Installs a block's `StreamedCall`; `remove()` puts back what was there (a removable
+    handle, like a hook's). See [Note: compiled blocks]"""
+
+    def __init__(self, block: nn.Module, runtime: BlockRuntime, index: int) -> None:
+        self._block = block
+        self._runtime = runtime
+        self._index = index
+        self._hook = block.register_forward_pre_hook(_seen_by_dynamo)
+        self.keep_installed()
+
+    def keep_installed(self) -> None:
+        """Wrap the block again if its `_compiled_call_impl` was replaced (`block.compile()`
+        after enable()). One attribute check when it was not."""
+        current = self._block._compiled_call_impl
+        if type(current) is not StreamedCall:
+            self._block._compiled_call_impl = StreamedCall(self._runtime, self._index, self._block._call_impl, current)
+
+    def remove(self) -> None:
+        current = self._block._compiled_call_impl
+        if type(current) is StreamedCall:
+            self._block._compiled_call_impl = current.compiled
+        self._hook.remove()
+
+
+def isolate(blocks: Sequence[nn.Module]) -> list[StreamedCallHandle]:
+    """Give resident `blocks` the call boundary streamed blocks have, without streaming: a
+    resident reference that `torch.compile(model)` partitions as it partitions the model under
+    dlo (the fair comparison for whole-model compilation). `remove()` each handle to undo."""
+    return [StreamedCallHandle(block, _NO_STREAMING, index) for index, block in enumerate(blocks)]
+
+
+class _NoStreaming:
+    def before_block(self, index: int) -> None:
+        pass
+
+    def after_block(self, index: int) -> None:
+        pass
+
+
+_NO_STREAMING = _NoStreaming()
+
+
+# Compiled callables and eval-frame callbacks (one per torch.compile) already checked: reading
+# the inductor config is too slow for every block call. Weak: a dropped compile is forgotten.
+_VETTED: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def _backend(callback: object) -> object:
+    """The backend of an eval-frame callback: CatchErrorsWrapper -> ConvertFrame ->
+    WrapBackendDebug, which has the backend's `get_compiler_config`."""
+    for _ in range(4):
+        if hasattr(callback, "get_compiler_config") or not hasattr(callback, "_torchdynamo_orig_backend"):
+            break
+        callback = callback._torchdynamo_orig_backend
+    return callback
+
+
+def _vet(compiled: object, what: str) -> None:
+    """Refuse what a streamed block cannot be compiled with. See [Note: compiled blocks]"""
+    get = getattr(compiled, "get_compiler_config", None)
+    config = get() if callable(get) else None  # inductor's: its mode's and options' patches over the global config
+    if isinstance(config, dict):
+        if config.get("triton.cudagraphs"):
+            raise StreamingError(
+                f"{what} with CUDA graphs (torch.compile mode='reduce-overhead', or inductor's triton.cudagraphs): "
+                "graph replay reuses the weight addresses of the capture, and dlo moves a streamed block's "
+                "weights from slot to slot. Compile with mode='default' or mode='max-autotune-no-cudagraphs'"
+            )
+        if config.get("freezing"):
+            raise StreamingError(
+                f"{what} with inductor's freezing=True, which folds weights into the graph as constants: every "
+                "streamed block would run with the weights it was compiled with. Compile without freezing"
+            )
+    with contextlib.suppress(TypeError):  # not weakly referenceable: checked again next time
+        _VETTED.add(compiled)
+
+
+class CompileWatch:
+    """torch.compile activity since it was made, read from dynamo's process-wide records (so
+    they include other models compiled meanwhile): graphs compiled, graph breaks dynamo
+    reports, and recompilations (a frame compiled again because its guards failed). `poll()`
+    before dynamo's record of recent compilations (the last 64) can overflow: once per call."""
+
+    def __init__(self) -> None:
+        self._graphs = counters["stats"]["unique_graphs"]
+        self._breaks = sum(counters["graph_break"].values())
+        self._seen = _latest_compilation()
+        self.recompiles = 0
+        self.recompile_reasons: list[str] = []
+
+    def poll(self) -> None:
+        metrics = get_compilation_metrics()
+        start = next((i + 1 for i in range(len(metrics) - 1, -1, -1) if metrics[i] is self._seen), 0)
+        for metric in metrics[start:]:
+            if metric.recompile_reason:
+                self.recompiles += 1
+                self.recompile_reasons.append(f"{metric.co_name}: {metric.recompile_reason}")
+        if metrics:
+            self._seen = metrics[-1]
+
+    @property
+    def graphs(self) -> int:
+        return counters["stats"]["unique_graphs"] - self._graphs
+
+    @property
+    def graph_breaks(self) -> int:
+        return sum(counters["graph_break"].values()) - self._breaks
+
+
+def _latest_compilation() -> object | None:
+    metrics = get_compilation_metrics()
+    return metrics[-1] if metrics else None
