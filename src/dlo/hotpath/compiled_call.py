@@ -74,6 +74,7 @@ def _after(runtime: BlockRuntime, index: int) -> None:
     runtime.after_block(index)
 
 
+@torch.compiler.disable  # never a frame of its own: dynamo would guard on each block class
 def _seen_by_dynamo(module: nn.Module, args: tuple) -> None:
     """A no-op forward pre-hook: its presence makes dynamo call the block's `__call__`. See
     [Note: compiled blocks]"""

@@ -1,0 +1,142 @@
+"""torch.compile with streaming: compiled + streamed output is bit-identical to the same model
+compiled the same way and resident, blocks of one class share one graph whichever slot they
+sit in, and what dlo cannot serve is refused. See [Note: compiled blocks]"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+
+import dlo
+from dlo.hotpath.compiled_call import CompileWatch, StreamedCall, isolate
+
+SEEDS = [1, 2]  # two calls with different inputs
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def outputs(model, entry, seeds=SEEDS):
+    with torch.inference_mode():
+        return [model(**entry.inputs(seed))[0] for seed in seeds]
+
+
+def identical(expected, got):
+    return len(expected) == len(got) and all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def streamed_blocks(model):
+    return [block for block in model.modules() if isinstance(block._compiled_call_impl, StreamedCall)]
+
+
+def compile_counts(watch):
+    watch.poll()
+    return watch.graphs, watch.recompiles, watch.graph_breaks
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+@pytest.mark.parametrize("compile_first", [False, True], ids=["enable-then-compile", "compile-then-enable"])
+def test_regional_compile_streamed_matches_compiled_resident(tiny_pair, name, compile_first):
+    reference, streamed, entry = tiny_pair(name)
+    watch = CompileWatch()
+    reference.compile_repeated_blocks(fullgraph=True)  # fullgraph: a graph break in a block raises
+    expected = outputs(reference, entry)
+    resident_counts = compile_counts(watch)
+    torch._dynamo.reset()  # the streamed model compiles its own graphs (the same, from inductor's cache)
+
+    if compile_first:
+        streamed.compile_repeated_blocks(fullgraph=True)
+    handle = dlo.enable(streamed, "cpu")
+    if not compile_first:
+        streamed.compile_repeated_blocks(fullgraph=True)
+    got = outputs(streamed, entry)
+    stats = handle.stats()
+    assert identical(expected, got)
+    # Streaming every block through 2 slots over 2 calls compiles exactly what the resident
+    # model compiles: one graph per block class (Flux: double- and single-stream, plus the one
+    # recompile the resident model has too: its first single-stream block gets a
+    # differently-strided input), nothing per block or per slot.
+    assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
+    assert stats.compile.graphs <= 3 and stats.streamed_blocks > 2
+
+    user_compiled = [block._compiled_call_impl.compiled for block in streamed_blocks(streamed)]
+    handle.disable()
+    blocks = [block for block in streamed.modules() if type(block).__name__ in streamed._repeated_blocks]
+    assert [block._compiled_call_impl for block in blocks] == user_compiled  # still compiled, resident
+    assert identical(expected, outputs(streamed, entry))
+
+
+def test_whole_model_compile_streamed_matches_resident_compiled_with_the_same_boundaries(tiny_pair):
+    reference, streamed, entry = tiny_pair("wan")
+    boundaries = isolate(list(reference.blocks))
+    watch = CompileWatch()
+    expected = outputs(torch.compile(reference), entry)
+    resident_counts = compile_counts(watch)
+    for boundary in boundaries:
+        boundary.remove()
+    torch._dynamo.reset()
+
+    compiled = torch.compile(streamed)  # compile, then enable the module it wraps
+    with dlo.enable(streamed, "cpu") as handle:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = outputs(compiled, entry)
+        stats = handle.stats()
+    assert identical(expected, got)
+    assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
+    assert stats.compile.recompiles == 0
+    assert identical(expected, outputs(compiled, entry))  # after disable(): resident, same graphs
+
+
+def test_blocks_of_one_class_share_one_graph_through_two_slots(tiny_pair):
+    """Four Wan blocks over two slots, three calls: each block runs from both slots (4 blocks,
+    2 slots: block k in slot k % 2 on one call... the ring shifts them from call to call), yet
+    the block frame is traced once and never again."""
+    _, streamed, entry = tiny_pair("wan")
+    counter = CompileCounter()
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(num_slots=2)) as handle:
+        for block in streamed.blocks:
+            block.compile(backend=counter, fullgraph=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            outputs(streamed, entry, seeds=[1, 2, 3])
+        stats = handle.stats()
+    assert counter.frame_count == 1
+    assert stats.copies >= 3 * len(streamed.blocks)  # every block was copied into a slot every call
+    assert stats.compile.recompiles == 0
+
+
+def test_blocks_compiled_after_enable_are_wrapped_again_before_the_next_call(tiny_pair):
+    reference, streamed, entry = tiny_pair("wan")
+    expected = outputs(reference, entry, seeds=[1])
+    counter = CompileCounter()
+    with dlo.enable(streamed, "cpu"):
+        assert identical(expected, outputs(streamed, entry, seeds=[1]))  # eager through the record
+        for block in streamed.blocks:
+            block.compile(backend=counter, fullgraph=True)  # replaces dlo's record
+        assert identical(expected, outputs(streamed, entry, seeds=[1]))  # the backend is eager: same bits
+        assert all(type(block._compiled_call_impl) is StreamedCall for block in streamed.blocks)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(dict(mode="reduce-overhead"), "reduce-overhead"), (dict(options={"freezing": True}), "freezing")],
+    ids=["cuda-graphs", "freezing"],
+)
+def test_regional_compile_modes_dlo_cannot_serve_are_refused(tiny_pair, options, named):
+    _, streamed, entry = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu"):
+        streamed.compile_repeated_blocks(**options)
+        with pytest.raises(dlo.StreamingError, match=named):
+            outputs(streamed, entry, seeds=[1])
+
+
+def test_whole_model_cuda_graphs_are_refused(tiny_pair):
+    _, streamed, entry = tiny_pair("wan")
+    compiled = torch.compile(streamed, mode="reduce-overhead")
+    with dlo.enable(streamed, "cpu"):
+        with pytest.raises(dlo.StreamingError, match="reduce-overhead"):
+            outputs(compiled, entry, seeds=[1])
