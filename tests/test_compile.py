@@ -2,6 +2,8 @@
 compiled the same way and resident, blocks of one class share one graph whichever slot they
 sit in, and what dlo cannot serve is refused. See [Note: compiled blocks]"""
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo
@@ -38,36 +40,43 @@ def compile_counts(watch):
     return watch.graphs, watch.recompiles, watch.graph_breaks
 
 
+def regional_streamed(model, entry, compile_first):
+    """Outputs, stats, and the user's compiled callables, of `model` streamed and regionally
+    compiled in the given order."""
+    if compile_first:
+        model.compile_repeated_blocks(fullgraph=True)  # fullgraph: a graph break in a block raises
+    with dlo.enable(model, "cpu") as handle:
+        if not compile_first:
+            model.compile_repeated_blocks(fullgraph=True)
+        got = outputs(model, entry)
+        stats = handle.stats()
+        compiled = [block._compiled_call_impl.compiled for block in streamed_blocks(model)]
+    return got, stats, compiled
+
+
 @pytest.mark.parametrize("name", ["wan", "flux"])
-@pytest.mark.parametrize("compile_first", [False, True], ids=["enable-then-compile", "compile-then-enable"])
-def test_regional_compile_streamed_matches_compiled_resident(tiny_pair, name, compile_first):
-    reference, streamed, entry = tiny_pair(name)
+def test_regional_compile_streamed_matches_compiled_resident_in_both_orders(tiny_pair, name):
+    reference, enable_first, entry = tiny_pair(name)
+    compile_first = copy.deepcopy(enable_first)
     watch = CompileWatch()
-    reference.compile_repeated_blocks(fullgraph=True)  # fullgraph: a graph break in a block raises
+    reference.compile_repeated_blocks(fullgraph=True)
     expected = outputs(reference, entry)
     resident_counts = compile_counts(watch)
-    torch._dynamo.reset()  # the streamed model compiles its own graphs (the same, from inductor's cache)
 
-    if compile_first:
-        streamed.compile_repeated_blocks(fullgraph=True)
-    handle = dlo.enable(streamed, "cpu")
-    if not compile_first:
-        streamed.compile_repeated_blocks(fullgraph=True)
-    got = outputs(streamed, entry)
-    stats = handle.stats()
-    assert identical(expected, got)
-    # Streaming every block through 2 slots over 2 calls compiles exactly what the resident
-    # model compiles: one graph per block class (Flux: double- and single-stream, plus the one
-    # recompile the resident model has too: its first single-stream block gets a
-    # differently-strided input), nothing per block or per slot.
-    assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
-    assert stats.compile.graphs <= 3 and stats.streamed_blocks > 2
-
-    user_compiled = [block._compiled_call_impl.compiled for block in streamed_blocks(streamed)]
-    handle.disable()
-    blocks = [block for block in streamed.modules() if type(block).__name__ in streamed._repeated_blocks]
-    assert [block._compiled_call_impl for block in blocks] == user_compiled  # still compiled, resident
-    assert identical(expected, outputs(streamed, entry))
+    for model, order in ((enable_first, False), (compile_first, True)):
+        torch._dynamo.reset()  # each model compiles its own graphs (the same, from inductor's cache)
+        got, stats, user_compiled = regional_streamed(model, entry, order)
+        assert identical(expected, got)
+        # Streaming every block through 2 slots over 2 calls compiles exactly what the resident
+        # model compiles: one graph per block class (Flux: double- and single-stream, plus the
+        # recompile the resident model has too: its first single-stream block gets a
+        # differently-strided input), nothing per block or per slot.
+        assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
+        assert stats.compile.graphs <= 3 and stats.streamed_blocks > 2
+        # After disable(): the blocks keep the user's compiled callables and run resident.
+        blocks = [block for block in model.modules() if type(block).__name__ in model._repeated_blocks]
+        assert [block._compiled_call_impl for block in blocks] == user_compiled
+        assert identical(expected, outputs(model, entry))
 
 
 def test_whole_model_compile_streamed_matches_resident_compiled_with_the_same_boundaries(tiny_pair):

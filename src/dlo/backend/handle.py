@@ -113,17 +113,20 @@ class OffloadHandle:
         self._runtime.start_call()
 
     def _watch_compiles(self) -> None:
-        before = self._compile_watch.recompiles
-        self._compile_watch.poll()
-        if self._compile_watch.recompiles > before and not self._warned_recompiles:
+        watch = self._compile_watch
+        watch.poll()
+        classes = len({type(call.block) for call in self._streamed_calls})
+        if watch.recompiles > classes and not self._warned_recompiles:
             self._warned_recompiles = True
             logger.warning(
-                "dlo: torch.compile recompiled while %s ran under dlo (%s). Streaming keeps every weight's shape, "
-                "stride and dtype, so this is not dlo moving weights; a reason naming a module or parameter "
-                "identity means dynamo specializes on it: keep torch._dynamo.config.inline_inbuilt_nn_modules=True "
-                "(the default). handle.stats().compile counts recompiles",
+                "dlo: torch.compile recompiled %d times for %d streamed block class(es) of %s: dynamo specializes "
+                "on something that differs from block to block (first reason: %s). Streaming keeps each weight's "
+                "shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
+                "differ; TORCH_LOGS=recompiles lists every reason, handle.stats().compile counts them",
+                watch.recompiles,
+                classes,
                 type(self.module).__name__,
-                self._compile_watch.recompile_reasons[before],
+                watch.recompile_reasons[0],
             )
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:

@@ -110,7 +110,7 @@ class StreamedCallHandle:
     handle, like a hook's). See [Note: compiled blocks]"""
 
     def __init__(self, block: nn.Module, runtime: BlockRuntime, index: int) -> None:
-        self._block = block
+        self.block = block
         self._runtime = runtime
         self._index = index
         self._hook = block.register_forward_pre_hook(_seen_by_dynamo)
@@ -119,14 +119,14 @@ class StreamedCallHandle:
     def keep_installed(self) -> None:
         """Wrap the block again if its `_compiled_call_impl` was replaced (`block.compile()`
         after enable()). One attribute check when it was not."""
-        current = self._block._compiled_call_impl
+        current = self.block._compiled_call_impl
         if type(current) is not StreamedCall:
-            self._block._compiled_call_impl = StreamedCall(self._runtime, self._index, self._block._call_impl, current)
+            self.block._compiled_call_impl = StreamedCall(self._runtime, self._index, self.block._call_impl, current)
 
     def remove(self) -> None:
-        current = self._block._compiled_call_impl
+        current = self.block._compiled_call_impl
         if type(current) is StreamedCall:
-            self._block._compiled_call_impl = current.compiled
+            self.block._compiled_call_impl = current.compiled
         self._hook.remove()
 
 
@@ -185,13 +185,16 @@ def _vet(compiled: object, what: str) -> None:
 
 class CompileWatch:
     """torch.compile activity since it was made, read from dynamo's process-wide records (so
-    they include other models compiled meanwhile): graphs compiled, graph breaks dynamo
-    reports, and recompilations (a frame compiled again because its guards failed). `poll()`
-    before dynamo's record of recent compilations (the last 64) can overflow: once per call."""
+    they include other models compiled meanwhile): graphs compiled, graph breaks (dynamo's
+    `graph_break` counter, breaks it resumed after, plus its `unimplemented` one, breaks it
+    handled by skipping a call or a whole frame: dlo's boundaries under whole-model
+    compilation are of that kind), and recompilations (a frame compiled again because its
+    guards failed). `poll()` before dynamo's record of recent compilations (the last 64)
+    overflows: once per call."""
 
     def __init__(self) -> None:
         self._graphs = counters["stats"]["unique_graphs"]
-        self._breaks = sum(counters["graph_break"].values())
+        self._breaks = _graph_breaks()
         self._seen = _latest_compilation()
         self.recompiles = 0
         self.recompile_reasons: list[str] = []
@@ -212,7 +215,11 @@ class CompileWatch:
 
     @property
     def graph_breaks(self) -> int:
-        return sum(counters["graph_break"].values()) - self._breaks
+        return _graph_breaks() - self._breaks
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values())
 
 
 def _latest_compilation() -> object | None:
