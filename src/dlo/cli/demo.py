@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import dlo
+from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.models.tiny import TINY_MODELS, TinyModel
@@ -105,6 +106,7 @@ def run_demo(
     dtype: torch.dtype,
     trace_path: str | None = None,
     checkpoint_dir: Path | None = None,
+    compile_how: str = "none",
 ) -> DemoResult:
     entry = TINY_MODELS[model_name]
     plan = None
@@ -117,6 +119,7 @@ def run_demo(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compile_resident_like_streamed(reference, compile_how, config.resident_layers)
     resident = denoise(reference.to(device), entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
@@ -124,6 +127,8 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
+    torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
+    compile_model(streamed, compile_how)
     with dlo.enable(streamed, device, config, plan=plan) as handle:
         run = denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
@@ -166,6 +171,9 @@ def render(result: DemoResult) -> str:
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],
     ]
+    if stats.compile.graphs:
+        compiled = stats.compile
+        rows.append(["torch.compile", "-", f"{compiled.graphs} graphs, {compiled.recompiles} recompiles, {compiled.graph_breaks} graph breaks"])
     verdict = "bit-identical" if result.identical else "DIFFERENT"
     dtype = str(result.dtype).removeprefix("torch.")
     return "\n".join(
@@ -186,16 +194,20 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
-        if args.trace or args.from_checkpoint is not None:
-            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
+        if args.trace or args.from_checkpoint is not None or args.compile != "none":
+            raise dlo.ConfigError(
+                "--nproc runs the all-gather demo; it does not take --trace, --from-checkpoint or --compile"
+            )
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype)
     if args.from_checkpoint is None:
-        result = run_demo(args.model, device, config, args.steps, dtype, args.trace)
+        result = run_demo(args.model, device, config, args.steps, dtype, args.trace, compile_how=args.compile)
     elif args.from_checkpoint:
-        result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(args.from_checkpoint))
+        result = run_demo(
+            args.model, device, config, args.steps, dtype, args.trace, Path(args.from_checkpoint), args.compile
+        )
     else:
         with tempfile.TemporaryDirectory(prefix="dlo-demo-") as directory:
-            result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory))
+            result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory), args.compile)
     print(render(result))
     if args.trace:
         print(f"timeline written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")

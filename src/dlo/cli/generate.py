@@ -11,6 +11,7 @@ import torch
 
 import dlo
 from dlo.backend.pipeline import STREAMED_COMPONENTS
+from dlo.cli.compile_flag import compile_model
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.media_output import check_output, write_image, write_video
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = call_kwargs(cls, args, device)
 
     pipe, plan = load_pipeline(model_dir, cls, config, dtype)
+    compile_model(pipe.transformer, args.compile)
     with dlo.enable_pipeline(pipe, device, config, plans={"transformer": plan}) as handle:
         started = time.perf_counter()
         with torch.inference_mode():

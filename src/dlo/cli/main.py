@@ -7,6 +7,7 @@ import logging
 import sys
 
 from dlo.cli import cache_cmd, demo, generate, inspect_plan
+from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "holds 1/N of the blocks; prints per-rank host bytes and parity",
     )
     demo_parser.add_argument("--trace", metavar="OUT.json", help="write the per-block copy/compute timeline as Chrome/Perfetto JSON")
+    add_compile_flag(demo_parser)
     add_config_flags(demo_parser)
     demo_parser.set_defaults(run=demo.run)
 
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
     add_device_flags(generate_parser)
     add_config_flags(generate_parser)
+    add_compile_flag(generate_parser)
     generate_parser.set_defaults(run=generate.run)
 
     cache_cmd.add_parser(commands)
