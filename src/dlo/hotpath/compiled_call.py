@@ -12,35 +12,41 @@ wrapped; one set after enable() (`block.compile()` replaces the attribute) is wr
 the root module's pre-hook before the next call (`keep_installed`); disable() puts the user's
 callable back, so a compiled model stays compiled and runs resident.
 
-Whole-model `torch.compile(model)` traces the root's forward. `StreamedCall.__call__` is
-`torch.compiler.disable(recursive=False)`: dynamo stops the graph at each streamed block call
-(and at the root's pre-hook, disabled too), runs the record eagerly and compiles what the record
-calls, `_call_impl` of the block, as a frame of its own. The bookkeeping is disabled
-recursively, so it is never traced. Dynamo calls a module's `__call__` (and so sees
-`_compiled_call_impl`) only when the module has hooks; without any it inlines `forward`
-directly, with the block's tensors still placeholders. Hence one no-op forward pre-hook per
-streamed block (`_seen_by_dynamo`).
+Whole-model `torch.compile(model)` (or `model.compile()`) traces the root's forward.
+`StreamedCall.__call__` is `torch.compiler.disable(recursive=False)`: dynamo cannot inline it
+and breaks the graph at the first streamed block call. That call sits in the root's loop over
+its blocks, and dynamo does not resume inside a loop: it runs the root's forward eagerly and
+compiles what it calls as frames of their own (embeddings, head, and each block's forward:
+one graph per block class, as regional compilation has). Dynamo reports these breaks once per
+model, not per block or call (tiny Wan and Flux: 3, in `handle.stats().compile`). The
+bookkeeping (`_before`, `_after`, the root's hooks) is disabled recursively: never traced.
+Whole-model output therefore equals the resident model compiled whole with the same breaks
+(`isolate()` gives resident blocks dlo's boundary), not a resident model compiled as one
+graph, whose inductor fusions across block boundaries round differently in the last bits.
 
-Why no recompilation: with dynamo's default `inline_inbuilt_nn_modules`, a block's parameters
-are graph inputs and its guards check each input's size, stride, dtype, device and
-requires_grad, not its address, storage offset or which storage it views (the overlap guard
-only concerns inputs a graph mutates; blocks mutate none). A parameter repointed into a slot
-keeps its size, stride and dtype, so every block of one class runs the one graph, whichever
-slot it sits in. The guards are on the module's type and attributes, not its identity, so
-blocks share the cache entry of `Module._call_impl`. Offsets inside a slot are 512-byte
-aligned, above the 16 bytes inductor assumes of its inputs.
+Dynamo calls a module's `__call__`, and so sees `_compiled_call_impl`, only when the module
+has hooks; without any it inlines `forward`, whose tensors are still placeholders. Hence one
+no-op forward pre-hook per streamed block (`_seen_by_dynamo`). It is disabled too: dynamo
+skips torch.nn's own frames, so compiling `block._call_impl` compiles its hooks and forward
+as separate frames, and a traced hook would be a frame guarded on each block class (Flux's
+two classes: a recompile).
+
+Why no recompilation: dynamo inlines nn.Modules (`inline_inbuilt_nn_modules`, always on in
+torch 2.13), so a block's parameters are graph inputs, and its guards check each input's
+size, stride, dtype, device and requires_grad: not its address, storage offset or the storage
+it views (the overlap guard concerns inputs a graph mutates; blocks mutate none). A parameter
+repointed into a slot keeps its size, stride and dtype, and the guards are on the module's
+type and attributes, not its identity: every block of a class runs the one graph compiled for
+its `forward`, whichever slot it sits in (tests/test_compile.py streams 4 Wan blocks through 2
+slots with error_on_recompile). Offsets inside a slot are 512-byte aligned, more than the 16
+bytes inductor's kernels assume of their inputs.
 
 What cannot be served: CUDA graphs (`mode="reduce-overhead"`, or inductor's
-`triton.cudagraphs`) record the addresses of a block's weights at capture and replay them; a
-streamed block's weights are in a different slot from call to call (N blocks over 2 slots).
+`triton.cudagraphs`) treat parameters as inputs at fixed addresses, recorded at capture and
+replayed; here one graph serves every block of a class, each from whichever slot it was
+copied into (N blocks over 2 slots), so replay would need a capture per block and slot.
 Inductor's `freezing` folds the weights into the graph as constants: every block would run with
 the weights of the block it was compiled with. Both are refused with an error that names them.
-
-Whole-model graph breaks, per call: one at the root's pre-hook and one at each streamed block
-call; the glue between blocks is compiled separately. So whole-model output equals the resident
-model compiled whole with breaks at the same places (`dlo.hotpath.compiled_call.isolate`), not
-a resident model compiled as one graph, whose inductor fusions across block boundaries round
-differently in the last bits.
 """
 
 from __future__ import annotations
