@@ -3,9 +3,11 @@ compiled the same way and resident, blocks of one class share one graph whicheve
 sit in, and what dlo cannot serve is refused. See [Note: compiled blocks]"""
 
 import copy
+import logging
 
 import pytest
 import torch
+from torch import nn
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
@@ -157,3 +159,40 @@ def test_whole_model_cuda_graphs_are_refused(tiny_pair):
     with dlo.enable(streamed, "cpu"):
         with pytest.raises(dlo.StreamingError, match="reduce-overhead"):
             outputs(compiled, entry, seeds=[1])
+
+
+class _TaggedBlock(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.tag = f"block{index}"  # a string per block: dynamo specializes each block's graph on it
+
+    def forward(self, x):
+        return self.linear(x) + (1 if self.tag.endswith("0") else 0)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TaggedBlock(i) for i in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_recompile_per_block_logs_one_warning_naming_the_reason(caplog):
+    model = _Stack().eval()
+    counter = CompileCounter()
+    with dlo.enable(model, "cpu") as handle:
+        for block in model.blocks:
+            block.compile(backend=counter, fullgraph=True)
+        with caplog.at_level(logging.WARNING, logger="dlo"), torch.inference_mode():
+            model(torch.ones(2, 8))
+            model(torch.ones(2, 8))
+        stats = handle.stats()
+    assert counter.frame_count == 4 and stats.compile.recompiles == 3
+    warnings = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "3 times for 1 streamed block class" in warnings[0] and "tag" in warnings[0]
