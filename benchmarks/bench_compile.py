@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     print(" | ".join(f"{k} {v}" for k, v in environment(device).items()), flush=True)
     chosen = ["resident+regional", *(v for v in args.variants if v != "resident+regional")]
     variants = [v for v in chosen if device.type == "cuda" or v not in SKIPPED_ON_CPU]
-    notes = [f"{v} skipped on {device.type}: {why}" for v, why in SKIPPED_ON_CPU.items() if v in chosen and v not in variants]
+    skipped = [v for v in chosen if v not in variants]
+    notes = [f"{v} skipped on {device.type}: {SKIPPED_ON_CPU[v]}" for v in skipped]
     with torch.inference_mode():  # start inductor's compile workers before any variant is timed
         torch.compile(lambda x: (x * 2).sum())(torch.ones(8, device=device))
     rows: list[Row] = []
@@ -278,8 +279,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             finally:
                 release(device)
+            median = statistics.median(run.forward_s)
             print(
-                f"{name}/{variant}: first call {run.first_call_s:.1f} s, median {statistics.median(run.forward_s):.4f} s, "
+                f"{name}/{variant}: first call {run.first_call_s:.1f} s, median {median:.4f} s, "
                 f"{run.graphs} graphs, {run.recompiles} recompiles, {run.graph_breaks} graph breaks "
                 f"({time.perf_counter() - started:.0f} s)",
                 flush=True,

@@ -200,9 +200,10 @@ class OffloadHandle:
         checkpoint tensors); everything else stays on the device.
 
         Order: synchronize the device (stats() does), unregister a registered mapping, unpin
-        host memory, remove hooks, repoint tensors, close the mapping (kept open if it could
-        not be unregistered: see [Note: mapping lifetime]), free the slots. Destroy process
-        groups only after this returned. Returns the final statistics."""
+        host memory, remove hooks (compiled blocks get their compiled callables back), repoint
+        tensors, close the mapping (kept open if it could not be unregistered: see [Note:
+        mapping lifetime]), free the slots. Destroy process groups only after this returned.
+        Returns the final statistics."""
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats

@@ -6,6 +6,7 @@ import argparse
 
 from torch import nn
 
+from dlo.errors import ConfigError
 from dlo.hotpath.compiled_call import isolate
 from dlo.planning.offload_plan import discover, resolve_blocks
 
@@ -26,6 +27,11 @@ def add_compile_flag(parser: argparse.ArgumentParser) -> None:
 def compile_model(model: nn.Module, how: str) -> None:
     """Compile `model` in place (compilation itself happens on the first call)."""
     if how == "regional":
+        if not getattr(model, "_repeated_blocks", None):
+            raise ConfigError(
+                f"--compile regional compiles the block classes a diffusers model lists in _repeated_blocks, and "
+                f"{type(model).__name__} lists none; use --compile full"
+            )
         model.compile_repeated_blocks(fullgraph=True)
     elif how == "full":
         model.compile()

@@ -127,8 +127,9 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
-    compile_model(streamed, compile_how)
+    if compile_how != "none":
+        torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
+        compile_model(streamed, compile_how)
     with dlo.enable(streamed, device, config, plan=plan) as handle:
         run = denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
@@ -172,8 +173,9 @@ def render(result: DemoResult) -> str:
         ["host copy of the blocks", "-", _backing(stats)],
     ]
     if stats.compile.graphs:
-        compiled = stats.compile
-        rows.append(["torch.compile", "-", f"{compiled.graphs} graphs, {compiled.recompiles} recompiles, {compiled.graph_breaks} graph breaks"])
+        counts = stats.compile
+        compiled = f"{counts.graphs} graphs, {counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"
+        rows.append(["torch.compile", "-", compiled])
     verdict = "bit-identical" if result.identical else "DIFFERENT"
     dtype = str(result.dtype).removeprefix("torch.")
     return "\n".join(
@@ -194,10 +196,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
-        if args.trace or args.from_checkpoint is not None or args.compile != "none":
-            raise dlo.ConfigError(
-                "--nproc runs the all-gather demo; it does not take --trace, --from-checkpoint or --compile"
-            )
+        if args.trace or args.from_checkpoint is not None:
+            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
+        if args.compile != "none":
+            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --compile")
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace, compile_how=args.compile)

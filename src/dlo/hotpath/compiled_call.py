@@ -19,7 +19,8 @@ its blocks, and dynamo does not resume inside a loop: it runs the root's forward
 compiles what it calls as frames of their own (embeddings, head, and each block's forward:
 one graph per block class, as regional compilation has). Dynamo reports these breaks once per
 model, not per block or call (tiny Wan and Flux: 3, in `handle.stats().compile`). The
-bookkeeping (`_before`, `_after`, the root's hooks) is disabled recursively: never traced.
+bookkeeping (`_enter_untraced`, `_leave_untraced`, the root's hooks) is disabled recursively:
+never traced.
 Whole-model output therefore equals the resident model compiled whole with the same breaks
 (`isolate()` gives resident blocks dlo's boundary), not a resident model compiled as one
 graph, whose inductor fusions across block boundaries round differently in the last bits.
@@ -70,17 +71,21 @@ class BlockRuntime(Protocol):
     def after_block(self, index: int) -> None: ...
 
 
-@torch.compiler.disable  # recursive: dlo's bookkeeping is never traced
-def _before(runtime: BlockRuntime, index: int) -> None:
+def _enter(runtime: BlockRuntime, index: int) -> None:
     runtime.before_block(index)
 
 
-@torch.compiler.disable
-def _after(runtime: BlockRuntime, index: int) -> None:
+def _leave(runtime: BlockRuntime, index: int) -> None:
     runtime.after_block(index)
 
 
-@torch.compiler.disable  # never a frame of its own: dynamo would guard on each block class
+# Under a whole-model compile, dynamo traces the frames the record calls: dlo's bookkeeping is
+# disabled recursively there. Only there: a disabled call costs microseconds per block.
+_enter_untraced = torch.compiler.disable(_enter)
+_leave_untraced = torch.compiler.disable(_leave)
+
+
+@torch.compiler.disable(recursive=False)  # never a frame of its own: dynamo would guard on each block class
 def _seen_by_dynamo(module: nn.Module, args: tuple) -> None:
     """A no-op forward pre-hook: its presence makes dynamo call the block's `__call__`. See
     [Note: compiled blocks]"""
@@ -100,15 +105,19 @@ class StreamedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None and self.compiled not in _VETTED:
             _vet(self.compiled, "this block was compiled")
+        # Set under a whole-model compile: the compile whose graph broke here (False: dynamo's
+        # run-only mode, which compiles nothing).
         callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
-        if callback is not None and callback not in _VETTED:  # whole-model: the compile that broke here
+        compiling = callback is not None and callback is not False
+        if compiling and callback not in _VETTED:
             _vet(_backend(callback), "the model was compiled")
             _VETTED.add(callback)
-        _before(self.runtime, self.index)
+        enter, leave = (_enter_untraced, _leave_untraced) if compiling else (_enter, _leave)
+        enter(self.runtime, self.index)
         try:
             return (self.compiled or self.call_impl)(*args, **kwargs)
         finally:
-            _after(self.runtime, self.index)
+            leave(self.runtime, self.index)
 
 
 class StreamedCallHandle:

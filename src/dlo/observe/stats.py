@@ -12,9 +12,9 @@ class CompileStats:
     """torch.compile activity since `enable()`, from dynamo's process-wide counters (other
     models compiled meanwhile count too). graphs: graphs compiled. recompiles: frames compiled
     again because their guards failed (streaming blocks through the slots causes none).
-    graph_breaks: breaks dynamo reports inside traced code; the breaks at dlo's own boundaries
-    under whole-model compilation (the root's pre-hook and each streamed block call, by
-    design: see [Note: compiled blocks]) are not counted here."""
+    graph_breaks: the breaks dynamo reports, those at dlo's block boundaries under whole-model
+    compilation included (a few per model, not per block or call: see [Note: compiled
+    blocks]); none inside a block."""
 
     graphs: int = 0
     recompiles: int = 0
