@@ -110,13 +110,14 @@ def test_whole_model_compile_streamed_matches_resident_compiled_with_the_same_bo
     assert identical(expected, outputs(compiled, entry))  # after disable(): resident, same graphs
 
 
-def test_blocks_of_one_class_share_one_graph_through_two_slots(tiny_pair):
-    """Four Wan blocks over two slots, three calls: each block runs from both slots (4 blocks,
-    2 slots: block k in slot k % 2 on one call... the ring shifts them from call to call), yet
-    the block frame is traced once and never again."""
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_blocks_of_one_class_share_one_graph_whichever_slot_they_are_in(tiny_pair, num_slots):
+    """Four Wan blocks, three calls. Two slots: blocks 0 and 2 run from slot 0, 1 and 3 from
+    slot 1. Three slots: the ring moves every block to the next slot each call, so each runs
+    from all three. The block frame is traced once and never again."""
     _, streamed, entry = tiny_pair("wan")
     counter = CompileCounter()
-    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(num_slots=2)) as handle:
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(num_slots=num_slots)) as handle:
         for block in streamed.blocks:
             block.compile(backend=counter, fullgraph=True)
         with torch._dynamo.config.patch(error_on_recompile=True):

@@ -95,6 +95,7 @@ class OffloadHandle:
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
         self._streamed_calls = [hook for hook in self._hooks if isinstance(hook, StreamedCallHandle)]
+        self._block_classes = len({type(call.block) for call in self._streamed_calls})
         self._compile_watch = CompileWatch()
         self._warned_recompiles = False
         # Root hooks are bound methods: the module keeps its handle alive through them, even
@@ -115,8 +116,7 @@ class OffloadHandle:
     def _watch_compiles(self) -> None:
         watch = self._compile_watch
         watch.poll()
-        classes = len({type(call.block) for call in self._streamed_calls})
-        if watch.recompiles > classes and not self._warned_recompiles:
+        if watch.recompiles > self._block_classes and not self._warned_recompiles:
             self._warned_recompiles = True
             logger.warning(
                 "dlo: torch.compile recompiled %d times for %d streamed block class(es) of %s: dynamo specializes "
@@ -124,7 +124,7 @@ class OffloadHandle:
                 "shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
                 "differ; TORCH_LOGS=recompiles lists every reason, handle.stats().compile counts them",
                 watch.recompiles,
-                classes,
+                self._block_classes,
                 type(self.module).__name__,
                 watch.recompile_reasons[0],
             )
