@@ -201,9 +201,9 @@ def _vet(compiled: object, what: str) -> None:
 class CompileWatch:
     """torch.compile activity since it was made, read from dynamo's process-wide records (so
     they include other models compiled meanwhile): graphs compiled, graph breaks (dynamo's
-    `graph_break` counter, breaks it resumed after, plus its `unimplemented` one, breaks it
-    handled by skipping a call or a whole frame: dlo's boundaries under whole-model
-    compilation are of that kind), and recompilations (a frame compiled again because its
+    `graph_break` and `unimplemented` counters: torch 2.11 files a break at a
+    `torch.compiler.disable`d call, dlo's boundary under whole-model compilation, under the
+    first, 2.13 under the second), and recompilations (a frame compiled again because its
     guards failed). `poll()` before dynamo's record of recent compilations (the last 64)
     overflows: once per call."""
 
