@@ -37,7 +37,8 @@ torch 2.13), so a block's parameters are graph inputs, and its guards check each
 size, stride, dtype, device and requires_grad: not its address, storage offset or the storage
 it views (the overlap guard concerns inputs a graph mutates; blocks mutate none). A parameter
 repointed into a slot keeps its size, stride and dtype, and the guards are on the module's
-type and attributes, not its identity: every block of a class runs the one graph compiled for
+type and attributes, not its identity (TORCH_LOGS=guards: TYPE_MATCH on the block,
+TENSOR_MATCH per parameter, NO_TENSOR_ALIASING between the frame's own arguments only): every block of a class runs the one graph compiled for
 its `forward`, whichever slot it sits in (tests/test_compile.py streams 4 Wan blocks through 2
 slots with error_on_recompile). Offsets inside a slot are 512-byte aligned, more than the 16
 bytes inductor's kernels assume of their inputs.
