@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from functools import partial
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.host.block_sources import MappedSource
 from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.hotpath.compiled_call import StreamedCallHandle
 from dlo.hotpath.gather import BlockGather, GatherGroup
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
@@ -254,10 +254,8 @@ def enable(
             checkpoint.close()
             checkpoint = None
 
-    hooks = []
-    for index, ref in enumerate(streamed_refs):
-        hooks.append(ref.module.register_forward_pre_hook(partial(_before_block, runtime, index)))
-        hooks.append(ref.module.register_forward_hook(partial(_after_block, runtime, index), always_call=True))
+    # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
+    hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
     probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -278,10 +276,3 @@ def enable(
         probe=probe,
     )
 
-
-def _before_block(runtime: StreamingRuntime, index: int, module: nn.Module, args: tuple) -> None:
-    runtime.before_block(index)
-
-
-def _after_block(runtime: StreamingRuntime, index: int, module: nn.Module, args: tuple, output: object) -> None:
-    runtime.after_block(index)

@@ -19,10 +19,11 @@ from dlo.errors import EnableError
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
+from dlo.hotpath.compiled_call import CompileWatch, StreamedCallHandle
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.transfer import Transfer
-from dlo.observe.stats import OffloadStats
+from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
 
@@ -61,7 +62,7 @@ class OffloadHandle:
         config: OffloadConfig,
         plan: OffloadPlan,
         runtime: StreamingRuntime,
-        hooks: Sequence[RemovableHandle],
+        hooks: Sequence[RemovableHandle | StreamedCallHandle],
         managed: Sequence[nn.Module],
         resident_blocks: int,
         device_weight_bytes: int,
@@ -103,15 +104,39 @@ class OffloadHandle:
             checkpoint,
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
+        self._streamed_calls = [hook for hook in self._hooks if isinstance(hook, StreamedCallHandle)]
+        self._block_classes = len({type(call.block) for call in self._streamed_calls})
+        self._compile_watch = CompileWatch()
+        self._warned_recompiles = False
         # Root hooks are bound methods: the module keeps its handle alive through them, even
-        # when the caller drops the handle (the registry only holds it weakly).
-        self._hooks.append(module.register_forward_pre_hook(self._call_starts))
-        self._hooks.append(module.register_forward_hook(self._call_ends, always_call=True))
+        # when the caller drops the handle (the registry only holds it weakly). Disabled for
+        # dynamo: whole-model compilation must not trace them. See [Note: compiled blocks]
+        self._hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._call_starts)))
+        self._hooks.append(module.register_forward_hook(torch.compiler.disable(self._call_ends), always_call=True))
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
+            call.keep_installed()
+        self._watch_compiles()
         self._runtime.start_call()
+
+    def _watch_compiles(self) -> None:
+        watch = self._compile_watch
+        watch.poll()
+        if watch.recompiles > self._block_classes and not self._warned_recompiles:
+            self._warned_recompiles = True
+            logger.warning(
+                "dlo: torch.compile recompiled %d times for %d streamed block class(es) of %s: dynamo specializes "
+                "on something that differs from block to block (first reason: %s). Streaming keeps each weight's "
+                "shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
+                "differ; TORCH_LOGS=recompiles lists every reason, handle.stats().compile counts them",
+                watch.recompiles,
+                self._block_classes,
+                type(self.module).__name__,
+                watch.recompile_reasons[0],
+            )
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
@@ -166,7 +191,13 @@ class OffloadHandle:
             registration_fallback=self._registration.fallback,
             setup_s=self._setup_s,
             host_memory=read_smaps_rollup(),
+            compile=self._compile_stats(),
         )
+
+    def _compile_stats(self) -> CompileStats:
+        watch = self._compile_watch
+        watch.poll()
+        return CompileStats(graphs=watch.graphs, recompiles=watch.recompiles, graph_breaks=watch.graph_breaks)
 
     def export_trace(self, path: str | Path) -> int:
         """Write the copy/compute timeline as Chrome/Perfetto JSON; returns the event count.
@@ -182,9 +213,10 @@ class OffloadHandle:
         checkpoint tensors); everything else stays on the device.
 
         Order: synchronize the device (stats() does), unregister a registered mapping, unpin
-        host memory, remove hooks, repoint tensors, close the mapping (kept open if it could
-        not be unregistered: see [Note: mapping lifetime]), free the slots. Destroy process
-        groups only after this returned. Returns the final statistics."""
+        host memory, remove hooks (compiled blocks get their compiled callables back), repoint
+        tensors, close the mapping (kept open if it could not be unregistered: see [Note:
+        mapping lifetime]), free the slots. Destroy process groups only after this returned.
+        Returns the final statistics."""
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats

@@ -12,7 +12,6 @@ import gc
 import json
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +19,15 @@ import torch
 from torch import nn
 
 import dlo
+from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
+from dlo.cli.denoise_loop import Trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_resident_layers
 from dlo.cli.output_path import check_writable
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    outputs: list[torch.Tensor]
-    step_s: list[float]
-    device_bytes: int
 
 
 @dataclass(frozen=True)
@@ -50,31 +44,6 @@ class DemoResult:
     @property
     def identical(self) -> bool:
         return all(torch.equal(a, b) for a, b in zip(self.resident.outputs, self.streamed.outputs))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def denoise(
-    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1
-) -> Trajectory:
-    """A denoising-style loop: each step feeds the model's output back into the latent."""
-    inputs = entry.inputs(seed=prompt_seed, dtype=dtype, device=device)
-    latent = inputs.pop("hidden_states")
-    outputs, step_s = [], []
-    with torch.inference_mode():
-        for step in range(steps):
-            timestep = torch.full((1,), 1000.0 * (1 - step / steps), device=device)
-            _sync(device)
-            started = time.perf_counter()
-            velocity = model(hidden_states=latent, **{**inputs, "timestep": timestep})[0]
-            _sync(device)
-            step_s.append(time.perf_counter() - started)
-            latent = latent - velocity / steps
-            outputs.append(velocity.cpu())
-    return Trajectory(outputs, step_s, 0)
 
 
 def _from_checkpoint(
@@ -108,6 +77,7 @@ def run_demo(
     dtype: torch.dtype,
     trace_path: str | None = None,
     checkpoint_dir: Path | None = None,
+    compile_how: str = "none",
 ) -> DemoResult:
     entry = TINY_MODELS[model_name]
     plan = None
@@ -120,6 +90,7 @@ def run_demo(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compile_resident_like_streamed(reference, compile_how, config.resident_layers)
     resident = denoise(reference.to(device), entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
@@ -127,6 +98,9 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
+    if compile_how != "none":
+        torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
+        compile_model(streamed, compile_how)
     with dlo.enable(streamed, device, config, plan=plan) as handle:
         run = denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
@@ -169,6 +143,10 @@ def render(result: DemoResult) -> str:
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],
     ]
+    if stats.compile.graphs:
+        counts = stats.compile
+        compiled = f"{counts.graphs} graphs, {counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"
+        rows.append(["torch.compile", "-", compiled])
     verdict = "bit-identical" if result.identical else "DIFFERENT"
     dtype = str(result.dtype).removeprefix("torch.")
     return "\n".join(
@@ -200,14 +178,18 @@ def run(args: argparse.Namespace) -> int:
 
         if args.trace or args.from_checkpoint is not None:
             raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
+        if args.compile != "none":
+            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --compile")
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype, args.save_outputs)
     if args.from_checkpoint is None:
-        result = run_demo(args.model, device, config, args.steps, dtype, args.trace)
+        result = run_demo(args.model, device, config, args.steps, dtype, args.trace, compile_how=args.compile)
     elif args.from_checkpoint:
-        result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(args.from_checkpoint))
+        result = run_demo(
+            args.model, device, config, args.steps, dtype, args.trace, Path(args.from_checkpoint), args.compile
+        )
     else:
         with tempfile.TemporaryDirectory(prefix="dlo-demo-") as directory:
-            result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory))
+            result = run_demo(args.model, device, config, args.steps, dtype, args.trace, Path(directory), args.compile)
     if args.save_outputs:
         save_outputs(args.save_outputs, result.resident.outputs, result.streamed.outputs)
     print(render(result))

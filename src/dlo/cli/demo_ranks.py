@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import dlo
-from dlo.cli.demo import denoise
+from dlo.cli.denoise_loop import denoise
 from dlo.cli.format import human_bytes, table
 from dlo.models.tiny import TINY_MODELS
 

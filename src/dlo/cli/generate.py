@@ -12,6 +12,7 @@ import torch
 import dlo
 from dlo.backend.pipeline import STREAMED_COMPONENTS
 from dlo.cli.call_rules import CallRequest, CallRuleError, read_call_rules, validate_call
+from dlo.cli.compile_flag import compile_model
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.media_output import check_output_kind, write_image, write_video
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)
     pipe = load_pipeline(model_dir, cls, dtype, transformer=transformer)
+    compile_model(pipe.transformer, args.compile)
     with dlo.enable_pipeline(pipe, device, config, plans={"transformer": plan}) as handle:
         started = time.perf_counter()
         with torch.inference_mode():

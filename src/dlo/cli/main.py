@@ -9,6 +9,7 @@ import sys
 import dlo
 from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny
 from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
+from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.library_noise import quiet_other_libraries
 from dlo.errors import DloError
@@ -76,6 +77,7 @@ def _add_demo(commands) -> None:
         help="save both runs' per-step outputs ({'resident': [...], 'streamed': [...]}) with torch.save",
     )
     _add_verbose(parser)
+    add_compile_flag(parser)
     add_config_flags(parser)
     parser.set_defaults(run=demo.run)
 
@@ -118,6 +120,7 @@ def _add_generate(commands) -> None:
     add_device_flags(parser)
     _add_verbose(parser)
     add_config_flags(parser)
+    add_compile_flag(parser)
     parser.set_defaults(run=generate.run)
 
 

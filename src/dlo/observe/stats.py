@@ -8,6 +8,20 @@ from dlo.host.memory_accounting import HostMemory
 
 
 @dataclass(frozen=True)
+class CompileStats:
+    """torch.compile activity since `enable()`, from dynamo's process-wide counters (other
+    models compiled meanwhile count too). graphs: graphs compiled. recompiles: frames compiled
+    again because their guards failed (streaming blocks through the slots causes none).
+    graph_breaks: the breaks dynamo reports, those at dlo's block boundaries under whole-model
+    compilation included (a few per model, not per block or call: see [Note: compiled
+    blocks]); none inside a block."""
+
+    graphs: int = 0
+    recompiles: int = 0
+    graph_breaks: int = 0
+
+
+@dataclass(frozen=True)
 class OffloadStats:
     """Counters since `enable()`.
 
@@ -37,6 +51,7 @@ class OffloadStats:
         that mode bytes_streamed counts this rank's shards, what crossed its own link.
     host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
         when stats() was called; None where /proc is not available.
+    compile: torch.compile activity since enable() (see CompileStats).
     """
 
     streamed_blocks: int
@@ -64,3 +79,4 @@ class OffloadStats:
     collectives: int
     setup_s: float
     host_memory: HostMemory | None
+    compile: CompileStats = CompileStats()
