@@ -112,10 +112,26 @@ def test_dit_using_its_first_block_after_the_loop_matches_resident(caplog):
         assert torch.equal(model(**inputs[0]).sample, expected[0])
 
 
-def test_the_probe_is_gone_after_the_first_call():
-    model = PairsThenBlocks()
-    with dlo.enable(model, "cpu"):
-        pre_hooks = sum(len(m._forward_pre_hooks) for m in model.blocks[0].modules())
-        _calls(model, [torch.randn(2, 8)])
-        after = sum(len(m._forward_pre_hooks) for m in model.blocks[0].modules())
-    assert pre_hooks == 3 and after == 1  # the block's own hook stays; its two linears' probes went
+def test_a_block_first_used_outside_its_call_in_a_later_call_is_promoted_then():
+    """The probe stays: a path that reaches into a block only on the third call is served."""
+
+    class SometimesReaching(PairsThenBlocks):
+        reach = False
+
+        def forward(self, x):
+            x = super().forward(x)
+            return self.blocks[1].up(x)[..., :8] + x if self.reach else x
+
+    torch.manual_seed(3)
+    model = SometimesReaching()
+    x = torch.randn(2, 8)
+    model.reach = True
+    expected_reaching = _calls(model, [x])[0]
+    model.reach = False
+    expected = _calls(model, [x])[0]
+    with dlo.enable(model, "cpu") as handle:
+        assert all(torch.equal(out, expected) for out in _calls(model, [x, x]))
+        assert handle.stats().resident_blocks == 0
+        model.reach = True
+        assert torch.equal(_calls(model, [x])[0], expected_reaching)
+        assert handle.stats().resident_blocks == 1

@@ -88,7 +88,7 @@ class OffloadHandle:
         self._backing = backing
         self._registration = registration
         self._final_stats: OffloadStats | None = None
-        self._probe = probe  # until the first call ends. See [Note: blocks used outside their call]
+        self._probe = probe  # See [Note: blocks used outside their call]
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
@@ -140,9 +140,6 @@ class OffloadHandle:
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
 
     def __enter__(self) -> OffloadHandle:
         return self

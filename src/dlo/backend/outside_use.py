@@ -1,26 +1,24 @@
-"""Finding streamed blocks whose parts run outside the block's own call, during the first call.
+"""Serving streamed blocks whose parts run outside the block's own call.
 
 [Note: blocks used outside their call]
-A streamed block holds its weights only between its own pre- and post-hooks. Some models use
-a block's submodule elsewhere: DiT computes `self.transformer_blocks[0].norm1.emb(...)` after
+A streamed block holds its weights only between its own entry and exit. Some models use a
+block's submodule elsewhere: DiT computes `self.transformer_blocks[0].norm1.emb(...)` after
 its loop, and a parent may unpack a list of pairs (`for attn, ff in self.layers`) so that the
 listed items never run as modules at all. Discovery refuses the second shape by construction
 (`dlo.planning.offload_plan`: items without a forward of their own are not blocks); for the
-first, every submodule of a streamed block gets a pre-hook during the module's first call.
-When one runs while its block is not running, the block is promoted on the spot (its own
-device memory, filled from its host copy) and stays resident: that call and every later one
-compute exactly what the resident model computes. The hooks are removed after the first call,
-so later calls pay nothing; a path that first uses a block from outside in a later call is not
-seen (it fails on the block's empty placeholders, never with wrong numbers). In all-gather mode
-a block cannot be promoted (every load is a collective), so the probe raises StreamingError
-naming the module. Under torch.compile the hooks do nothing while dynamo traces (the block's
-own regions); outside uses in eager code are still seen.
+first, every submodule of a streamed block carries one pre-hook. When a submodule runs while
+its block is not running, the block is promoted on the spot (its own device memory, filled
+from its host copy) and stays resident: that call and every later one compute exactly what
+the resident model computes. The hook is one bound method for every submodule, checking two
+planner lookups (about a microsecond a call); under torch.compile it returns at once while
+dynamo traces, so a compiled block's graph is the resident one's, and the hooks stay for the
+handle's life: removing them would make dynamo recompile. In all-gather mode a block cannot be
+promoted (every load is a collective), so the probe raises StreamingError naming the module.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import torch
 from torch import nn
@@ -38,15 +36,20 @@ class OutsideUseProbe:
         """`refs`: the streamed blocks, in the runtime's block order."""
         self._runtime = runtime
         self._hooks: list[RemovableHandle] = []
+        # One hook function for every submodule, its block looked up by the module's id: under
+        # torch.compile the hook is inlined into the block's graph, where it returns at once,
+        # and a per-module closure would give dynamo a different constant to guard on per block.
+        self._owner: dict[int, tuple[int, str]] = {}
         for index, ref in enumerate(refs):
             for name, sub in ref.module.named_modules():
                 if sub is not ref.module:
-                    hook = partial(self._check, index, f"{ref.name}.{name}")
-                    self._hooks.append(sub.register_forward_pre_hook(hook))
+                    self._owner[id(sub)] = (index, f"{ref.name}.{name}")
+                    self._hooks.append(sub.register_forward_pre_hook(self._check))
 
-    def _check(self, index: int, name: str, module: nn.Module, args: tuple) -> None:
+    def _check(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
             return
+        index, name = self._owner[id(module)]
         planner = self._runtime.planner
         if planner.is_running(index) or planner.is_resident(index):
             return
