@@ -53,3 +53,16 @@ def tiny_wan_dir(tmp_path_factory):
     from dlo.models.tiny_pipelines import save_tiny_wan_pipeline
 
     return save_tiny_wan_pipeline(tmp_path_factory.mktemp("pipelines") / "wan")
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """A fake registration driver standing in for the CUDA driver on the CPU device (records
+    every call, fails where told to)."""
+    from fake_driver import FakeDriver
+
+    from dlo.backend import cuda_registration
+
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: fake)
+    return fake

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from fake_driver import FakeDriver
 
 import dlo
 from dlo.backend import cuda_registration
@@ -17,14 +16,6 @@ from dlo.hotpath.transfer import SyncTransfer
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
-
-
-@pytest.fixture
-def driver(monkeypatch):
-    """The fake stands in for the CUDA driver on the CPU device."""
-    fake = FakeDriver()
-    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: fake)
-    return fake
 
 
 def config(tmp_path, **fields):

@@ -6,22 +6,13 @@ import logging
 
 import pytest
 import torch
-from fake_driver import FakeDriver
 
 import dlo
 from test_checkpoint_mmap import ordinary
-from dlo.backend import cuda_registration
 from dlo.hotpath.transfer import SyncTransfer
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
-
-
-@pytest.fixture
-def driver(monkeypatch):
-    fake = FakeDriver()
-    monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: fake)
-    return fake
 
 
 @pytest.fixture

@@ -135,3 +135,51 @@ def test_a_block_first_used_outside_its_call_in_a_later_call_is_promoted_then():
         model.reach = True
         assert torch.equal(_calls(model, [x])[0], expected_reaching)
         assert handle.stats().resident_blocks == 1
+
+
+def test_a_failed_promotion_changes_nothing_and_a_later_one_succeeds(monkeypatch):
+    """The device runs out of memory for the promoted copy: that call fails, the block keeps
+    streaming, and the next call promotes it and matches resident."""
+    from dlo.hotpath import runtime as runtime_module
+
+    class Reaching(PairsThenBlocks):
+        def forward(self, x):
+            x = super().forward(x)
+            return self.blocks[1].up(x)[..., :8] + x
+
+    torch.manual_seed(4)
+    model = Reaching()
+    x = torch.randn(2, 8)
+    expected = _calls(model, [x])[0]
+    real = runtime_module.aligned_empty
+    failures = []
+
+    def out_of_memory_once(nbytes, device, *args):
+        if not failures:
+            failures.append(nbytes)
+            raise torch.OutOfMemoryError("fake device out of memory")
+        return real(nbytes, device, *args)
+
+    monkeypatch.setattr(runtime_module, "aligned_empty", out_of_memory_once)
+    with dlo.enable(model, "cpu") as handle:
+        with pytest.raises(torch.OutOfMemoryError):
+            _calls(model, [x])
+        assert handle.stats().resident_blocks == 0 and not handle._runtime.planner.is_resident(1)
+        assert torch.equal(_calls(model, [x])[0], expected)
+        assert handle.stats().resident_blocks == 1
+
+
+def test_a_submodule_shared_by_every_block_is_not_probed():
+    """One activation module reached from every block holds no weights: nothing to promote."""
+    torch.manual_seed(5)
+    model = PairsThenBlocks()
+    act = nn.GELU()
+    for block in model.blocks:
+        block.act = act  # registered in every block, called by none of them here
+    x = torch.randn(2, 8)
+    expected = _calls(model, [x])[0]
+    with dlo.enable(model, "cpu") as handle:
+        act(x)  # outside every block's call
+        assert torch.equal(_calls(model, [x])[0], expected)
+        assert handle.stats().resident_blocks == 0
+    assert len(act._forward_pre_hooks) == 0

@@ -220,10 +220,10 @@ def enable(
         if host_plan is not None:
             bound_plan = BoundPlan(host_plan)  # See [Note: plan hand-off]
             undo.callback(bound_plan.release)
-            bound_plan.bind(module, device)
-            # Runs after the blocks' and the placement's undos: every tensor then has its
-            # private value before the mapping closes.
+            # Registered before bind(), which may fail halfway; runs after the blocks' and the
+            # placement's undos: every tensor then has its private value before the mapping closes.
             undo.callback(bound_plan.give_back, module)
+            bound_plan.bind(module, device)
             if gather_group is None:  # all-gather mode copies the shards out and closes the mapping
                 bound_plan.register(config, device)
         blocks = [collect_block(ref) for ref in streamed_refs]

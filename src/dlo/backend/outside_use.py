@@ -39,11 +39,24 @@ class OutsideUseProbe:
         # One hook function for every submodule, its block looked up by the module's id: under
         # torch.compile the hook is inlined into the block's graph, where it returns at once,
         # and a per-module closure would give dynamo a different constant to guard on per block.
+        # Submodules shared by several blocks, or holding no tensors, need no block's weights.
         self._owner: dict[int, tuple[int, str]] = {}
+        shared: set[int] = set()
         for index, ref in enumerate(refs):
             for name, sub in ref.module.named_modules():
-                if sub is not ref.module:
-                    self._owner[id(sub)] = (index, f"{ref.name}.{name}")
+                holds_tensors = any(True for _ in sub.parameters()) or any(True for _ in sub.buffers())
+                if sub is ref.module or not holds_tensors:
+                    continue
+                if id(sub) in self._owner and self._owner[id(sub)][0] != index:
+                    shared.add(id(sub))
+                self._owner.setdefault(id(sub), (index, f"{ref.name}.{name}"))
+        for key in shared:
+            del self._owner[key]
+        hooked: set[int] = set()  # one hook per module, however many names reach it
+        for ref in refs:
+            for sub in ref.module.modules():
+                if id(sub) in self._owner and id(sub) not in hooked:
+                    hooked.add(id(sub))
                     self._hooks.append(sub.register_forward_pre_hook(self._check))
 
     def _check(self, module: nn.Module, args: tuple) -> None:

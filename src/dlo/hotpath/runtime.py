@@ -126,7 +126,8 @@ class StreamingRuntime:
                 f"block {block.name!r} is needed outside its own call, which all-gather mode cannot serve (every "
                 "load is a collective in plan order): keep it resident (resident_layers) or use rank-local mode"
             )
-        self.planner.promote(index)
+        if self.planner.is_running(index):
+            raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
         memory = aligned_empty(block.layout.nbytes, self.transfer.device)
         if isinstance(source, PackedSource):
             memory.copy_(source.host.tensor)
@@ -135,6 +136,12 @@ class StreamingRuntime:
             for task in source.copy_tasks(block.layout, packed):
                 task.run()
             memory.copy_(packed)
+        # Only now that nothing can fail: the planner drops the block's slot (after any staged
+        # load into it has been issued, so the stager never writes it later).
+        slot = self.planner.slot_of(index)
+        if slot is not None:
+            self._finish_staged(slot)
+        self.planner.promote(index)
         self.promoted[index] = memory
         block.point_at(tuple(view_placement(memory, p) for p in block.layout.placements))
         return block.layout.nbytes
@@ -179,6 +186,10 @@ class StreamingRuntime:
         assert self._cursor is not None
         if self._cursor < len(self.blocks):
             self._leave_schedule()
+            # Every rank must issue the same first loads: a rank that ended early may hold
+            # other blocks in its slots than its peers, so it forgets them (peers reload the
+            # next call's first blocks anyway when there are more blocks than slots).
+            self.planner.forget(*range(len(self.slots)))
         self._cursor = None
         self._next_agreement = self._issue_agreement(preload=True)
 

@@ -30,7 +30,7 @@ import dlo
 from dlo.config import Topology
 from dlo.host.preflight import Fallback
 
-SCHEMA_VERSION = 2  # 2: the load identity names the config and the checkpoint files
+SCHEMA_VERSION = 3  # 2: the load identity names the config and the checkpoint files; 3: and their ctime
 CONTENT = "content"  # the identity's one field a warm start cannot know
 _KEY = re.compile(r"[0-9a-f]{64}")
 
@@ -75,12 +75,13 @@ def code_hash(model_class: type) -> str:
 
 
 def checkpoint_files(directory: Path) -> list[list]:
-    """[name, size, mtime_ns, device, inode] of every file the ordinary loader reads."""
+    """[name, size, mtime_ns, ctime_ns, device, inode] of every file the ordinary loader reads."""
     files = []
     for path in sorted(Path(directory).resolve().iterdir()):
         if path.is_file() and path.suffix in (".safetensors", ".json"):
             info = path.stat()
-            files.append([path.name, info.st_size, info.st_mtime_ns, info.st_dev, info.st_ino])
+            # ctime too: a rewrite that keeps size and mtime (cp -p, rsync --inplace -t) changes it
+            files.append([path.name, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_dev, info.st_ino])
     return files
 
 
