@@ -12,8 +12,11 @@ from its host copy) and stays resident: that call and every later one compute ex
 the resident model computes. The hook is one bound method for every submodule, checking two
 planner lookups (about a microsecond a call); under torch.compile it returns at once while
 dynamo traces, so a compiled block's graph is the resident one's, and the hooks stay for the
-handle's life: removing them would make dynamo recompile. In all-gather mode a block cannot be
-promoted (every load is a collective), so the probe raises StreamingError naming the module.
+handle's life: removing them would make dynamo recompile. Not served: under whole-model
+compilation (`torch.compile(model)`) an outside use is traced, not run, so the probe cannot
+promote the block there and dynamo fails on its empty placeholders; one eager call first
+promotes it (then the compiled calls are exact). In all-gather mode a block cannot be promoted
+(every load is a collective), so the probe raises StreamingError naming the module.
 """
 
 from __future__ import annotations
