@@ -174,4 +174,4 @@ def test_a_ten_byte_transformer_checkpoint_is_reported_truncated(tmp_path, capsy
     capsys.readouterr()
     assert main(command) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dlo")]
-    assert line.startswith(f"dlo: error: {weights}: truncated: header length ") and "10-byte file" in line
+    assert line.startswith(f"dlo: error: transformer: {weights}: truncated: header length ") and "10-byte file" in line
