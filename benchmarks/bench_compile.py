@@ -68,7 +68,6 @@ from bench_streaming import (
     check_run_args,
     environment,
     release,
-    synchronize,
     timed_forwards,
     to_device,
 )
