@@ -97,6 +97,16 @@ def test_help_explains_prompt_and_seed(capsys):
     assert "--seed SEED seed of the initial noise; same seed, same output (default: 0)" in text
 
 
+@pytest.mark.parametrize("action", ["verify", "rm"])
+def test_cache_help_explains_key(action, capsys):
+    with pytest.raises(SystemExit):
+        main(["cache", action, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "KEY an entry's key, or a unique prefix of it as `ls` shows" in text or (
+        "KEY the entry's key, or a unique prefix of it as `ls` shows" in text
+    )
+
+
 @pytest.fixture
 def hub_cache(tiny_flux_dir, tmp_path):
     """A Hugging Face cache laid out as the hub writes it, holding org/tiny-flux at revision

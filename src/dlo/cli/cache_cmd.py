@@ -44,9 +44,11 @@ def add_parser(commands) -> None:
         "ls", parents=[common], help="key, model, size, last used, in use by N; and leftovers gc would remove"
     )
     verify = actions.add_parser("verify", parents=[common], help="re-hash entries (all, or KEY)")
-    verify.add_argument("key", nargs="?", metavar="KEY")
+    verify.add_argument(
+        "key", nargs="?", metavar="KEY", help="an entry's key, or a unique prefix of it as `ls` shows (default: every entry)"
+    )
     remove = actions.add_parser("rm", parents=[common], help="remove an entry nobody uses")
-    remove.add_argument("key", metavar="KEY")
+    remove.add_argument("key", metavar="KEY", help="the entry's key, or a unique prefix of it as `ls` shows")
     remove.add_argument("--force", action="store_true", help="wait until no process uses it, then remove it")
     wait = f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
     remove.add_argument("--timeout", type=float, metavar="S", help=wait)
