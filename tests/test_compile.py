@@ -154,6 +154,18 @@ def test_regional_compile_modes_dlo_cannot_serve_are_refused(tiny_pair, options,
             outputs(streamed, entry, seeds=[1])
 
 
+def test_cuda_graphs_are_refused_where_the_compiled_callable_does_not_know_its_config(tiny_pair):
+    """torch 2.11's compiled callables answer None from get_compiler_config (seen on the H200);
+    the refusal must then come from the backend of the compile context they close over."""
+    _, streamed, entry = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu"):
+        streamed.compile_repeated_blocks(mode="reduce-overhead")
+        for block in streamed.blocks:
+            block._compiled_call_impl.get_compiler_config = lambda: None
+        with pytest.raises(dlo.StreamingError, match="reduce-overhead"):
+            outputs(streamed, entry, seeds=[1])
+
+
 def test_whole_model_cuda_graphs_are_refused(tiny_pair):
     _, streamed, entry = tiny_pair("wan")
     compiled = torch.compile(streamed, mode="reduce-overhead")

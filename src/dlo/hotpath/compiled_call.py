@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _TorchDynamoContext
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 from dlo.errors import StreamingError
@@ -179,10 +180,32 @@ def _backend(callback: object) -> object:
     return callback
 
 
+def _compiler_config(compiled: object) -> object:
+    """Inductor's config for a compiled callable or backend: its mode's and options' patches
+    over the global config (None: not inductor). torch 2.13 answers from the callable's
+    `get_compiler_config`; torch 2.11's answers None there, and only the backend of the
+    compile context in the callable's closure knows."""
+    get = getattr(compiled, "get_compiler_config", None)
+    config = get() if callable(get) else None
+    if config is None:
+        contexts = (cell.cell_contents for cell in getattr(compiled, "__closure__", None) or () if _filled(cell))
+        context = next((c for c in contexts if isinstance(c, _TorchDynamoContext)), None)
+        get = getattr(_backend(context.callback), "get_compiler_config", None) if context is not None else None
+        config = get() if callable(get) else None
+    return config
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not assigned yet
+        return False
+    return True
+
+
 def _vet(compiled: object, what: str) -> None:
     """Refuse what a streamed block cannot be compiled with. See [Note: compiled blocks]"""
-    get = getattr(compiled, "get_compiler_config", None)
-    config = get() if callable(get) else None  # inductor's: its mode's and options' patches over the global config
+    config = _compiler_config(compiled)
     if isinstance(config, dict):
         if config.get("triton.cudagraphs"):
             raise StreamingError(
