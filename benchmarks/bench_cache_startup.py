@@ -18,6 +18,7 @@ import os
 import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ def main() -> None:
     ordinary_s, model = timed(lambda: ordinary_load(model_dir, dtype, args.fuse_qkv))
     tensors = dict(model.state_dict())
     hashed = sum(t.numel() * t.element_size() for t in tensors.values())
-    hash_s, _ = timed(lambda: content_digest(tensors))
+    hash_s, _ = timed(partial(content_digest, tensors))
     del model, tensors
     config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(cache_dir))
 
