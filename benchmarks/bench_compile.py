@@ -22,10 +22,7 @@ dynamo's counters over the variant (graphs compiled, recompiles, graph breaks: s
 dlo.hotpath.compiled_call.CompileWatch). "x resident" is the median over resident+regional's;
 "first call x" is the first call over the resident first call of the same compilation kind
 (resident+regional for regional rows and diffusers, resident+full for dlo+full). Outputs are
-compared with torch.equal to the reference named above. Inductor times candidate kernels and
-keeps the fastest (Triton configs of reductions; GEMMs under max-autotune), so two compilations
-of one model can pick different kernels and differ in the last bits whether or not dlo is in
-between: --deterministic picks without timing, for a bit-for-bit comparison.
+compared with torch.equal to the reference named above.
 
 On the GPU machine, from the repository root (diffusers comes from the wheels in .whl/):
 
@@ -55,7 +52,6 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-import torch._inductor.config
 from torch import nn
 from torch._inductor.utils import fresh_inductor_cache
 
@@ -244,11 +240,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards after the first call (default: 1)")
     parser.add_argument("--iters", type=int, default=3, help="timed forwards per variant (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1")
-    parser.add_argument(
-        "--deterministic", action="store_true",
-        help="inductor's deterministic mode: kernels chosen without timing them, so two compilations of one "
-        "model pick the same kernels and outputs can be compared bit for bit (default: inductor's autotuning)",
-    )
     out = os.environ.get("OUT")
     parser.add_argument(
         "--json", type=Path, default=Path(out) / "bench_compile.json" if out else None,
@@ -266,12 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     print(" | ".join(f"{k} {v}" for k, v in environment(device).items()), flush=True)
-    print(f"inductor deterministic mode: {args.deterministic}", flush=True)
     chosen = ["resident+regional", *(v for v in args.variants if v != "resident+regional")]
     variants = [v for v in chosen if device.type == "cuda" or v not in SKIPPED_ON_CPU]
     skipped = [v for v in chosen if v not in variants]
     notes = [f"{v} skipped on {device.type}: {SKIPPED_ON_CPU[v]}" for v in skipped]
-    torch._inductor.config.deterministic = args.deterministic
     with torch.inference_mode():  # start inductor's compile workers before any variant is timed
         torch.compile(lambda x: (x * 2).sum())(torch.ones(8, device=device))
     rows: list[Row] = []
@@ -301,9 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             report = {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "environment": environment(device),
-                "settings": {
-                    "warmup": args.warmup, "iters": args.iters, "seed": args.seed, "deterministic": args.deterministic
-                },
+                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed},
                 "notes": notes,
                 "table": markdown_table(rows),
                 "rows": [asdict(r) for r in rows],

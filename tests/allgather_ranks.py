@@ -1,4 +1,4 @@
-"""Scenarios run by every rank of a Gloo group in spawned processes (tests/test_allgather.py).
+"""Scenarios run by every rank of a Gloo group in child processes (tests/test_allgather.py).
 
 Each scenario returns a small picklable result; an exception becomes ("raised", type, text).
 """

@@ -1,6 +1,5 @@
 """All-gather mode across real processes and a Gloo group (SPEC §4)."""
 
-import multiprocessing
 import queue as queue_module
 import sys
 import time
@@ -15,13 +14,14 @@ from dlo.hotpath.gather import GatherRole
 from dlo.planning.block_layout import align_up
 
 sys.path.insert(0, str(Path(__file__).parent))
-import allgather_ranks  # noqa: E402  (spawned ranks import it by name)
+import allgather_ranks  # noqa: E402  (the ranks import it by name)
+from child_processes import child_context  # noqa: E402
 
 TIMEOUT_S = 120  # the harness never waits longer: a hang fails the test
 
 
 def run_ranks(tmp_path, scenario, world, **kwargs):
-    context = multiprocessing.get_context("spawn")
+    context = child_context()
     results = context.Queue()
     rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
     processes = [

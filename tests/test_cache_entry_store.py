@@ -3,7 +3,6 @@ every byte, crash safety, concurrent writers (SPEC §5.2)."""
 
 import fcntl
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -21,6 +20,7 @@ from dlo.host.cache.manifest import MANIFEST, Rejection, RejectionKind
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cache_writers  # noqa: E402
+from child_processes import child_context  # noqa: E402
 
 KEY = digest_of(cache_writers.IDENTITY)  # a manifest's identity must hash to its key
 
@@ -111,7 +111,7 @@ def test_a_held_lock_times_out_without_writing(tmp_path):
 
 
 def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
-    dead = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead = child_context().Process(target=time.sleep, args=(0,))
     dead.start()
     dead.join()
     stale = tmp_path / ".tmp" / f"{KEY}.{dead.pid}.0123"
@@ -123,8 +123,8 @@ def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
     assert not stale.exists() and live.exists() and other_key.exists()
 
 
-def _spawn_writers(root, count):
-    context = multiprocessing.get_context("spawn")
+def _start_writers(root, count):
+    context = child_context()
     queue = context.Queue()
     writers = [context.Process(target=cache_writers.publish, args=(str(root), KEY, queue)) for _ in range(count)]
     for writer in writers:
@@ -133,7 +133,7 @@ def _spawn_writers(root, count):
 
 
 def test_concurrent_publishers_produce_one_entry_that_all_map(tmp_path):
-    writers, queue = _spawn_writers(tmp_path, 4)
+    writers, queue = _start_writers(tmp_path, 4)
     results = [queue.get(timeout=120) for _ in writers]
     for writer in writers:
         writer.join(timeout=30)
@@ -145,7 +145,7 @@ def test_concurrent_publishers_produce_one_entry_that_all_map(tmp_path):
 
 def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(tmp_path):
     randomness = random.Random(7)
-    context = multiprocessing.get_context("spawn")
+    context = child_context()
     caught_mid_write = 0
     for round_ in range(10):
         root = tmp_path / f"round{round_}"

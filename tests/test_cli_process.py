@@ -86,7 +86,9 @@ def _options(command: str) -> set[str]:
 
 
 def test_inspect_takes_only_flags_that_change_what_it_prints():
-    assert _options("inspect") == {"-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers"}
+    assert _options("inspect") == {
+        "-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers", "--resident"
+    }
 
 
 def test_help_explains_prompt_and_seed(capsys):

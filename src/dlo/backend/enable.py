@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 
 import torch
 from torch import nn
 
+from dlo.backend.auto_residency import AutoResidency, residency_budget
 from dlo.backend.block_binding import (
     BlockTensors,
     bind_block,
@@ -31,6 +33,7 @@ from dlo.backend.mapping_registration import NOT_APPLICABLE
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.backend.plan_binding import BoundPlan
 from dlo.config import OffloadConfig
+from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.block_sources import MappedSource
 from dlo.host.host_weight_plan import HostWeightPlan
@@ -42,6 +45,7 @@ from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer, make_transfer
 from dlo.observe.ledger import TransferLedger
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
+from dlo.planning.plan_summary import summarize
 from dlo.planning.tensor_walk import unique_tensors
 
 
@@ -167,6 +171,8 @@ def _resolve_plans(module: nn.Module, plan: object) -> tuple[OffloadPlan, HostWe
 
 
 def _resident_count(config: OffloadConfig, offload_plan: OffloadPlan, refs: list[BlockRef], module: nn.Module) -> int:
+    if config.resident_layers == AUTO:
+        return 0  # every block streams until the measured call; then see [Note: automatic residency]
     count = config.resident_layers
     if count > len(refs):
         raise ConfigError(f"OffloadConfig.resident_layers={count} but {type(module).__name__} has {len(refs)} blocks")
@@ -212,6 +218,9 @@ def enable(
     refs = resolve_blocks(module, offload_plan)
     resident_count = _resident_count(config, offload_plan, refs, module)
     streamed_refs = refs[resident_count:]
+    budget = None
+    if config.resident_layers == AUTO:  # refused here when too small: before anything moves
+        budget = residency_budget(config, summarize(module, offload_plan, config), device)
     pin = config.pin_memory and device.type == "cuda"
 
     started = time.perf_counter()
@@ -241,6 +250,9 @@ def enable(
         gather = BlockGather(gather_group, transfer) if gather_group is not None else None
         direct = bound_plan is not None and bound_plan.direct
         runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct)
+        tuner = None
+        if budget is not None:
+            tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
         undo.pop_all()  # every step succeeded: keep what they did
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
@@ -268,11 +280,33 @@ def enable(
         hooks=hooks,
         managed=[module, *(ref.module for ref in refs)],
         resident_blocks=resident_count,
-        device_weight_bytes=device_weight_bytes + slot_size * len(slots),
+        device_weight_bytes=device_weight_bytes,
         setup_s=time.perf_counter() - started,
         checkpoint=checkpoint,
         backing=_backing(host_plan, gather_group, pin),
         registration=bound_plan.registration if bound_plan is not None else NOT_APPLICABLE,
         probe=probe,
+        residency=tuner,
     )
+
+
+def _auto_residency(
+    runtime: StreamingRuntime,
+    budget: int,
+    device: torch.device,
+    weight_bytes: int,
+    offload_plan: OffloadPlan,
+    streamed_refs: list[BlockRef],
+    config: OffloadConfig,
+) -> AutoResidency:
+    if device.type == "cuda":
+        peak = partial(torch.cuda.max_memory_allocated, device)
+    else:  # no allocator: what dlo keeps on the device (activations are not counted)
+        peak = partial(_cpu_device_bytes, runtime, weight_bytes)
+    eligible = frozenset(i for i, ref in enumerate(streamed_refs) if offload_plan.is_resident_eligible(ref.list_path))
+    return AutoResidency(runtime, budget, peak, weight_bytes, eligible, tuple(sorted({2, 3, 4, config.num_slots})))
+
+
+def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
+    return weight_bytes + sum(s.buffer.numel() for s in runtime.slots) + sum(m.numel() for m in runtime.promoted.values())
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo.backend.auto_residency import AutoResidency
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.config import OffloadConfig
@@ -71,6 +72,7 @@ class OffloadHandle:
         backing: str = "pinned",
         registration: RegistrationOutcome = NOT_APPLICABLE,
         probe: OutsideUseProbe | None = None,
+        residency: AutoResidency | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -89,6 +91,7 @@ class OffloadHandle:
         self._registration = registration
         self._final_stats: OffloadStats | None = None
         self._probe = probe  # See [Note: blocks used outside their call]
+        self._residency = residency  # See [Note: automatic residency]
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
@@ -121,6 +124,8 @@ class OffloadHandle:
             call.keep_installed()
         self._watch_compiles()
         self._runtime.start_call()
+        if self._residency is not None:
+            self._residency.call_starts()
 
     def _watch_compiles(self) -> None:
         watch = self._compile_watch
@@ -140,6 +145,8 @@ class OffloadHandle:
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
+        if self._residency is not None:
+            self._residency.call_ends()
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -157,13 +164,14 @@ class OffloadHandle:
         ledger = runtime.ledger
         ledger.settle()
         registered = self._registration.registration
-        device_weight_bytes = self._device_weight_bytes + sum(m.numel() for m in runtime.promoted.values())
+        slot_bytes = sum(slot.buffer.numel() for slot in runtime.slots)
+        device_weight_bytes = self._device_weight_bytes + slot_bytes + sum(m.numel() for m in runtime.promoted.values())
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             peak = device_weight_bytes
         return OffloadStats(
-            streamed_blocks=len(runtime.blocks),
+            streamed_blocks=len(runtime.blocks) - len(runtime.promoted),
             resident_blocks=self._resident_blocks + len(runtime.promoted),
             bytes_streamed=ledger.bytes_streamed,
             copies=ledger.copies,
@@ -173,7 +181,7 @@ class OffloadHandle:
             demand_loads=runtime.planner.demand_loads,
             peak_device_bytes=peak,
             device_weight_bytes=device_weight_bytes,
-            slot_bytes=sum(slot.buffer.numel() for slot in runtime.slots),
+            slot_bytes=slot_bytes,
             host_bytes=sum(block.source.host_bytes for block in runtime.blocks),
             pinned=any(block.source.pinned for block in runtime.blocks) or registered is not None,
             backing=self._backing,
@@ -189,6 +197,7 @@ class OffloadHandle:
             setup_s=self._setup_s,
             host_memory=read_smaps_rollup(),
             compile=self._compile_stats(),
+            residency=self._residency.report() if self._residency is not None else None,
         )
 
     def _compile_stats(self) -> CompileStats:
@@ -235,9 +244,13 @@ class OffloadHandle:
         for sub in self._managed:
             _MANAGED.pop(sub, None)
         self._hooks.clear()
+        self._streamed_calls.clear()
         self._final_stats = final
         self.state = HandleState.DISABLED
-        self._runtime = None  # type: ignore[assignment]  # drops slots, views and events
+        # Drop every reference to the runtime: its slots, promoted blocks, views and events
+        # are freed now, not when the caller drops this handle.
+        runtime.promoted.clear()
+        self._runtime = self._probe = self._residency = None  # type: ignore[assignment]
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
         return final

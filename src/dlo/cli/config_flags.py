@@ -9,6 +9,7 @@ import torch
 
 from dlo.backend.device import resolve_device
 from dlo.config import OffloadConfig
+from dlo.config.offload_config import AUTO
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,13 +31,21 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
     for spec in dataclasses.fields(OffloadConfig):
         if only is not None and spec.name not in only:
             continue
-        flag = "--" + spec.name.replace("_", "-")
-        help_text = f"{spec.metadata['help']} (default: {spec.default})"
+        flags = ["--" + spec.name.replace("_", "-"), *spec.metadata.get("aliases", ())]
+        help_text = f"{spec.metadata['help']} (default: {'unset' if spec.default is None else spec.default})"
         if spec.type in (bool, "bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}[spec.type if isinstance(spec.type, str) else spec.type.__name__]
-            group.add_argument(flag, type=kind, default=spec.default, metavar=spec.name.upper(), help=help_text)
+            kind = _FLAG_TYPES[spec.type if isinstance(spec.type, str) else spec.type.__name__]
+            group.add_argument(*flags, type=kind, default=spec.default, metavar=spec.name.upper(), help=help_text)
+
+
+def _int_or_auto(text: str) -> int | str:
+    return text if text == AUTO else int(text)
+
+
+# OffloadConfig field annotations -> how a flag's text is parsed (the config validates the value).
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "int | str": _int_or_auto, "float | None": float}
 
 
 def config_from_flags(args: argparse.Namespace) -> OffloadConfig:

@@ -26,6 +26,7 @@ from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_resident_layers
 from dlo.cli.output_path import check_writable
 from dlo.cli.weight_bytes import payload_bytes
+from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
 
@@ -90,7 +91,8 @@ def run_demo(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    compile_resident_like_streamed(reference, compile_how, config.resident_layers)
+    leading = 0 if config.resident_layers == AUTO else config.resident_layers
+    compile_resident_like_streamed(reference, compile_how, leading)
     resident = denoise(reference.to(device), entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
@@ -126,6 +128,18 @@ def _backing(stats: OffloadStats) -> str:
     return f"{human_bytes(stats.host_bytes)} private, {stats.backing}"
 
 
+def _residency(stats: OffloadStats) -> str:
+    chosen = stats.residency
+    budget = f"budget {human_bytes(chosen.budget_bytes)}"
+    if chosen.state != "planned":
+        return f"{chosen.state}, {budget}" + (f": {chosen.note}" if chosen.note else "")
+    measured = f", measured {chosen.measured_call_s * 1e3:.2f} ms" if chosen.measured_call_s is not None else ""
+    return (
+        f"{len(chosen.resident)} blocks resident, {chosen.num_slots} slots, {budget}; "
+        f"predicted {chosen.predicted_call_s * 1e3:.2f} ms per call{measured}"
+    )
+
+
 def render(result: DemoResult) -> str:
     stats, steps = result.stats, len(result.streamed.step_s)
     memory = "peak device memory" if result.device.type == "cuda" else "device weight memory"
@@ -143,6 +157,8 @@ def render(result: DemoResult) -> str:
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],
     ]
+    if stats.residency is not None:
+        rows.append(["resident_layers='auto'", "-", _residency(stats)])
     if stats.compile.graphs:
         counts = stats.compile
         compiled = f"{counts.graphs} graphs, {counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"

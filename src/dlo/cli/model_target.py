@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dlo.config import OffloadConfig
+from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import find_transformer_dir, read_model_config
 from dlo.host.loader import model_class
@@ -42,7 +43,10 @@ def build_on_meta(target: str) -> nn.Module:
 
 def check_resident_layers(meta_module: nn.Module, config: OffloadConfig, name: str) -> None:
     """Refuse `--resident-layers` beyond the leading blocks the plan lets stay resident, counted
-    on the meta module: before any weight is built or loaded."""
+    on the meta module: before any weight is built or loaded. ('auto' chooses among the
+    eligible blocks itself.)"""
+    if config.resident_layers == AUTO:
+        return
     plan = discover(meta_module)
     refs = resolve_blocks(meta_module, plan)
     eligible = 0

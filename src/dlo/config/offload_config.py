@@ -30,6 +30,9 @@ class CacheVerify(enum.Enum):
     FULL = "full"  # hash every byte
 
 
+AUTO = "auto"  # resident_layers: chosen from measured costs under a memory budget
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """How dlo streams a module's blocks. Each field's `help` metadata is its documentation
@@ -42,9 +45,21 @@ class OffloadConfig:
             "copy with one block's compute, N copy N-1 blocks ahead"
         },
     )
-    resident_layers: int = field(
+    resident_layers: int | str = field(
         default=0,
-        metadata={"help": "keep the first N blocks (execution order) on the device, never streamed"},
+        metadata={
+            "help": "keep the first N blocks (execution order) on the device, never streamed; 'auto': measure the "
+            "first calls, then keep the blocks (any of them) and slot count that run fastest within hbm_budget_gib",
+            "aliases": ("--resident",),
+        },
+    )
+    hbm_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "with resident_layers='auto': GiB of device memory the module may use at its peak (weights, "
+            "slots and activations); unset: what the device has free at enable() plus what this process "
+            "already holds"
+        },
     )
     pin_memory: bool = field(
         default=True,
@@ -113,7 +128,25 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)
-        _require_int("resident_layers", self.resident_layers, minimum=0)
+        if isinstance(self.resident_layers, str) and self.resident_layers != AUTO:
+            raise ConfigError(f"OffloadConfig.resident_layers must be an int >= 0 or 'auto', got {self.resident_layers!r}")
+        if self.resident_layers != AUTO:
+            _require_int("resident_layers", self.resident_layers, minimum=0)
+        budget = self.hbm_budget_gib
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+                raise ConfigError(f"OffloadConfig.hbm_budget_gib must be a finite number > 0 or None, got {budget!r}")
+            if self.resident_layers != AUTO:
+                raise ConfigError(
+                    f"OffloadConfig.hbm_budget_gib={budget} is the budget of resident_layers='auto'; set "
+                    f"resident_layers='auto' (now {self.resident_layers!r}), or leave hbm_budget_gib unset"
+                )
+        if self.resident_layers == AUTO and self.use_allgather:
+            raise ConfigError(
+                "OffloadConfig.resident_layers='auto' needs rank-local mode: in all-gather mode every load is a "
+                "collective in plan order and blocks cannot change residency. Set use_allgather=False, or "
+                "resident_layers to a number"
+            )
         _require_bool("pin_memory", self.pin_memory)
         _require_bool("record_timeline", self.record_timeline)
         _require_bool("use_allgather", self.use_allgather)

@@ -52,18 +52,36 @@ class StreamingRuntime:
         self._next_agreement: Agreement | None = None
         self._plan_digest = plan_digest(len(self.slots), self.blocks)
         self.pack_s = 0.0
-        # Views of every block in every slot, made once: the hot path only assigns `.data`,
-        # and views made here are ordinary tensors even when calls run in inference mode.
-        self._views = [
-            [tuple(view_placement(slot.buffer, p) for p in block.layout.placements) for block in self.blocks]
-            for slot in self.slots
-        ]
-        # Registered mapping: each (slot, block)'s per-tensor copies, made once like the views.
-        self._direct = [[_direct_tasks(b, slot) for b in self.blocks] for slot in self.slots] if direct else None
-        self._copy_end: list[Any] = [None] * len(self.slots)
+        self._direct_copies = direct
+        self._use_slots(self.slots)
         self._staged: dict[int, list[tuple[str, int, Future[StagedCopy]]]] = {}
         self._compute_start: dict[int, Any] = {}
         self.promoted: dict[int, torch.Tensor] = {}  # block index -> its own device memory
+
+    def _use_slots(self, slots: Sequence[DeviceSlot]) -> None:
+        self.slots = tuple(slots)
+        # Views of every block in every slot, made once: the hot path only assigns `.data`,
+        # and views made here are ordinary tensors even when calls run in inference mode.
+        # None: a resident block larger than slots sized for the streamed ones.
+        self._views = [
+            [
+                tuple(view_placement(slot.buffer, p) for p in block.layout.placements)
+                if block.layout.nbytes <= slot.buffer.numel()
+                else None
+                for block in self.blocks
+            ]
+            for slot in self.slots
+        ]
+        # Registered mapping: each (slot, block)'s per-tensor copies, made once like the views.
+        self._direct = (
+            [
+                [_direct_tasks(b, slot) if b.layout.nbytes <= slot.buffer.numel() else [] for b in self.blocks]
+                for slot in self.slots
+            ]
+            if self._direct_copies
+            else None
+        )
+        self._copy_end: list[Any] = [None] * len(self.slots)
 
     def before_block(self, index: int) -> None:
         if torch.is_grad_enabled():
@@ -102,7 +120,7 @@ class StreamingRuntime:
             self.planner.forget(*touched)
             block.point_at(block.placeholders)
             raise
-        if self.ledger.records_timeline:
+        if self.ledger.times_blocks:
             self._compute_start[index] = self.transfer.mark()
 
     def after_block(self, index: int) -> None:
@@ -112,8 +130,8 @@ class StreamingRuntime:
         block = self.blocks[index]
         self.transfer.mark_free(self.slots[slot_index])
         block.point_at(block.placeholders)
-        if self.ledger.records_timeline:
-            self.ledger.computed(block.name, self._compute_start.pop(index), self.transfer.mark())
+        if index in self._compute_start:
+            self.ledger.computed(index, block.name, self._compute_start.pop(index), self.transfer.mark())
 
     def promote(self, index: int) -> int:
         """Keep block `index` on the device from now on, in memory of its own laid out like a
@@ -145,6 +163,38 @@ class StreamingRuntime:
         self.promoted[index] = memory
         block.point_at(tuple(view_placement(memory, p) for p in block.layout.placements))
         return block.layout.nbytes
+
+    def demote(self, index: int) -> int:
+        """Stream block `index` again from its next use; its own device memory is freed once
+        the device finished what is queued on it. Between calls. Returns the bytes freed."""
+        block = self.blocks[index]
+        if index not in self.promoted:
+            raise StreamingError(f"streamed block {block.name!r} is not resident")
+        if not self.slots or self._views[0][index] is None:
+            raise StreamingError(f"streamed block {block.name!r} does not fit the slots: replace_slots() first")
+        self.transfer.synchronize()
+        memory = self.promoted.pop(index)
+        self.planner.demote(index)
+        block.point_at(block.placeholders)
+        return memory.numel()
+
+    def replace_slots(self, count: int, nbytes: int) -> None:
+        """Stream through `count` new slots of `nbytes` each (0: every block is to be
+        promoted before the next call). Between calls: the old slots are dropped after the device finished every
+        copy and kernel using them, and before the new ones are allocated (a memory budget
+        holds one set). If allocating fails, slots of the old shape are allocated again."""
+        old_count, old_bytes = len(self.slots), (self.slots[0].buffer.numel() if self.slots else 0)
+        self.drain()
+        self.transfer.synchronize()
+        self.planner.resize(count)  # first: it refuses a count it cannot serve
+        self._use_slots(())
+        try:
+            slots = [self.transfer.allocate_slot(nbytes) for _ in range(count)]
+        except BaseException:
+            self.planner.resize(old_count)
+            self._use_slots([self.transfer.allocate_slot(old_bytes) for _ in range(old_count)])
+            raise
+        self._use_slots(slots)
 
     def drain(self) -> None:
         """Wait for every queued staged load (before synchronizing or tearing down)."""

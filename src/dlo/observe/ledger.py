@@ -45,6 +45,7 @@ class _Record:
     start: Any
     end: Any
     nbytes: int = 0
+    block: int | None = None  # compute records while blocks are measured: the block's index
 
 
 class TransferLedger:
@@ -58,6 +59,14 @@ class TransferLedger:
         self.copy_s = 0.0
         self.exposed_copy_s = 0.0
         self.timeline: list[Interval] = []
+        # Per-block compute seconds, summed while `measuring_blocks` (automatic residency).
+        self.measuring_blocks = False
+        self.block_compute_s: dict[int, float] = {}
+
+    @property
+    def times_blocks(self) -> bool:
+        """Whether the hot path should mark each block's compute."""
+        return self.records_timeline or self.measuring_blocks
 
     def copied(self, name: str, nbytes: int, start: Any, end: Any) -> None:
         self.bytes_streamed += nbytes
@@ -68,9 +77,9 @@ class TransferLedger:
         """The compute stream reached `arrive` and then waited for a copy ending at `copy_end`."""
         self._queue(_Record("wait", name, arrive, copy_end))
 
-    def computed(self, name: str, start: Any, end: Any) -> None:
-        if self.records_timeline:
-            self._queue(_Record("compute", name, start, end))
+    def computed(self, index: int, name: str, start: Any, end: Any) -> None:
+        if self.times_blocks:
+            self._queue(_Record("compute", name, start, end, block=index if self.measuring_blocks else None))
 
     def settle(self) -> None:
         """Account every queued record whose marks completed, oldest first."""
@@ -93,5 +102,7 @@ class TransferLedger:
             self.copy_s += duration
             if not self._transfer.overlaps_compute:
                 self.exposed_copy_s += duration
+        if record.block is not None:
+            self.block_compute_s[record.block] = self.block_compute_s.get(record.block, 0.0) + duration
         if self.records_timeline:
             self.timeline.append(Interval(record.kind, record.name, seconds(self._origin, record.start), duration))

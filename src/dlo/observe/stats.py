@@ -22,9 +22,36 @@ class CompileStats:
 
 
 @dataclass(frozen=True)
+class ResidencyStats:
+    """resident_layers='auto' (see [Note: automatic residency]). state: "measuring" until the
+    measured call ended, then "planned", or "kept" when no plan was applied (`note` says why).
+    budget_bytes: the device memory the module may use at its peak. activation_bytes: the
+    measured call's peak minus the weights and slots on the device then. resident: the
+    blocks chosen (names, execution order); num_slots / slot_bytes: the slots streaming the
+    rest. predicted_call_s: the model's seconds per call for that choice; measured_call_s:
+    the median of the calls since (None before one ran). link_gbps / block_compute_s: what
+    the measured call gave the model (per block, execution order)."""
+
+    state: str
+    budget_bytes: int
+    activation_bytes: int | None = None
+    resident: tuple[str, ...] = ()
+    num_slots: int | None = None
+    slot_bytes: int | None = None
+    predicted_call_s: float | None = None
+    measured_call_s: float | None = None
+    link_gbps: float | None = None
+    block_compute_s: tuple[float, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class OffloadStats:
     """Counters since `enable()`.
 
+    streamed_blocks / resident_blocks: the blocks streamed now, and those on the device for
+        good (resident_layers, blocks used outside their call, resident_layers='auto''s
+        choice); together every block of the plan.
     bytes_streamed / copies: block copies into device slots (prefetched or on demand).
     copy_s: summed duration of those copies; h2d_gbps = bytes_streamed / copy_s / 1e9.
     exposed_copy_s: time the compute stream waited for a block that had not landed yet,
@@ -52,6 +79,7 @@ class OffloadStats:
     host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
         when stats() was called; None where /proc is not available.
     compile: torch.compile activity since enable() (see CompileStats).
+    residency: what resident_layers='auto' measured and chose (None otherwise).
     """
 
     streamed_blocks: int
@@ -80,3 +108,4 @@ class OffloadStats:
     setup_s: float
     host_memory: HostMemory | None
     compile: CompileStats = CompileStats()
+    residency: ResidencyStats | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dlo.config import OffloadConfig
+from dlo.config.offload_config import AUTO
 from dlo.planning.block_layout import TensorSpec, plan_block_layout
 from dlo.planning.offload_plan import OffloadPlan, resolve_blocks
 from dlo.planning.tensor_walk import unique_tensors
@@ -66,7 +67,7 @@ def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None
         class_name=type(module).__name__,
         plan=plan,
         blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module)) for r in refs),
-        resident_blocks=min(config.resident_layers, len(refs)),
+        resident_blocks=0 if config.resident_layers == AUTO else min(config.resident_layers, len(refs)),
         non_block_bytes=sum(o.tensor.numel() * o.tensor.element_size() for o in rest),
         num_slots=config.num_slots,
     )

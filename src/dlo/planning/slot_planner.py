@@ -91,6 +91,22 @@ class SlotPlanner:
             self._block_in_slot[slot] = None
         self._resident.add(block)
 
+    def demote(self, block: int) -> None:
+        """`block` is streamed again from its next use (loaded on demand or prefetched)."""
+        self._resident.discard(block)
+
+    def resize(self, num_slots: int) -> None:
+        """A new set of `num_slots` empty slots (between calls: nothing may be running).
+        Residency, the learned order and the counters stay."""
+        if num_slots == 1 or num_slots < 0:
+            raise ValueError(f"need num_slots >= 2, or 0 when every block is to be resident, got {num_slots}")
+        if any(self._active):
+            raise StreamingError("the slots cannot be replaced while a streamed block is running")
+        self.num_slots = num_slots
+        self._block_in_slot = [None] * num_slots
+        self._active = [False] * num_slots
+        self._last_use = [0] * num_slots
+
     def begin(self, block: int) -> BlockStart:
         if self._previous is not None and not self._lockstep:
             self._successor[self._previous] = block
@@ -101,6 +117,8 @@ class SlotPlanner:
         if slot is not None and self._active[slot]:
             raise StreamingError(f"streamed block {block} was entered again while it is still running")
         if slot is None:
+            if self.num_slots == 0:
+                raise StreamingError(f"streamed block {block} is not resident and the slots were dropped")
             slot = self._victim(keep=())
             if slot is None:
                 raise StreamingError(

@@ -1,0 +1,236 @@
+"""resident_layers='auto': measure one call, choose the resident blocks and slots under the
+memory budget, apply the choice between two calls. See [Note: automatic residency]
+
+[Note: residency budget]
+The budget is the device memory the module may use at its peak: weights on the device,
+slots and activations. `hbm_budget_gib`, or unset: on CUDA, what the device had free at
+enable() plus what this process's allocator held then; on the CPU it must be given (no
+allocator to ask; activations are not counted there). enable() refuses a budget below the
+non-block parts plus `num_slots` slots of the largest block before it moves anything.
+
+The activations are measured, not guessed: the first call warms up (compilation, library
+workspaces), the second is measured with every block streamed. Its peak (CUDA:
+`max_memory_allocated` since enable) minus the slots on the device is what the rest of the
+model and its activations take; the blocks and slots may use the budget minus that, less
+`HEADROOM` of the budget for allocator rounding and call-to-call variation. The choice is
+made once, at the end of the measured call, and applied before the next one: never in the
+middle of a call.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dlo.config import OffloadConfig
+from dlo.errors import ConfigError
+from dlo.hotpath.runtime import StreamingRuntime
+from dlo.observe.stats import ResidencyStats
+from dlo.planning.plan_summary import PlanSummary
+from dlo.planning.residency import BlockCost, ResidencyChoice, choose_residency
+
+logger = logging.getLogger(__name__)
+
+WARMUP_CALLS = 1  # calls before the measured one
+HEADROOM = 0.02  # of the budget
+_TIMED_CALLS = 16  # calls after the plan whose median stats() reports
+
+
+def residency_budget(config: OffloadConfig, summary: PlanSummary, device: torch.device) -> int:
+    """The budget in bytes (see [Note: residency budget]); refuses one below what streaming
+    needs before activations. Before anything moves."""
+    if config.hbm_budget_gib is not None:
+        budget = int(config.hbm_budget_gib * 2**30)
+        given = f"OffloadConfig.hbm_budget_gib={config.hbm_budget_gib}"
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free + torch.cuda.memory_reserved(device)
+        given = f"the {budget / 2**30:.2f} GiB free on {device}"
+    else:
+        raise ConfigError(
+            "OffloadConfig.resident_layers='auto' on the CPU needs hbm_budget_gib: there is no device allocator to ask"
+        )
+    largest = summary.largest_block.nbytes if summary.largest_block is not None else 0
+    if budget < summary.device_weight_bytes:
+        raise ConfigError(
+            f"{given} is below the {summary.device_weight_bytes / 2**30:.2f} GiB that streaming "
+            f"{summary.class_name} needs before activations ({summary.non_block_bytes / 2**30:.2f} GiB of non-block "
+            f"parts + {summary.num_slots} slots of {largest / 2**30:.2f} GiB); raise hbm_budget_gib or lower num_slots"
+        )
+    return budget
+
+
+class AutoResidency:
+    def __init__(
+        self,
+        runtime: StreamingRuntime,
+        budget_bytes: int,
+        peak_bytes: Callable[[], int],
+        weight_bytes: int,
+        candidates: frozenset[int],
+        slot_counts: tuple[int, ...],
+    ) -> None:
+        """`peak_bytes`: the device's peak since enable(). `weight_bytes`: the non-streamed
+        parts on the device. `candidates`: blocks that may be resident (the plan's
+        resident-eligible lists)."""
+        self._runtime = runtime
+        self.budget_bytes = budget_bytes
+        self._peak_bytes = peak_bytes
+        self._weight_bytes = weight_bytes
+        self._candidates = candidates
+        self._slot_counts = slot_counts
+        self._calls = 0
+        self._call_start: Any = None
+        self._baseline: tuple[int, float, float] | None = None
+        self._timed: deque[tuple[Any, Any]] = deque(maxlen=_TIMED_CALLS)
+        self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
+
+    def call_starts(self) -> None:
+        runtime = self._runtime
+        if self._report.state == "measuring" and self._calls >= WARMUP_CALLS:
+            runtime.drain()
+            runtime.transfer.synchronize()
+            ledger = runtime.ledger
+            ledger.settle()
+            self._baseline = (ledger.bytes_streamed, ledger.copy_s, ledger.exposed_copy_s)
+            ledger.block_compute_s.clear()
+            ledger.measuring_blocks = True
+        if self._calls >= WARMUP_CALLS:
+            self._call_start = runtime.transfer.mark()
+
+    def call_ends(self) -> None:
+        self._calls += 1
+        if self._call_start is None:
+            return
+        start, self._call_start = self._call_start, None
+        end = self._runtime.transfer.mark()
+        if self._report.state == "measuring":
+            self._plan(start, end)
+        else:
+            self._timed.append((start, end))
+
+    def report(self) -> ResidencyStats:
+        """After the device was synchronized (stats() does)."""
+        report = self._report
+        if not self._timed:
+            return report
+        seconds = [self._runtime.transfer.seconds_between(start, end) for start, end in self._timed]
+        return ResidencyStats(**{**vars(report), "measured_call_s": statistics.median(seconds)})
+
+    def _plan(self, start: Any, end: Any) -> None:
+        runtime = self._runtime
+        ledger = runtime.ledger
+        runtime.drain()
+        runtime.transfer.synchronize()
+        ledger.settle()
+        ledger.measuring_blocks = False
+        streamed = [i for i in range(len(runtime.blocks)) if i not in runtime.promoted]
+        if any(i not in ledger.block_compute_s for i in streamed):  # the call raised, or skipped blocks
+            return  # measured again next call
+        assert self._baseline is not None
+        copied = ledger.bytes_streamed - self._baseline[0]
+        copy_s = ledger.copy_s - self._baseline[1]
+        exposed_s = ledger.exposed_copy_s - self._baseline[2]
+        call_s = runtime.transfer.seconds_between(start, end)
+        # Blocks promoted before the plan (used outside their call) are not planned: their
+        # memory counts as the rest of the model's, their compute as the time between blocks.
+        sizes = [runtime.blocks[i].layout.nbytes for i in streamed]
+        measured = [ledger.block_compute_s[i] for i in streamed]
+        costs = _per_class(sizes, measured)
+        between_s = max(0.0, call_s - sum(measured) - exposed_s)
+        peak = self._peak_bytes()
+        slots_now = sum(slot.buffer.numel() for slot in runtime.slots)
+        activation_bytes = max(0, peak - slots_now - self._weight_bytes - _promoted_bytes(runtime))
+        available = int(self.budget_bytes * (1 - HEADROOM)) - (peak - slots_now)
+        # No copies measured (every block fit in the slots): the link rate does not matter.
+        bytes_per_s = copied / copy_s if copied and copy_s > 0 else float("inf")
+        local = {i: n for n, i in enumerate(streamed)}
+        choice = choose_residency(
+            costs,
+            bytes_per_s,
+            available,
+            between_s,
+            overlap=runtime.transfer.overlaps_compute,
+            slot_counts=self._slot_counts,
+            candidates=[local[i] for i in streamed if i in self._candidates],
+        )
+        measured_report = dict(
+            budget_bytes=self.budget_bytes,
+            activation_bytes=activation_bytes,
+            link_gbps=bytes_per_s / 1e9 if copied else None,
+            block_compute_s=tuple(measured),
+        )
+        if choice is None:
+            self._keep(
+                measured_report,
+                f"the measured call's peak leaves {available / 2**30:.2f} GiB of the {self.budget_bytes / 2**30:.2f} "
+                "GiB budget for blocks and slots, less than streaming needs; kept the slots of enable()",
+            )
+            return
+        chosen = ResidencyChoice(
+            frozenset(streamed[n] for n in choice.resident),
+            choice.num_slots if len(choice.resident) < len(streamed) else 0,
+            choice.slot_bytes,
+            choice.call_s,
+            choice.device_bytes,
+            choice.resident_bytes,
+        )
+        slots_before = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
+        try:
+            self._apply(chosen)
+        except torch.OutOfMemoryError as err:
+            self._undo(chosen, slots_before)
+            self._keep(measured_report, f"applying the plan failed ({err}); kept the slots of enable()")
+            return
+        self._report = ResidencyStats(
+            state="planned",
+            resident=tuple(runtime.blocks[i].name for i in sorted(runtime.promoted)),
+            num_slots=len(runtime.slots),
+            slot_bytes=chosen.slot_bytes if runtime.slots else 0,
+            predicted_call_s=chosen.call_s,
+            **measured_report,
+        )
+        logger.info(
+            "dlo: resident_layers='auto': %d of %d blocks resident, %d slots, predicted %.4f s per call (measured "
+            "%.4f s with every block streamed)",
+            len(chosen.resident), len(runtime.blocks), len(runtime.slots), chosen.call_s, call_s,
+        )
+
+    def _apply(self, choice: ResidencyChoice) -> None:
+        runtime = self._runtime
+        slots = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
+        if slots != (choice.num_slots, choice.slot_bytes if choice.num_slots else 0):
+            runtime.replace_slots(choice.num_slots, choice.slot_bytes)  # frees the old slots first
+        for index in sorted(choice.resident - runtime.promoted.keys()):
+            runtime.promote(index)
+
+    def _undo(self, choice: ResidencyChoice, slots: tuple[int, int]) -> None:
+        """Back to the `slots` (count, bytes) of before, every chosen block streamed again."""
+        runtime = self._runtime
+        if (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0) != slots:
+            runtime.replace_slots(*slots)
+        for index in sorted(choice.resident & runtime.promoted.keys()):
+            runtime.demote(index)
+
+    def _keep(self, measured: dict, note: str) -> None:
+        logger.warning("dlo: resident_layers='auto': %s", note)
+        self._report = ResidencyStats(state="kept", note=note, **measured)
+
+
+def _per_class(sizes: list[int], measured: list[float]) -> list[BlockCost]:
+    """Each block's cost, its compute the median of its size class's (one measurement per
+    block is noisy; blocks of one size run the same kernels)."""
+    by_size: dict[int, list[float]] = {}
+    for size, seconds in zip(sizes, measured):
+        by_size.setdefault(size, []).append(seconds)
+    median = {size: statistics.median(values) for size, values in by_size.items()}
+    return [BlockCost(size, median[size]) for size in sizes]
+
+
+def _promoted_bytes(runtime: StreamingRuntime) -> int:
+    return sum(memory.numel() for memory in runtime.promoted.values())

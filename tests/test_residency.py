@@ -1,0 +1,232 @@
+"""resident_layers='auto': the planner's model and search (integers), and residency changed
+between calls on real diffusers models, bit-identical. See [Note: automatic residency]"""
+
+import gc
+import itertools
+import random
+import weakref
+
+import pytest
+import torch
+
+import dlo
+from dlo.planning.plan_summary import summarize
+from dlo.planning.residency import BlockCost, choose_residency, device_bytes, simulate
+
+GIB = 2**30
+
+
+def uniform(n, nbytes=4, compute_s=1.0):
+    return [BlockCost(nbytes, compute_s) for _ in range(n)]
+
+
+def test_a_resident_model_costs_its_compute():
+    costs = [BlockCost(4, 1.0), BlockCost(4, 2.0), BlockCost(8, 3.0)]
+    assert simulate(costs, {0, 1, 2}, 2, bytes_per_s=1.0, between_s=0.5) == 6.5
+
+
+def test_compute_bound_streaming_costs_its_compute():
+    # Copies of 0.1 s behind 1 s blocks: hidden, once the first call filled the slots.
+    assert simulate(uniform(6, nbytes=1), (), 2, bytes_per_s=10.0) == pytest.approx(6.0)
+
+
+def test_transfer_bound_streaming_costs_its_copies():
+    # 2 s copies, 0.1 s blocks: the copy engine never idles, one copy per streamed block.
+    assert simulate(uniform(6, nbytes=2, compute_s=0.1), (), 2, bytes_per_s=1.0) == pytest.approx(12.0)
+
+
+def test_on_a_device_whose_copies_do_not_overlap_every_copy_adds():
+    costs = uniform(5, nbytes=2, compute_s=1.0)
+    assert simulate(costs, {0}, 2, bytes_per_s=1.0, overlap=False) == pytest.approx(5.0 + 4 * 2.0)
+
+
+def test_streamed_blocks_that_fit_the_slots_are_copied_once():
+    assert simulate(uniform(4, nbytes=100), {0, 1}, 2, bytes_per_s=1.0) == 4.0
+
+
+def test_device_bytes_are_the_resident_blocks_and_slots_of_the_largest_streamed_block():
+    costs = [BlockCost(8, 1.0), BlockCost(4, 1.0), BlockCost(4, 1.0), BlockCost(4, 1.0)]
+    assert device_bytes(costs, {0}, 2) == 8 + 2 * 4
+    assert device_bytes(costs, {1}, 3) == 4 + 3 * 8
+    assert device_bytes(costs, {0, 1, 2, 3}, 2) == 20  # nothing streamed: no slots
+
+
+def brute_force(costs, bytes_per_s, budget, between_s, slot_counts=(2, 3, 4)):
+    best = None
+    for count in range(len(costs) + 1):
+        for resident in itertools.combinations(range(len(costs)), count):
+            for slots in slot_counts:
+                if device_bytes(costs, resident, slots) <= budget:
+                    seconds = simulate(costs, resident, slots, bytes_per_s, between_s)
+                    best = seconds if best is None else min(best, seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_choice_is_as_fast_as_the_best_of_every_subset_and_slot_count(seed):
+    randomness = random.Random(seed)
+    checked = 0
+    for _ in range(60):
+        n = randomness.randint(2, 8)
+        sizes = [randomness.choice([4, 8]) for _ in range(2)]
+        seconds = {size: float(randomness.randint(1, 10)) for size in sizes}
+        costs = [BlockCost(size, seconds[size]) for size in (randomness.choice(sizes) for _ in range(n))]
+        rate = randomness.choice([0.5, 1.0, 2.0, 4.0])
+        between_s = randomness.choice([0.0, 2.0, 5.0])
+        budget = randomness.randint(8, sum(c.nbytes for c in costs) + 16)
+        choice = choose_residency(costs, rate, budget, between_s)
+        best = brute_force(costs, rate, budget, between_s)
+        if best is None:
+            assert choice is None
+            continue
+        checked += 1
+        assert choice.device_bytes <= budget
+        assert choice.call_s == pytest.approx(best)
+        assert choice.call_s == pytest.approx(simulate(costs, choice.resident, choice.num_slots, rate, between_s))
+    assert checked > 40
+
+
+def test_spread_residents_beat_the_leading_ones_where_copies_need_compute_around_them():
+    # Copies of 1.5 s behind 1 s blocks: alone, a copy cannot hide behind one block.
+    costs = uniform(8, nbytes=3, compute_s=1.0)
+    budget = 2 * 3 + 2 * 3  # two resident blocks and two slots
+    choice = choose_residency(costs, 2.0, budget, slot_counts=(2,))
+    prefix = simulate(costs, {0, 1}, 2, 2.0)
+    assert choice.call_s < prefix
+    assert choice.resident != {0, 1}
+
+
+def test_residents_are_chosen_among_the_candidates_only():
+    costs = uniform(6, nbytes=2, compute_s=0.1)
+    choice = choose_residency(costs, 1.0, budget_bytes=100, candidates=[1, 4])
+    assert choice.resident <= {1, 4}
+
+
+def test_a_budget_below_two_slots_has_no_choice():
+    assert choose_residency(uniform(4, nbytes=10), 1.0, budget_bytes=19) is None
+
+
+# --- on real models ---------------------------------------------------------------------
+
+
+def outputs(model, entry, calls=4):
+    with torch.inference_mode():
+        return [model(**entry.inputs(seed, torch.float32, "cpu"))[0] for seed in range(calls)]
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+def test_auto_residency_plans_after_the_measured_call_and_stays_bit_identical(tiny_pair, name):
+    reference, streamed, entry = tiny_pair(name)
+    expected = outputs(reference, entry)
+    summary = summarize(streamed, dlo.discover(streamed))
+    smallest = min(block.nbytes for block in summary.blocks)
+    # Room for what streaming needs and about one more block (the planner keeps 2 % free).
+    budget = (summary.device_weight_bytes + 1.5 * smallest) / 0.98
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget / GIB)
+    with dlo.enable(streamed, "cpu", config) as handle:
+        with torch.inference_mode():
+            first = [streamed(**entry.inputs(seed, torch.float32, "cpu"))[0] for seed in range(2)]
+            assert handle.stats().residency.state == "planned"  # at the end of the second call
+            rest = [streamed(**entry.inputs(seed, torch.float32, "cpu"))[0] for seed in range(2, 4)]
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, first + rest))
+    residency = stats.residency
+    assert 1 <= len(residency.resident) < len(summary.blocks)
+    assert stats.resident_blocks == len(residency.resident)
+    assert stats.device_weight_bytes <= budget
+    assert len(residency.block_compute_s) == len(summary.blocks)
+    assert residency.predicted_call_s > 0 and residency.measured_call_s > 0
+
+
+@pytest.mark.parametrize(
+    "resident",
+    [(), (0,), (0, 2), (1, 2, 3), (0, 1, 2, 3)],
+    ids=["none", "one", "every-other", "all-but-one", "all"],
+)
+def test_any_resident_set_is_bit_identical_before_and_after_it_changes(tiny_pair, resident):
+    reference, streamed, entry = tiny_pair("wan")
+    expected = outputs(reference, entry, calls=3)
+    with dlo.enable(streamed, "cpu") as handle:
+        runtime = handle._runtime
+        got = outputs(streamed, entry, calls=1)
+        for index in resident:
+            runtime.promote(index)
+        if len(resident) == len(runtime.blocks):
+            runtime.replace_slots(0, 0)
+        got += outputs(streamed, entry, calls=1)
+        if len(resident) == len(runtime.blocks):
+            runtime.replace_slots(3, runtime.blocks[0].layout.nbytes)
+        for index in resident:
+            runtime.demote(index)
+        got += outputs(streamed, entry, calls=1)
+        stats = handle.stats()
+    assert all(torch.equal(expected[0], g) for g in got)
+    assert stats.resident_blocks == 0
+
+
+def test_a_budget_below_what_streaming_needs_is_refused_before_anything_moves(tiny_pair):
+    _, streamed, _ = tiny_pair("flux")
+    before = {name: p.data_ptr() for name, p in streamed.named_parameters()}
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=100_000 / GIB)
+    with pytest.raises(dlo.ConfigError, match=r"hbm_budget_gib=.*below the 0\.00 GiB that streaming .* raise hbm_budget_gib"):
+        dlo.enable(streamed, "cpu", config)
+    assert {name: p.data_ptr() for name, p in streamed.named_parameters()} == before
+
+
+def test_auto_residency_on_the_cpu_needs_a_budget(tiny_pair):
+    _, streamed, _ = tiny_pair("wan")
+    with pytest.raises(dlo.ConfigError, match="on the CPU needs hbm_budget_gib"):
+        dlo.enable(streamed, "cpu", dlo.OffloadConfig(resident_layers="auto"))
+
+
+def test_a_plan_that_runs_out_of_memory_keeps_streaming_as_enabled(tiny_pair, monkeypatch):
+    reference, streamed, entry = tiny_pair("wan")
+    expected = outputs(reference, entry)
+    summary = summarize(streamed, dlo.discover(streamed))
+    budget = summary.non_block_bytes * 10 + summary.blocks[0].nbytes * 10
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget / GIB)
+    with dlo.enable(streamed, "cpu", config) as handle:
+        runtime = handle._runtime
+        slots_before = [slot.buffer.numel() for slot in runtime.slots]
+
+        def out_of_memory(nbytes):
+            raise torch.OutOfMemoryError("no memory for you")
+
+        monkeypatch.setattr(runtime, "promote", lambda index: out_of_memory(0))
+        got = outputs(streamed, entry)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.residency.state == "kept" and "no memory for you" in stats.residency.note
+    assert stats.resident_blocks == 0
+    assert [slot.buffer.numel() for slot in runtime.slots] == slots_before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(hbm_budget_gib=4.0), "set resident_layers='auto'"),
+        (dict(resident_layers="all"), "an int >= 0 or 'auto'"),
+        (dict(resident_layers="auto", hbm_budget_gib=-1.0), "hbm_budget_gib must be a finite number > 0"),
+        (dict(resident_layers="auto", use_allgather=True), "needs rank-local mode"),
+    ],
+)
+def test_config_rules_for_auto_residency(kwargs, named):
+    with pytest.raises(dlo.ConfigError, match=named):
+        dlo.OffloadConfig(**kwargs)
+
+
+def test_disable_frees_the_promoted_blocks_and_slots_while_the_handle_is_kept(tiny_pair):
+    """The handle outlives disable() (its final stats are read from it): nothing of the
+    runtime, whose slots and promoted blocks are device memory, may stay reachable from it."""
+    _, streamed, entry = tiny_pair("wan")
+    summary = summarize(streamed, dlo.discover(streamed))
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=summary.total_bytes * 4 / GIB)
+    handle = dlo.enable(streamed, "cpu", config)
+    outputs(streamed, entry, calls=3)
+    assert handle.stats().resident_blocks == len(summary.blocks)
+    runtime = weakref.ref(handle._runtime)
+    promoted = [weakref.ref(memory) for memory in handle._runtime.promoted.values()]
+    handle.disable()
+    gc.collect()
+    assert runtime() is None and all(memory() is None for memory in promoted)
+    assert handle.stats().residency.state == "planned"
