@@ -230,3 +230,12 @@ def test_disable_frees_the_promoted_blocks_and_slots_while_the_handle_is_kept(ti
     gc.collect()
     assert runtime() is None and all(memory() is None for memory in promoted)
     assert handle.stats().residency.state == "planned"
+
+
+def test_pipeline_components_go_to_the_device_while_they_fit_the_room_left():
+    from dlo.backend.pipeline import place_within
+
+    sizes = {"text_encoder": 60, "vae": 30, "text_encoder_2": 20}
+    assert place_within(sizes, room=100) == {"text_encoder": "device", "vae": "device", "text_encoder_2": "cpu offload"}
+    assert place_within(sizes, room=50) == {"text_encoder": "cpu offload", "vae": "device", "text_encoder_2": "cpu offload"}
+    assert place_within(sizes, room=-5) == dict.fromkeys(sizes, "cpu offload")

@@ -148,6 +148,11 @@ class OffloadHandle:
         if self._residency is not None:
             self._residency.call_ends()
 
+    @property
+    def residency_budget(self) -> int | None:
+        """The device memory budget of resident_layers='auto' in bytes (None otherwise)."""
+        return self._residency.budget_bytes if self._residency is not None else None
+
     def __enter__(self) -> OffloadHandle:
         return self
 

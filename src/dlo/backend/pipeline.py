@@ -59,10 +59,13 @@ def enable_pipeline(
     reserve_gib: float = 4.0,
 ) -> PipelineHandle:
     """Stream `pipe.transformer` (and `pipe.transformer_2`) with dlo; move the other modules
-    (text encoders, VAE) to `device` when they fit in its free memory minus `reserve_gib`
-    (room for activations), else attach accelerate's CPU offload to them so each visits the
-    device only while it runs. `plans` maps a component name to the HostWeightPlan
-    `dlo.load_transformer` returned for it."""
+    (text encoders, VAE) to `device` while they fit, in component order, else attach
+    accelerate's CPU offload to them so each visits the device only while it runs. They fit in
+    the device's free memory minus `reserve_gib` (room for activations); with
+    `resident_layers="auto"`, in the same budget as the transformers' (see [Note: residency
+    budget]) minus what streaming them needs and `reserve_gib`: the blocks then get what the
+    other components leave, since their plan measures the whole process's peak. `plans` maps a
+    component name to the HostWeightPlan `dlo.load_transformer` returned for it."""
     device = resolve_device(device)
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):
@@ -77,25 +80,23 @@ def enable_pipeline(
     handles: dict[str, OffloadHandle] = {}
     placement: dict[str, str] = {}
     hooks = []
+    others = {name: m for name, m in components.items() if name not in streamed and isinstance(m, nn.Module)}
     try:
         for name in streamed:
             handles[name] = enable(components[name], device, config, plan=plans.get(name))
-        for name, module in components.items():
-            if name in streamed or not isinstance(module, nn.Module):
-                continue
-            if device.type == "cpu":
-                placement[name] = "device"
-                continue
-            free, _ = torch.cuda.mem_get_info(device)
-            if _module_bytes(module) < free - reserve_gib * 2**30:
-                module.to(device)
-                placement[name] = "device"
+        if device.type == "cpu":
+            placement = dict.fromkeys(others, "device")
+        else:
+            room = _room(handles, device) - int(reserve_gib * 2**30)
+            placement = place_within({name: _module_bytes(m) for name, m in others.items()}, room)
+        for name, where in placement.items():
+            if where == "device":
+                others[name].to(device)
             else:
                 from accelerate import cpu_offload_with_hook
 
-                _, hook = cpu_offload_with_hook(module, device)
+                _, hook = cpu_offload_with_hook(others[name], device)
                 hooks.append(hook)
-                placement[name] = "cpu offload"
     except BaseException:
         for hook in hooks:
             hook.remove()
@@ -103,3 +104,22 @@ def enable_pipeline(
             handle.disable()
         raise
     return PipelineHandle(handles, placement, hooks)
+
+
+def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:
+    """"device" for each component that fits in what the ones placed before it left of
+    `room` bytes, else "cpu offload"."""
+    placement = {}
+    for name, nbytes in sizes.items():
+        placement[name] = "device" if nbytes < room else "cpu offload"
+        room -= nbytes if placement[name] == "device" else 0
+    return placement
+
+
+def _room(handles: Mapping[str, OffloadHandle], device: torch.device) -> int:
+    """Bytes the other components may take: the residency budget less what streaming the
+    transformers takes now (they were enabled first), or else the device's free memory."""
+    budgets = [h.residency_budget for h in handles.values() if h.residency_budget is not None]
+    if not budgets:
+        return torch.cuda.mem_get_info(device)[0]
+    return min(budgets) - torch.cuda.memory_allocated(device)
