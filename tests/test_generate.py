@@ -149,3 +149,12 @@ def test_mp4_without_an_encoder_is_refused_with_the_alternatives(tiny_wan_dir, t
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead" in done.stderr
+
+
+def test_pipeline_components_go_to_the_device_while_they_fit_the_room_left():
+    from dlo.backend.pipeline import place_within
+
+    sizes = {"text_encoder": 60, "vae": 30, "text_encoder_2": 20}
+    assert place_within(sizes, room=100) == {"text_encoder": "device", "vae": "device", "text_encoder_2": "cpu offload"}
+    assert place_within(sizes, room=50) == {"text_encoder": "cpu offload", "vae": "device", "text_encoder_2": "cpu offload"}
+    assert place_within(sizes, room=-5) == dict.fromkeys(sizes, "cpu offload")

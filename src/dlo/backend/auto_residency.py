@@ -2,19 +2,24 @@
 memory budget, apply the choice between two calls. See [Note: automatic residency]
 
 [Note: residency budget]
-The budget is the device memory the module may use at its peak: weights on the device,
-slots and activations. `hbm_budget_gib`, or unset: on CUDA, what the device had free at
-enable() plus what this process's allocator held then; on the CPU it must be given (no
-allocator to ask; activations are not counted there). enable() refuses a budget below the
-non-block parts plus `num_slots` slots of the largest block before it moves anything.
+The budget is the device memory this process may use at its peak while the module runs: the
+module's weights on the device, slots and activations, and whatever else the process keeps
+there (other models of a pipeline, a compiled graph's workspaces: the allocator's peak cannot
+tell them apart). `hbm_budget_gib`, or unset: on CUDA, what the device had free at enable()
+plus what this process's allocator held then; on the CPU it must be given (no allocator to
+ask; activations are not counted there). enable() refuses a budget below the non-block parts
+plus `num_slots` slots of the largest block before it moves anything.
 
 The activations are measured, not guessed: the first call warms up (compilation, library
-workspaces), the second is measured with every block streamed. Its peak (CUDA:
-`max_memory_allocated` since enable) minus the slots on the device is what the rest of the
-model and its activations take; the blocks and slots may use the budget minus that, less
-`HEADROOM` of the budget for allocator rounding and call-to-call variation. The choice is
-made once, at the end of the measured call, and applied before the next one: never in the
-middle of a call.
+workspaces), the second is measured with every block streamed (again, up to 3 calls, when a
+call raised, skipped a block or compiled something). Its peak (CUDA: `max_memory_allocated`
+since enable) minus the slots on the device is what the rest of the process takes; the
+blocks and slots may use the budget minus that, less `HEADROOM` of the budget for allocator
+rounding and call-to-call variation. On CUDA the budget is capped then by what the process
+could still hold (memory taken outside the allocator since enable(), by this process or
+another, is not in the peak). The choice is made once, at the end of the measured call, and
+applied before the next one: never in the middle of a call. Peaks outside the module's calls
+(a VAE decoding after the last step) are not measured.
 """
 
 from __future__ import annotations
@@ -23,21 +28,24 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
+from dlo.hotpath.compiled_call import CompileWatch
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.observe.stats import ResidencyStats
 from dlo.planning.plan_summary import PlanSummary
-from dlo.planning.residency import BlockCost, ResidencyChoice, choose_residency
+from dlo.planning.residency import BlockCost, choose_residency
 
 logger = logging.getLogger(__name__)
 
 WARMUP_CALLS = 1  # calls before the measured one
 HEADROOM = 0.02  # of the budget
+_ATTEMPTS = 3  # calls measured at most: one that raised, skipped a block or compiled is measured again
 _TIMED_CALLS = 16  # calls after the plan whose median stats() reports
 
 
@@ -65,28 +73,43 @@ def residency_budget(config: OffloadConfig, summary: PlanSummary, device: torch.
     return budget
 
 
+@dataclass(frozen=True)
+class _Baseline:
+    """The ledger's counters when the measured call started."""
+
+    bytes_streamed: int
+    copy_s: float
+    exposed_copy_s: float
+    pack_s: float
+
+
 class AutoResidency:
     def __init__(
         self,
         runtime: StreamingRuntime,
         budget_bytes: int,
         peak_bytes: Callable[[], int],
+        device_limit: Callable[[], int] | None,
         weight_bytes: int,
         candidates: frozenset[int],
         slot_counts: tuple[int, ...],
     ) -> None:
-        """`peak_bytes`: the device's peak since enable(). `weight_bytes`: the non-streamed
-        parts on the device. `candidates`: blocks that may be resident (the plan's
-        resident-eligible lists)."""
+        """`peak_bytes`: the device's peak since enable(). `device_limit`: what this process
+        could hold on the device now (None: no allocator to ask). `weight_bytes`: the
+        non-streamed parts on the device. `candidates`: blocks that may be resident (the
+        plan's resident-eligible lists)."""
         self._runtime = runtime
         self.budget_bytes = budget_bytes
         self._peak_bytes = peak_bytes
+        self._device_limit = device_limit
         self._weight_bytes = weight_bytes
         self._candidates = candidates
         self._slot_counts = slot_counts
         self._calls = 0
+        self._attempts = 0
         self._call_start: Any = None
-        self._baseline: tuple[int, float, float] | None = None
+        self._baseline: _Baseline | None = None
+        self._compiles: CompileWatch | None = None
         self._timed: deque[tuple[Any, Any]] = deque(maxlen=_TIMED_CALLS)
         self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
 
@@ -97,7 +120,8 @@ class AutoResidency:
             runtime.transfer.synchronize()
             ledger = runtime.ledger
             ledger.settle()
-            self._baseline = (ledger.bytes_streamed, ledger.copy_s, ledger.exposed_copy_s)
+            self._baseline = _Baseline(ledger.bytes_streamed, ledger.copy_s, ledger.exposed_copy_s, runtime.pack_s)
+            self._compiles = CompileWatch()
             ledger.block_compute_s.clear()
             ledger.measuring_blocks = True
         if self._calls >= WARMUP_CALLS:
@@ -110,7 +134,7 @@ class AutoResidency:
         start, self._call_start = self._call_start, None
         end = self._runtime.transfer.mark()
         if self._report.state == "measuring":
-            self._plan(start, end)
+            self._measured(start, end)
         else:
             self._timed.append((start, end))
 
@@ -122,33 +146,48 @@ class AutoResidency:
         seconds = [self._runtime.transfer.seconds_between(start, end) for start, end in self._timed]
         return ResidencyStats(**{**vars(report), "measured_call_s": statistics.median(seconds)})
 
-    def _plan(self, start: Any, end: Any) -> None:
+    def _measured(self, start: Any, end: Any) -> None:
         runtime = self._runtime
         ledger = runtime.ledger
         runtime.drain()
         runtime.transfer.synchronize()
         ledger.settle()
         ledger.measuring_blocks = False
+        self._attempts += 1
         streamed = [i for i in range(len(runtime.blocks)) if i not in runtime.promoted]
-        if any(i not in ledger.block_compute_s for i in streamed):  # the call raised, or skipped blocks
-            return  # measured again next call
-        assert self._baseline is not None
-        copied = ledger.bytes_streamed - self._baseline[0]
-        copy_s = ledger.copy_s - self._baseline[1]
-        exposed_s = ledger.exposed_copy_s - self._baseline[2]
-        call_s = runtime.transfer.seconds_between(start, end)
+        assert self._baseline is not None and self._compiles is not None
+        self._compiles.poll()
+        unmeasured = [runtime.blocks[i].name for i in streamed if i not in ledger.block_compute_s]
+        if unmeasured or self._compiles.graphs or self._compiles.recompiles:
+            # The call raised, skipped blocks, or compiled: its times are not a step's.
+            if self._attempts >= _ATTEMPTS:
+                why = f"blocks {unmeasured[:3]} did not run" if unmeasured else "every one compiled"
+                self._keep({}, f"no clean call to measure in {_ATTEMPTS} tries ({why}); kept the slots of enable()")
+            return
+        self._plan(streamed, runtime.transfer.seconds_between(start, end))
+
+    def _plan(self, streamed: list[int], call_s: float) -> None:
+        runtime = self._runtime
+        ledger = runtime.ledger
+        base = self._baseline
+        copied = ledger.bytes_streamed - base.bytes_streamed
+        # A staged load takes the longer of its packing (host threads) and its copy.
+        load_s = max(ledger.copy_s - base.copy_s, runtime.pack_s - base.pack_s)
+        exposed_s = ledger.exposed_copy_s - base.exposed_copy_s
         # Blocks promoted before the plan (used outside their call) are not planned: their
-        # memory counts as the rest of the model's, their compute as the time between blocks.
+        # memory counts as the rest of the process's, their compute as the time between blocks.
         sizes = [runtime.blocks[i].layout.nbytes for i in streamed]
         measured = [ledger.block_compute_s[i] for i in streamed]
         costs = _per_class(sizes, measured)
         between_s = max(0.0, call_s - sum(measured) - exposed_s)
         peak = self._peak_bytes()
         slots_now = sum(slot.buffer.numel() for slot in runtime.slots)
-        activation_bytes = max(0, peak - slots_now - self._weight_bytes - _promoted_bytes(runtime))
-        available = int(self.budget_bytes * (1 - HEADROOM)) - (peak - slots_now)
+        budget = self.budget_bytes
+        if self._device_limit is not None:  # memory taken since enable() outside the allocator
+            budget = min(budget, self._device_limit())
+        available = int(budget * (1 - HEADROOM)) - (peak - slots_now)
         # No copies measured (every block fit in the slots): the link rate does not matter.
-        bytes_per_s = copied / copy_s if copied and copy_s > 0 else float("inf")
+        bytes_per_s = copied / load_s if copied and load_s > 0 else float("inf")
         local = {i: n for n, i in enumerate(streamed)}
         choice = choose_residency(
             costs,
@@ -160,66 +199,65 @@ class AutoResidency:
             candidates=[local[i] for i in streamed if i in self._candidates],
         )
         measured_report = dict(
-            budget_bytes=self.budget_bytes,
-            activation_bytes=activation_bytes,
+            activation_bytes=max(0, peak - slots_now - self._weight_bytes - _promoted_bytes(runtime)),
             link_gbps=bytes_per_s / 1e9 if copied else None,
             block_compute_s=tuple(measured),
         )
         if choice is None:
             self._keep(
                 measured_report,
-                f"the measured call's peak leaves {available / 2**30:.2f} GiB of the {self.budget_bytes / 2**30:.2f} "
-                "GiB budget for blocks and slots, less than streaming needs; kept the slots of enable()",
+                f"the measured call's peak leaves {available / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB "
+                "budget for blocks and slots, less than streaming needs; kept the slots of enable()",
             )
             return
-        chosen = ResidencyChoice(
-            frozenset(streamed[n] for n in choice.resident),
-            choice.num_slots if len(choice.resident) < len(streamed) else 0,
-            choice.slot_bytes,
-            choice.call_s,
-            choice.device_bytes,
-            choice.resident_bytes,
-        )
-        slots_before = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
+        chosen = frozenset(streamed[n] for n in choice.resident)
+        before = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
         try:
-            self._apply(chosen)
-        except torch.OutOfMemoryError as err:
-            self._undo(chosen, slots_before)
+            self._apply(chosen, choice.num_slots, choice.slot_bytes)
+        except BaseException as err:
+            self._undo(chosen, before)
+            if not isinstance(err, torch.OutOfMemoryError):
+                raise
             self._keep(measured_report, f"applying the plan failed ({err}); kept the slots of enable()")
             return
         self._report = ResidencyStats(
             state="planned",
+            budget_bytes=self.budget_bytes,
             resident=tuple(runtime.blocks[i].name for i in sorted(runtime.promoted)),
             num_slots=len(runtime.slots),
-            slot_bytes=chosen.slot_bytes if runtime.slots else 0,
-            predicted_call_s=chosen.call_s,
+            slot_bytes=choice.slot_bytes if runtime.slots else 0,
+            predicted_call_s=choice.call_s,
             **measured_report,
         )
         logger.info(
             "dlo: resident_layers='auto': %d of %d blocks resident, %d slots, predicted %.4f s per call (measured "
             "%.4f s with every block streamed)",
-            len(chosen.resident), len(runtime.blocks), len(runtime.slots), chosen.call_s, call_s,
+            len(chosen), len(runtime.blocks), len(runtime.slots), choice.call_s, call_s,
         )
 
-    def _apply(self, choice: ResidencyChoice) -> None:
+    def _apply(self, chosen: frozenset[int], num_slots: int, slot_bytes: int) -> None:
         runtime = self._runtime
-        slots = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
-        if slots != (choice.num_slots, choice.slot_bytes if choice.num_slots else 0):
-            runtime.replace_slots(choice.num_slots, choice.slot_bytes)  # frees the old slots first
-        for index in sorted(choice.resident - runtime.promoted.keys()):
+        if _slot_shape(runtime) != (num_slots, slot_bytes if num_slots else 0):
+            runtime.replace_slots(num_slots, slot_bytes)  # frees the old slots first
+        for index in sorted(chosen - runtime.promoted.keys()):
             runtime.promote(index)
 
-    def _undo(self, choice: ResidencyChoice, slots: tuple[int, int]) -> None:
-        """Back to the `slots` (count, bytes) of before, every chosen block streamed again."""
+    def _undo(self, chosen: frozenset[int], slots: tuple[int, int]) -> None:
+        """Back to streaming every chosen block through `slots` (count, bytes) of before: the
+        promoted memory is freed first, then the slots are replaced."""
         runtime = self._runtime
-        if (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0) != slots:
-            runtime.replace_slots(*slots)
-        for index in sorted(choice.resident & runtime.promoted.keys()):
+        for index in sorted(chosen & runtime.promoted.keys()):
             runtime.demote(index)
+        if _slot_shape(runtime) != slots:
+            runtime.replace_slots(*slots)
 
     def _keep(self, measured: dict, note: str) -> None:
         logger.warning("dlo: resident_layers='auto': %s", note)
-        self._report = ResidencyStats(state="kept", note=note, **measured)
+        self._report = ResidencyStats(state="kept", budget_bytes=self.budget_bytes, note=note, **measured)
+
+
+def _slot_shape(runtime: StreamingRuntime) -> tuple[int, int]:
+    return len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0
 
 
 def _per_class(sizes: list[int], measured: list[float]) -> list[BlockCost]:

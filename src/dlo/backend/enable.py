@@ -301,10 +301,18 @@ def _auto_residency(
 ) -> AutoResidency:
     if device.type == "cuda":
         peak = partial(torch.cuda.max_memory_allocated, device)
+        limit = partial(_cuda_limit, device)
     else:  # no allocator: what dlo keeps on the device (activations are not counted)
         peak = partial(_cpu_device_bytes, runtime, weight_bytes)
+        limit = None
     eligible = frozenset(i for i, ref in enumerate(streamed_refs) if offload_plan.is_resident_eligible(ref.list_path))
-    return AutoResidency(runtime, budget, peak, weight_bytes, eligible, tuple(sorted({2, 3, 4, config.num_slots})))
+    slot_counts = tuple(sorted({2, 3, 4, config.num_slots}))
+    return AutoResidency(runtime, budget, peak, limit, weight_bytes, eligible, slot_counts)
+
+
+def _cuda_limit(device: torch.device) -> int:
+    """What this process could hold on the device now: what it holds plus what is free."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
 
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:

@@ -56,9 +56,9 @@ class OffloadConfig:
     hbm_budget_gib: float | None = field(
         default=None,
         metadata={
-            "help": "with resident_layers='auto': GiB of device memory the module may use at its peak (weights, "
-            "slots and activations); unset: what the device has free at enable() plus what this process "
-            "already holds"
+            "help": "with resident_layers='auto': GiB of device memory this process may use at its peak while the "
+            "module runs (its weights, slots, activations and whatever else the process keeps there); unset: what "
+            "the device has free at enable() plus what this process already holds"
         },
     )
     pin_memory: bool = field(

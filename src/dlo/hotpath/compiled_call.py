@@ -61,7 +61,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _TorchDynamoContext
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 from dlo.errors import StreamingError
@@ -188,8 +187,10 @@ def _compiler_config(compiled: object) -> object:
     get = getattr(compiled, "get_compiler_config", None)
     config = get() if callable(get) else None
     if config is None:
+        # A private torch class, looked up here: renamed in a later torch, only this fallback goes.
+        context_type = getattr(torch._dynamo.eval_frame, "_TorchDynamoContext", ())
         contexts = (cell.cell_contents for cell in getattr(compiled, "__closure__", None) or () if _filled(cell))
-        context = next((c for c in contexts if isinstance(c, _TorchDynamoContext)), None)
+        context = next((c for c in contexts if isinstance(c, context_type)), None)
         get = getattr(_backend(context.callback), "get_compiler_config", None) if context is not None else None
         config = get() if callable(get) else None
     return config

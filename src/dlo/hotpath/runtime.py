@@ -108,7 +108,10 @@ class StreamingRuntime:
             if arrive is not None:
                 self.ledger.waited(block.name, arrive, self._copy_end[start.slot])
             self.transfer.wait_ready(slot)
-            block.point_at(self._views[start.slot][index])
+            view = self._views[start.slot][index]
+            if view is None:  # a block demoted without replace_slots() sizing the slots for it
+                raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+            block.point_at(view)
             for load in start.prefetch:
                 self._load(load)
         except BaseException:
@@ -166,12 +169,11 @@ class StreamingRuntime:
 
     def demote(self, index: int) -> int:
         """Stream block `index` again from its next use; its own device memory is freed once
-        the device finished what is queued on it. Between calls. Returns the bytes freed."""
+        the device finished what is queued on it. Between calls; a block larger than the
+        slots needs `replace_slots()` before the next call. Returns the bytes freed."""
         block = self.blocks[index]
         if index not in self.promoted:
             raise StreamingError(f"streamed block {block.name!r} is not resident")
-        if not self.slots or self._views[0][index] is None:
-            raise StreamingError(f"streamed block {block.name!r} does not fit the slots: replace_slots() first")
         self.transfer.synchronize()
         memory = self.promoted.pop(index)
         self.planner.demote(index)
@@ -180,9 +182,13 @@ class StreamingRuntime:
 
     def replace_slots(self, count: int, nbytes: int) -> None:
         """Stream through `count` new slots of `nbytes` each (0: every block is to be
-        promoted before the next call). Between calls: the old slots are dropped after the device finished every
-        copy and kernel using them, and before the new ones are allocated (a memory budget
-        holds one set). If allocating fails, slots of the old shape are allocated again."""
+        promoted before the next call). Between calls: the old slots are dropped after the
+        device finished every copy and kernel using them, and before the new ones are
+        allocated (a memory budget holds one set). If allocating fails, slots of the old
+        shape are allocated again; if that fails too, the runtime is left without slots (a
+        streamed block then raises a StreamingError) and the error says so."""
+        if self.gather is not None:
+            raise StreamingError("the slots cannot be replaced in all-gather mode: every load there is a collective")
         old_count, old_bytes = len(self.slots), (self.slots[0].buffer.numel() if self.slots else 0)
         self.drain()
         self.transfer.synchronize()
@@ -190,9 +196,16 @@ class StreamingRuntime:
         self._use_slots(())
         try:
             slots = [self.transfer.allocate_slot(nbytes) for _ in range(count)]
-        except BaseException:
+        except BaseException as failure:
+            self.planner.resize(0)
+            try:
+                self._use_slots([self.transfer.allocate_slot(old_bytes) for _ in range(old_count)])
+            except BaseException as second:
+                raise StreamingError(
+                    f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
+                    f"{old_count} slots of before ({second}): no block can stream until disable()"
+                ) from second
             self.planner.resize(old_count)
-            self._use_slots([self.transfer.allocate_slot(old_bytes) for _ in range(old_count)])
             raise
         self._use_slots(slots)
 

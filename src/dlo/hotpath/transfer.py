@@ -40,9 +40,9 @@ class CudaTransfer:
         self.copy_stream = torch.cuda.Stream(device)
 
     def allocate_slot(self, nbytes: int) -> DeviceSlot:
-        # Slots are allocated once and held until disable(): the caching allocator never
-        # sees them freed, so it cannot hand their memory to another stream while a copy
-        # into them is in flight.
+        # Slots are held until disable() or replace_slots(), which drop them only after
+        # synchronizing the device: the caching allocator never gets their memory back while
+        # a copy into them is in flight on the copy stream.
         return DeviceSlot(aligned_empty(nbytes, self.device), torch.cuda.Event(), torch.cuda.Event())
 
     def compute_stream(self) -> torch.cuda.Stream:

@@ -25,8 +25,9 @@ class CompileStats:
 class ResidencyStats:
     """resident_layers='auto' (see [Note: automatic residency]). state: "measuring" until the
     measured call ended, then "planned", or "kept" when no plan was applied (`note` says why).
-    budget_bytes: the device memory the module may use at its peak. activation_bytes: the
-    measured call's peak minus the weights and slots on the device then. resident: the
+    budget_bytes: the device memory the process may use at its peak. activation_bytes: the
+    measured call's peak minus the module's weights and slots on the device then (activations
+    and whatever else the process held). resident: the
     blocks chosen (names, execution order); num_slots / slot_bytes: the slots streaming the
     rest. predicted_call_s: the model's seconds per call for that choice; measured_call_s:
     the median of the calls since (None before one ran). link_gbps / block_compute_s: what

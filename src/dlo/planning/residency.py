@@ -48,7 +48,8 @@ class BlockCost:
 
 @dataclass(frozen=True)
 class ResidencyChoice:
-    """`resident`: block indices kept on the device. `call_s`: the predicted seconds per call
+    """`resident`: block indices kept on the device; `num_slots` slots of `slot_bytes` stream
+    the rest (0 when nothing streams). `call_s`: the predicted seconds per call
     (blocks and `between_s`). `device_bytes`: resident blocks + slots; `resident_bytes`: the
     resident blocks'."""
 
@@ -66,10 +67,15 @@ def slot_bytes_for(costs: Sequence[BlockCost], resident: Iterable[int]) -> int:
     return max((cost.nbytes for i, cost in enumerate(costs) if i not in kept), default=0)
 
 
+def slots_needed(num_slots: int, streamed: int) -> int:
+    """The slots a choice allocates: none when nothing streams, else `num_slots` but no more
+    than the streamed blocks, and never fewer than the 2 the slot planner needs."""
+    return 0 if streamed == 0 else max(2, min(num_slots, streamed))
+
+
 def device_bytes(costs: Sequence[BlockCost], resident: Iterable[int], num_slots: int) -> int:
     kept = set(resident)
-    streamed = len(costs) - len(kept)
-    slots = min(num_slots, streamed)  # no more slots than streamed blocks are ever needed
+    slots = slots_needed(num_slots, len(costs) - len(kept))
     return sum(costs[i].nbytes for i in kept) + slots * slot_bytes_for(costs, kept)
 
 
@@ -133,6 +139,7 @@ def choose_residency(
         nbytes = device_bytes(costs, resident, slots)
         if nbytes > budget_bytes:
             return None
+        slots = slots_needed(slots, len(costs) - len(resident))
         call_s = simulate(costs, resident, slots, bytes_per_s, between_s, overlap)
         kept = sum(costs[i].nbytes for i in resident)
         return ResidencyChoice(resident, slots, slot_bytes_for(costs, resident), call_s, nbytes, kept)

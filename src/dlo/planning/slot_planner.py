@@ -98,6 +98,8 @@ class SlotPlanner:
     def resize(self, num_slots: int) -> None:
         """A new set of `num_slots` empty slots (between calls: nothing may be running).
         Residency, the learned order and the counters stay."""
+        if self._lockstep:
+            raise StreamingError("the slots cannot be replaced in all-gather mode: every load there is a collective")
         if num_slots == 1 or num_slots < 0:
             raise ValueError(f"need num_slots >= 2, or 0 when every block is to be resident, got {num_slots}")
         if any(self._active):
