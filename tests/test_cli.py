@@ -49,6 +49,25 @@ def test_demo_with_options(model, tmp_path, capsys):
     assert_streamed_like_a_fresh_resident_run(saved, model, 2)
 
 
+def test_demo_with_automatic_residency_under_a_budget(tmp_path, capsys):
+    saved = tmp_path / "outputs.pt"
+    argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "4", "--resident", "auto", "--hbm-budget-gib", "0.0005"]
+    assert main([*argv, "--save-outputs", str(saved)]) == 0
+    chosen = re.search(r"resident_layers='auto' +- +(\d+) blocks resident, (\d+) slots, budget 524\.29 KiB", capsys.readouterr().out)
+    assert chosen and 0 < int(chosen.group(1)) < 5
+    assert_streamed_like_a_fresh_resident_run(saved, "flux", 4)
+
+
+def test_a_budget_below_what_streaming_needs_is_one_line_from_the_demo_before_any_weight(capsys, monkeypatch):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a model was built before the budget was checked")
+
+    monkeypatch.setattr(type(TINY_MODELS["flux"]), "build", no_weights)
+    assert main(["demo", "--model", "flux", "--device", "cpu", "--resident", "auto", "--hbm-budget-gib", "0.0001"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "below the" in err and "raise hbm_budget_gib" in err
+
+
 def test_inspect_and_demo_report_the_same_weight_bytes(capsys):
     assert main(["inspect", "flux"]) == 0
     inspected = re.search(r"blocks, (.+) of weights", capsys.readouterr().out).group(1)

@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
         if path:
             check_writable(Path(path).expanduser(), flag)
-    check_resident_layers(build_on_meta(args.model), config, args.model)
+    check_resident_layers(build_on_meta(args.model), config, args.model, dtype, device)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 

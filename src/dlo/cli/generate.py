@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
     kwargs = call_kwargs(cls, args, checked_request(model_dir, cls, args, dtype))
-    check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer")
+    check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
 
     transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)

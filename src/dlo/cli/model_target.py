@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dlo.backend.auto_residency import residency_budget
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
@@ -15,6 +16,7 @@ from dlo.host.checkpoint import find_transformer_dir, read_model_config
 from dlo.host.loader import model_class
 from dlo.models.tiny import TINY_MODELS
 from dlo.planning.offload_plan import discover, resolve_blocks
+from dlo.planning.plan_summary import summarize
 
 
 def build_on_meta(target: str) -> nn.Module:
@@ -41,11 +43,15 @@ def build_on_meta(target: str) -> nn.Module:
         return cls()
 
 
-def check_resident_layers(meta_module: nn.Module, config: OffloadConfig, name: str) -> None:
-    """Refuse `--resident-layers` beyond the leading blocks the plan lets stay resident, counted
-    on the meta module: before any weight is built or loaded. ('auto' chooses among the
-    eligible blocks itself.)"""
+def check_resident_layers(
+    meta_module: nn.Module, config: OffloadConfig, name: str, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Refuse `--resident-layers` beyond the leading blocks the plan lets stay resident, or with
+    `--resident auto` a budget below what streaming needs, counted on the meta module in `dtype`
+    (modules a class keeps in fp32 counted in `dtype` too: enable() checks exactly): before any
+    weight is built or loaded."""
     if config.resident_layers == AUTO:
+        residency_budget(config, summarize(meta_module.to(dtype), discover(meta_module), config), device)
         return
     plan = discover(meta_module)
     refs = resolve_blocks(meta_module, plan)
