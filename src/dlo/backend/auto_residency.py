@@ -161,7 +161,7 @@ class AutoResidency:
         if unmeasured or self._compiles.graphs or self._compiles.recompiles:
             # The call raised, skipped blocks, or compiled: its times are not a step's.
             if self._attempts >= _ATTEMPTS:
-                why = f"blocks {unmeasured[:3]} did not run" if unmeasured else "every one compiled"
+                why = f"blocks {unmeasured[:3]} did not run" if unmeasured else "each compiled something"
                 self._keep({}, f"no clean call to measure in {_ATTEMPTS} tries ({why}); kept the slots of enable()")
             return
         self._plan(streamed, runtime.transfer.seconds_between(start, end))
@@ -211,7 +211,7 @@ class AutoResidency:
             )
             return
         chosen = frozenset(streamed[n] for n in choice.resident)
-        before = (len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0)
+        before = _slot_shape(runtime)
         try:
             self._apply(chosen, choice.num_slots, choice.slot_bytes)
         except BaseException as err:

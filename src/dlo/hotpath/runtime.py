@@ -62,7 +62,7 @@ class StreamingRuntime:
         self.slots = tuple(slots)
         # Views of every block in every slot, made once: the hot path only assigns `.data`,
         # and views made here are ordinary tensors even when calls run in inference mode.
-        # None: a resident block larger than slots sized for the streamed ones.
+        # None: a block larger than the slots (resident, or demoted before replace_slots()).
         self._views = [
             [
                 tuple(view_placement(slot.buffer, p) for p in block.layout.placements)
