@@ -194,17 +194,21 @@ def _sequence_parallel(world: int, name: str, order: str) -> dict:
     )
 
 
-def from_checkpoint(rank: int, world: int, directory: str) -> dict:
-    """Shards built from a checkpoint mapping, which is closed once they exist."""
+def from_checkpoint(rank: int, world: int, directory: str, cache_dir: str | None = None) -> dict:
+    """Shards built from a checkpoint mapping, or from the host weight cache's mapping of the
+    entry every rank maps (one published for the node); the mapping is closed once they exist."""
     import diffusers
 
     reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
     with torch.no_grad():
         for tensor in [*reference.parameters(), *reference.buffers()]:
             tensor.data = tensor.data.clone()
-    model, plan = dlo.load_transformer(directory)
+    cache = dict(host_weight_cache=True, cache_dir=cache_dir, cache_allow_any_filesystem=True) if cache_dir else {}
+    config = dlo.OffloadConfig(use_allgather=True, **cache)
+    model, plan = dlo.load_transformer(directory, config)
     checkpoint = plan._weights.checkpoint
-    with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan) as handle:
+    backing = plan.backing
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
         got = _tiny_outputs(model, "flux", [rank])
         closed = all(shard._map.closed for shard in checkpoint.files)
         stats = handle.stats()
@@ -213,6 +217,7 @@ def from_checkpoint(rank: int, world: int, directory: str) -> dict:
         mapping_closed=closed,
         mapped_bytes=stats.mapped_bytes,
         host_bytes=stats.host_bytes,
+        plan_backing=backing,
     )
 
 

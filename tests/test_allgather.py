@@ -114,6 +114,28 @@ def test_shards_from_a_checkpoint_mapping_release_it(tmp_path):
         assert result["host_bytes"] > 0
 
 
+def test_every_rank_shards_from_the_one_cache_entry_of_the_node(tmp_path):
+    """All-gather with the host weight cache: the ranks load at once, one publishes the entry
+    and the other maps it (one entry, whatever the rank), each keeps its 1/G shards and closes
+    the mapping: one copy of the blocks across the node's ranks."""
+    from dlo.models.tiny import TINY_MODELS
+
+    TINY_MODELS["flux"].build(seed=4).save_pretrained(tmp_path / "flux", max_shard_size="100KB")
+    cache = tmp_path / "cache"
+    directory = str(tmp_path / "flux")
+    results, _ = run_ranks(tmp_path, "from_checkpoint", 2, directory=directory, cache_dir=str(cache))
+    assert_no_errors(results)
+    assert len(list((cache / "v1").iterdir())) == 1
+    for result in results.values():
+        assert result["plan_backing"] == "host_weight_cache"
+        assert result["identical"] and result["mapping_closed"] and result["mapped_bytes"] == 0
+    model = TINY_MODELS["flux"].build(seed=4)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    streamed = sum(align_up(t.numel() * 4) for block in blocks for t in block.parameters())
+    # Each rank: half of every block, rounded up to 512-byte shards (< 512 B more per block).
+    assert sum(r["host_bytes"] for r in results.values()) <= streamed + 2 * 512 * len(blocks)
+
+
 @pytest.mark.parametrize(
     ("dp", "sp", "role"), [(4, 1, "dp"), (4, 2, "dp"), (1, 2, "sp"), (1, 1, "none"), (2, 8, "dp")]
 )

@@ -88,7 +88,8 @@ class OffloadConfig:
         default=False,
         metadata={
             "help": "dlo.load_transformer publishes the final weights once per node to a content-addressed "
-            "cache and streams from its shared read-only mapping (rank-local mode only)"
+            "cache and streams from its shared read-only mapping (all-gather mode: each rank copies its "
+            "shards out of it)"
         },
     )
     cache_dir: str = field(
@@ -169,9 +170,4 @@ class OffloadConfig:
             raise ConfigError(
                 f"OffloadConfig.pin_limit_gib={limit} limits registration of a checkpoint or cache mapping; it needs "
                 "checkpoint_mmap=True or host_weight_cache=True (or leave pin_limit_gib=0)"
-            )
-        if self.host_weight_cache and self.use_allgather:
-            raise ConfigError(
-                "OffloadConfig.host_weight_cache=True needs rank-local mode: the cache maps whole weights per node, "
-                "all-gather mode keeps 1/G per rank. Set use_allgather=False, or host_weight_cache=False"
             )
