@@ -7,7 +7,7 @@ import os
 import sys
 
 import dlo
-from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny
+from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny, serve
 from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
@@ -124,6 +124,38 @@ def _add_generate(commands) -> None:
     parser.set_defaults(run=generate.run)
 
 
+def _add_serve(commands) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve a diffusers image pipeline over HTTP (OpenAI images API), its transformer streamed",
+        description="Start REPLICAS worker processes, each holding the pipeline with its transformer streamed "
+        "by dlo (through the host weight cache by default: one copy of the blocks per node), and serve "
+        "POST /v1/images/generations, GET /v1/models and GET /health. Requests are checked before they are "
+        "queued; a full queue answers 429.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL", help="a diffusers image pipeline directory, or a cached hub id")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="worker processes (default: 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
+    parser.add_argument(
+        "--max-queue", type=int, default=8, metavar="N",
+        help="requests waiting beyond one per replica; more get 429 (default: 8)",
+    )
+    parser.add_argument("--max-images", type=positive_int, default=4, help="most images per request (default: 4)")
+    parser.add_argument("--max-steps", type=positive_int, default=100, help="most steps per request (default: 100)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="seconds a request waits for its result (default: 600)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+        help=f"refuse a size whose transformer sequence is over N tokens (default: {DEFAULT_MAX_TOKENS})",
+    )
+    add_device_flags(parser)
+    _add_verbose(parser)
+    add_config_flags(parser)
+    parser.set_defaults(run=serve.run, host_weight_cache=True)
+
+
 def _add_inspect(commands) -> None:
     parser = commands.add_parser(
         "inspect",
@@ -169,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(commands)
     _add_generate(commands)
+    _add_serve(commands)
     cache_cmd.add_parser(commands)
     _add_inspect(commands)
     _add_make_tiny(commands)

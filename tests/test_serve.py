@@ -1,0 +1,148 @@
+"""`dlo serve` as a real process on 127.0.0.1: a tiny Flux pipeline, one replica through the
+host weight cache, requests over real HTTP (urllib), images compared with the plain pipeline."""
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+
+FLUX = GENERATE_DEFAULTS["flux"]
+REQUEST = {
+    "prompt": "a red cube",
+    "size": f"{FLUX['width']}x{FLUX['height']}",
+    "num_inference_steps": 2,
+    "max_sequence_length": FLUX["max_sequence_length"],
+    "guidance_scale": FLUX["guidance_scale"],
+}
+SLOW_STEPS = 150  # a request that keeps the one replica busy for seconds
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _call(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a GET, or of a POST of `body`."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_flux_dir, tmp_path_factory):
+    port = _free_port()
+    cache = tmp_path_factory.mktemp("serve-cache")
+    argv = [
+        sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(port),
+        "--max-queue", "0", "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--cache-dir", str(cache),
+        "--cache-allow-any-filesystem",
+    ]
+    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if _call(f"{base}/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        log.seek(0)
+        process.kill()
+        pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
+    yield base, cache
+    os.killpg(process.pid, signal.SIGINT)  # uvicorn shuts down; the replicas are stopped
+    assert process.wait(timeout=60) == 0
+    log.close()
+
+
+def _image(item: dict) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB"))
+
+
+def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
+    import diffusers
+
+    base, cache = server
+    status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "n": 2, "seed": 5})
+    assert status == 200 and len(body["data"]) == 2
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir)
+    with torch.no_grad():  # ordinary allocations, as dlo's copies are (see test_generate.plain_pipeline)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    tensor.data = tensor.data.clone()
+    for k, item in enumerate(body["data"]):
+        with torch.inference_mode():
+            expected = pipe(
+                "a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(5 + k), **FLUX
+            ).images[0]
+        assert np.array_equal(_image(item), np.asarray(expected))
+    assert len(list((cache / "v1").iterdir())) == 1  # the replica loaded through the cache
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        (dict(prompt=None), "prompt"),
+        (dict(size="63x64"), "size"),
+        (dict(size="big"), "size"),
+        (dict(n=3), "n"),
+        (dict(n="two"), "n"),
+        (dict(num_inference_steps=SLOW_STEPS + 1), "num_inference_steps"),
+        (dict(style="vivid"), "style"),
+    ],
+    ids=["no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "steps-over-max", "unknown-field"],
+)
+def test_bad_requests_are_400_naming_the_field(server, change, param):
+    base, _ = server
+    body = {k: v for k, v in {**REQUEST, **change}.items() if v is not None}
+    status, answer, _ = _call(f"{base}/v1/images/generations", body)
+    assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
+
+
+def test_a_full_queue_answers_429_and_the_running_request_completes(server):
+    base, _ = server
+    slow: dict = {}
+    worker = threading.Thread(
+        target=lambda: slow.update(
+            answer=_call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _call(f"{base}/health")[1]["pending"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
+    worker.join(timeout=120)
+    assert status == 429 and headers.get("retry-after") == "1" and "queue is full" in answer["error"]["message"]
+    assert slow["answer"][0] == 200 and len(slow["answer"][1]["data"]) == 1
+    assert _call(f"{base}/health")[1]["pending"] == 0
+
+
+def test_models_lists_the_pipeline(server, tiny_flux_dir):
+    base, _ = server
+    status, body, _ = _call(f"{base}/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [tiny_flux_dir.name]
