@@ -146,3 +146,28 @@ def test_models_lists_the_pipeline(server, tiny_flux_dir):
     base, _ = server
     status, body, _ = _call(f"{base}/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == [tiny_flux_dir.name]
+
+
+def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(server):
+    base, _ = server
+    pid = _call(f"{base}/health")[1]["replica_pids"][0]
+    slow: dict = {}
+    worker = threading.Thread(
+        target=lambda: slow.update(
+            answer=_call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _call(f"{base}/health")[1]["pending"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the denoising loop
+    os.kill(pid, signal.SIGKILL)
+    worker.join(timeout=120)
+    status, answer, _ = slow["answer"]
+    assert status == 500 and f"replica 0 died (exit code {-signal.SIGKILL})" in answer["error"]["message"]
+    # The next request waits for the restarted replica and succeeds.
+    status, body, _ = _call(f"{base}/v1/images/generations", REQUEST)
+    health = _call(f"{base}/health")[1]
+    assert status == 200 and len(body["data"]) == 1
+    assert health["restarts"] == 1 and health["replica_pids"][0] != pid and health["replicas"] == 1

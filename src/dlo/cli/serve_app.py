@@ -1,9 +1,10 @@
 """`dlo serve`'s HTTP side: an OpenAI-style image endpoint (FastAPI) in front of replica
-processes (serve_replica.py) that share one bounded queue.
+processes (serve_replica.py) that take jobs from one bounded queue.
 
-A request is validated before it is queued (the field it names, a 4xx JSON error); the queue
+A request is validated before it is queued (a 400 JSON error naming the field); the server
 holds at most `replicas + max_queue` requests, beyond that a request gets 429 with
 Retry-After; a request waits at most `timeout_s` (504; the job itself still runs to its end).
+A replica that dies fails only the request it was running (500, saying so) and is restarted.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import asyncio
 import base64
 import itertools
 import multiprocessing
-import queue as queue_module
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from typing import Literal
 
 from fastapi import FastAPI
@@ -25,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, validate_call
-from dlo.cli.serve_replica import Done, Job, ReplicaSpec, replica_main
+from dlo.cli.serve_replica import Done, Job, Ready, ReplicaSpec, replica_main
 from dlo.errors import ConfigError
 
 
@@ -96,71 +99,145 @@ class QueueFull(Exception):
     pass
 
 
+@dataclass
+class _Replica:
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    job_id: int | None = None  # the job it runs
+
+
 class ReplicaPool:
-    """`count` replica processes taking jobs from one inbox; a reader thread hands each
-    result to the future of its job."""
+    """`count` replica processes, each on a pipe of its own. Jobs wait in one FIFO here and go
+    to whichever replica is idle. One thread reads every pipe: a result resolves its job's
+    future; a replica that died (its pipe closed) fails only the job it was running, with an
+    error that says so, and is started again."""
 
     def __init__(self, spec: ReplicaSpec, count: int, max_queue: int, ready_timeout_s: float = 600) -> None:
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        self._inbox = context.Queue()
-        self._outbox = context.Queue()
-        ready = context.Queue()
-        self._processes = [
-            context.Process(target=replica_main, args=(i, spec, self._inbox, self._outbox, ready), daemon=True)
-            for i in range(count)
-        ]
-        for process in self._processes:
-            process.start()
+        self._context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        self._spec = spec
+        self._replicas = [self._start() for _ in range(count)]
         failures = []
-        for _ in range(count):
-            try:
-                index, error = ready.get(timeout=ready_timeout_s)
-            except queue_module.Empty:
-                failures.append(f"no replica was ready in {ready_timeout_s:.0f} s")
-                break
+        for index, replica in enumerate(self._replicas):
+            error = self._await_ready(replica, ready_timeout_s)
             if error:
                 failures.append(f"replica {index}: {error}")
         if failures:
             self.close()
             raise ConfigError("dlo serve: the replicas could not load the pipeline: " + "; ".join(failures))
-        self.replicas = count
+        self.restarts = 0
         self._capacity = count + max_queue
         self._futures: dict[int, Future[Done]] = {}
+        self._queue: deque[Job] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._reader = threading.Thread(target=self._read, name="dlo-serve-results", daemon=True)
-        self._reader.start()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="dlo-serve-replicas", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> _Replica:
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(target=replica_main, args=(self._spec, theirs), daemon=True)
+        process.start()
+        theirs.close()  # the child's end: only the child holds it, so its death closes the pipe
+        return _Replica(process, ours)
+
+    @staticmethod
+    def _await_ready(replica: _Replica, timeout_s: float) -> str:
+        try:
+            if not replica.conn.poll(timeout_s):
+                return f"not ready in {timeout_s:.0f} s"
+            ready = replica.conn.recv()
+        except (EOFError, OSError):
+            replica.process.join(5)
+            return f"exited while loading (exit code {replica.process.exitcode})"
+        replica.ready = not ready.error
+        return ready.error
+
+    @property
+    def replicas(self) -> int:
+        return sum(r.ready for r in self._replicas)
 
     @property
     def pending(self) -> int:
         with self._lock:
             return len(self._futures)
 
+    def pids(self) -> list[int | None]:
+        return [r.process.pid for r in self._replicas]
+
     def submit(self, kwargs: dict, seed: int, n: int) -> Future[Done]:
         with self._lock:
             if len(self._futures) >= self._capacity:
                 raise QueueFull
-            job_id = next(self._ids)
+            job = Job(next(self._ids), kwargs, seed, n)
             future: Future[Done] = Future()
-            self._futures[job_id] = future
-        self._inbox.put(Job(job_id, kwargs, seed, n))
+            self._futures[job.job_id] = future
+            self._queue.append(job)
+            self._dispatch()
         return future
 
-    def _read(self) -> None:
-        while (done := self._outbox.get()) is not None:
-            with self._lock:
-                future = self._futures.pop(done.job_id, None)
-            if future is not None:
-                future.set_result(done)
+    def _dispatch(self) -> None:
+        """Under the lock: hand queued jobs to idle replicas, oldest first."""
+        for replica in self._replicas:
+            if not self._queue:
+                return
+            if replica.ready and replica.job_id is None:
+                job = self._queue.popleft()
+                replica.job_id = job.job_id
+                replica.conn.send(job)
+
+    def _serve(self) -> None:
+        while not self._closing.is_set():
+            conns = {r.conn: r for r in self._replicas}
+            for conn in connection_wait(list(conns), timeout=0.2):
+                self._receive(conns[conn])
+
+    def _receive(self, replica: _Replica) -> None:
+        try:
+            message = replica.conn.recv()
+        except (EOFError, OSError):
+            if not self._closing.is_set():
+                self._restart(replica)
+            return
+        with self._lock:
+            if isinstance(message, Ready):  # a restarted replica
+                replica.ready = not message.error
+            else:
+                replica.job_id = None
+                future = self._futures.pop(message.job_id, None)
+                if future is not None:
+                    future.set_result(message)
+            self._dispatch()
+
+    def _restart(self, dead: _Replica) -> None:
+        dead.process.join(5)
+        index = self._replicas.index(dead)
+        with self._lock:
+            job_id, dead.job_id, dead.ready = dead.job_id, None, False
+            future = self._futures.pop(job_id, None) if job_id is not None else None
+            self._replicas[index] = self._start()  # it reports Ready on its pipe, read by this thread
+            self.restarts += 1
+        dead.conn.close()
+        if future is not None:
+            error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; it was restarted"
+            future.set_result(Done(job_id, error=error))
 
     def close(self) -> None:
-        for _ in self._processes:
-            self._inbox.put(None)
-        for process in self._processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-        self._outbox.put(None)
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
+            self._thread.join(timeout=5)
+        for replica in self._replicas:
+            try:
+                replica.conn.send(None)
+            except OSError:  # already gone
+                pass
+        for replica in self._replicas:
+            replica.process.join(timeout=30)
+            if replica.process.is_alive():
+                replica.process.kill()
+            replica.conn.close()
 
 
 def _error(status: int, param: str | None, message: str, headers: dict | None = None) -> JSONResponse:
@@ -205,6 +282,7 @@ def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: st
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "replicas": pool.replicas, "pending": pool.pending}
+        return {"status": "ok", "replicas": pool.replicas, "pending": pool.pending, "restarts": pool.restarts,
+                "replica_pids": pool.pids()}
 
     return app

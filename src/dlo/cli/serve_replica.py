@@ -1,16 +1,16 @@
 """One `dlo serve` replica: a worker process holding one pipeline streamed by dlo on its device.
 
 It loads the pipeline the way `dlo generate` does (the transformer through `dlo.load_transformer`,
-so with the host weight cache every replica of a node maps the one published entry), says it is
-ready, then runs the jobs it takes from the shared inbox, one at a time, until it takes None.
-Jobs and results are plain picklable values: a job is (job id, pipeline keyword arguments
-without the generator, seed, n); a result is (job id, PNG bytes of each image) or (job id, the
-error's one-line text).
+so with the host weight cache every replica of a node maps the one published entry), sends
+`Ready`, then runs the jobs the server sends on its own pipe, one at a time, answering each with
+`Done`, until it receives None. A pipe per replica, not a queue shared by all: a replica killed
+while holding a shared queue's lock would block every other replica for good.
 """
 
 from __future__ import annotations
 
 import io
+import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ class ReplicaSpec:
 
 @dataclass(frozen=True)
 class Job:
+    """Pipeline keyword arguments without the generator; image k uses seed + k."""
+
     job_id: int
     kwargs: dict[str, Any]
     seed: int
@@ -36,22 +38,31 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Ready:
+    error: str = ""  # why the pipeline could not be loaded
+
+
+@dataclass(frozen=True)
 class Done:
     job_id: int
-    images: tuple[bytes, ...] = ()
-    error: str = ""
+    images: tuple[bytes, ...] = ()  # PNG bytes
+    error: str = ""  # the one-line text of what failed
 
 
-def replica_main(index: int, spec: ReplicaSpec, inbox, outbox, ready) -> None:
+def replica_main(spec: ReplicaSpec, conn) -> None:
+    # Ctrl-C reaches the terminal's whole process group: the server stops, then sends None.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pipe, handle = _load(spec)
     except BaseException as err:  # reported to the server, which refuses to start
-        ready.put((index, f"{type(err).__name__}: {err}"))
+        conn.send(Ready(f"{type(err).__name__}: {err}"))
         return
-    ready.put((index, ""))
+    conn.send(Ready())
     try:
-        while (job := inbox.get()) is not None:
-            outbox.put(_run(pipe, job))
+        while (job := conn.recv()) is not None:
+            conn.send(_run(pipe, job))
+    except EOFError:  # the server is gone
+        pass
     finally:
         handle.disable()
 
