@@ -142,6 +142,24 @@ def test_a_full_queue_answers_429_and_the_running_request_completes(server):
     assert _call(f"{base}/health")[1]["pending"] == 0
 
 
+def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
+    base, _ = server
+    assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['dlo_serve_requests_total{status="200"}'] >= 1
+    assert values["dlo_serve_steps_total"] >= REQUEST["num_inference_steps"]
+    assert values['dlo_serve_replica_bytes_streamed{replica="0"}'] > 0
+    assert values['dlo_serve_replica_host_pss_bytes{replica="0"}'] > 0
+    assert values["dlo_serve_queue_depth"] == 0 and values["dlo_serve_busy_replicas"] == 0
+    assert values["dlo_serve_request_seconds_count"] >= 1
+
+
 def test_models_lists_the_pipeline(server, tiny_flux_dir):
     base, _ = server
     status, body, _ = _call(f"{base}/v1/models")

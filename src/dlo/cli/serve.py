@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
     rules = read_call_rules(model_dir, cls)
-    from dlo.cli.serve_app import Limits, ReplicaPool, make_app  # FastAPI: only for this command
+    from dlo.cli.serve_app import Limits, Metrics, ReplicaPool, make_app  # FastAPI: only for this command
 
     limits = Limits(
         max_images=args.max_images,
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
     )
     spec = ReplicaSpec(str(model_dir), str(device), dtype, config)
-    pool = ReplicaPool(spec, args.replicas, args.max_queue)
+    pool = ReplicaPool(spec, args.replicas, args.max_queue, Metrics())
     try:
         import uvicorn
 

@@ -24,7 +24,8 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, validate_call
@@ -99,6 +100,34 @@ class QueueFull(Exception):
     pass
 
 
+class Metrics:
+    """What GET /metrics exposes (Prometheus text format), in a registry of the app's own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queued = Gauge("dlo_serve_queue_depth", "requests waiting for a replica", registry=self.registry)
+        self.busy = Gauge("dlo_serve_busy_replicas", "replicas running a request", registry=self.registry)
+        self.requests = Counter(
+            "dlo_serve_requests", "requests answered, by HTTP status", ["status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "dlo_serve_request_seconds", "seconds from accepting a request to its answer (status 200)",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=self.registry,
+        )
+        self.steps = Counter("dlo_serve_steps", "denoising steps run", registry=self.registry)
+        self.restarts = Counter(
+            "dlo_serve_replica_restarts", "replicas started again after dying", registry=self.registry
+        )
+        self.streamed = Gauge(
+            "dlo_serve_replica_bytes_streamed", "bytes dlo streamed in a replica since it started", ["replica"],
+            registry=self.registry,
+        )
+        self.pss = Gauge(
+            "dlo_serve_replica_host_pss_bytes", "a replica's host Pss (shared pages split among their users)",
+            ["replica"], registry=self.registry,
+        )
+
+
 @dataclass
 class _Replica:
     process: multiprocessing.process.BaseProcess
@@ -113,9 +142,12 @@ class ReplicaPool:
     future; a replica that died (its pipe closed) fails only the job it was running, with an
     error that says so, and is started again."""
 
-    def __init__(self, spec: ReplicaSpec, count: int, max_queue: int, ready_timeout_s: float = 600) -> None:
+    def __init__(
+        self, spec: ReplicaSpec, count: int, max_queue: int, metrics: Metrics, ready_timeout_s: float = 600
+    ) -> None:
         self._context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._spec = spec
+        self.metrics = metrics
         self._replicas = [self._start() for _ in range(count)]
         failures = []
         for index, replica in enumerate(self._replicas):
@@ -180,12 +212,12 @@ class ReplicaPool:
     def _dispatch(self) -> None:
         """Under the lock: hand queued jobs to idle replicas, oldest first."""
         for replica in self._replicas:
-            if not self._queue:
-                return
-            if replica.ready and replica.job_id is None:
+            if self._queue and replica.ready and replica.job_id is None:
                 job = self._queue.popleft()
                 replica.job_id = job.job_id
                 replica.conn.send(job)
+        self.metrics.queued.set(len(self._queue))
+        self.metrics.busy.set(sum(r.job_id is not None for r in self._replicas))
 
     def _serve(self) -> None:
         while not self._closing.is_set():
@@ -205,6 +237,11 @@ class ReplicaPool:
                 replica.ready = not message.error
             else:
                 replica.job_id = None
+                index = str(self._replicas.index(replica))
+                self.metrics.steps.inc(message.steps)
+                self.metrics.streamed.labels(index).set(message.bytes_streamed)
+                if message.host_pss is not None:
+                    self.metrics.pss.labels(index).set(message.host_pss)
                 future = self._futures.pop(message.job_id, None)
                 if future is not None:
                     future.set_result(message)
@@ -218,6 +255,8 @@ class ReplicaPool:
             future = self._futures.pop(job_id, None) if job_id is not None else None
             self._replicas[index] = self._start()  # it reports Ready on its pipe, read by this thread
             self.restarts += 1
+            self.metrics.restarts.inc()
+            self._dispatch()
         dead.conn.close()
         if future is not None:
             error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; it was restarted"
@@ -257,8 +296,18 @@ def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: st
         param = str(first["loc"][-1]) if first.get("loc") else None
         return _error(400, param, f"{param}: {first.get('msg', 'invalid')}")
 
+    metrics = pool.metrics
+
+    @app.middleware("http")
+    async def count(request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels(str(response.status_code)).inc()
+        return response
+
     @app.post("/v1/images/generations")
     async def generations(request: ImageRequest):
+        accepted = time.perf_counter()
         try:
             kwargs = pipeline_kwargs(request, rules, limits)
         except RequestError as err:
@@ -274,7 +323,12 @@ def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: st
         if done.error:
             return _error(500, None, f"the replica failed on this request: {done.error}")
         data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in done.images]
+        metrics.latency.observe(time.perf_counter() - accepted)
         return {"created": int(time.time()), "data": data}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import signal
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,9 @@ class Done:
     job_id: int
     images: tuple[bytes, ...] = ()  # PNG bytes
     error: str = ""  # the one-line text of what failed
+    steps: int = 0  # denoising steps run
+    bytes_streamed: int = 0  # by dlo since the replica started, every streamed component
+    host_pss: int | None = None  # the replica's Pss (smaps_rollup) after the job
 
 
 def replica_main(spec: ReplicaSpec, conn) -> None:
@@ -60,7 +63,16 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
     conn.send(Ready())
     try:
         while (job := conn.recv()) is not None:
-            conn.send(_run(pipe, job))
+            done = _run(pipe, job)
+            stats = handle.stats()  # synchronizes the device: the job is over anyway
+            memory = next(iter(stats.values())).host_memory if stats else None
+            conn.send(
+                replace(
+                    done,
+                    bytes_streamed=sum(s.bytes_streamed for s in stats.values()),
+                    host_pss=memory.pss if memory is not None else None,
+                )
+            )
     except EOFError:  # the server is gone
         pass
     finally:
@@ -91,7 +103,7 @@ def _run(pipe, job: Job) -> Done:
             buffer = io.BytesIO()
             image.save(buffer, format="PNG")
             images.append(buffer.getvalue())
-        return Done(job.job_id, tuple(images))
+        return Done(job.job_id, tuple(images), steps=job.n * job.kwargs.get("num_inference_steps", 0))
     except Exception as err:  # the request fails, the replica serves the next one
         last = traceback.format_exception_only(type(err), err)[-1].strip()
         return Done(job.job_id, error=last)
