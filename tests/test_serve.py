@@ -29,7 +29,10 @@ REQUEST = {
     "max_sequence_length": FLUX["max_sequence_length"],
     "guidance_scale": FLUX["guidance_scale"],
 }
-SLOW_STEPS = 150  # a request that keeps the one replica busy for seconds
+SLOW_STEPS = 400  # a request that keeps the one replica busy for seconds (about 9 s here)
+TIMEOUT_S = 2  # the server's --timeout-s: the slow request times out, the others do not
+
+pytestmark = pytest.mark.xdist_group("serve")  # one server for the module, on one worker
 
 
 def _free_port() -> int:
@@ -38,15 +41,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _call(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of a GET, or of a POST of `body`."""
+def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
+    """(status, JSON body, headers: case-insensitive) of a GET, or of a POST of `body`."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read()), dict(response.headers)
+            return response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read()), dict(err.headers)
+        return err.code, json.loads(err.read()), err.headers
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,8 @@ def server(tiny_flux_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("serve-cache")
     argv = [
         sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(port),
-        "--max-queue", "0", "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--cache-dir", str(cache),
-        "--cache-allow-any-filesystem",
+        "--max-queue", "0", "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s", str(TIMEOUT_S),
+        "--cache-dir", str(cache), "--cache-allow-any-filesystem",
     ]
     log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -112,9 +115,14 @@ def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
         (dict(n=3), "n"),
         (dict(n="two"), "n"),
         (dict(num_inference_steps=SLOW_STEPS + 1), "num_inference_steps"),
-        (dict(style="vivid"), "style"),
+        (dict(size="²x64"), "size"),
+        (dict(seed=-1), "seed"),
+        (dict(colour="red"), "colour"),
     ],
-    ids=["no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "steps-over-max", "unknown-field"],
+    ids=[
+        "no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "steps-over-max", "size-unicode-digit",
+        "seed-negative", "unknown-field",
+    ],
 )
 def test_bad_requests_are_400_naming_the_field(server, change, param):
     base, _ = server
@@ -123,23 +131,35 @@ def test_bad_requests_are_400_naming_the_field(server, change, param):
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
 
 
-def test_a_full_queue_answers_429_and_the_running_request_completes(server):
-    base, _ = server
+def _start_slow(base: str) -> tuple[threading.Thread, dict]:
+    """A slow request in a thread, returned once the server holds it."""
     slow: dict = {}
-    worker = threading.Thread(
-        target=lambda: slow.update(
-            answer=_call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
-        )
-    )
+
+    def call():
+        slow["answer"] = _call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
+
+    worker = threading.Thread(target=call)
     worker.start()
     deadline = time.monotonic() + 60
-    while _call(f"{base}/health")[1]["pending"] == 0 and time.monotonic() < deadline:
+    while _call(f"{base}/health")[1]["pending"] == 0:
+        assert time.monotonic() < deadline, "the slow request never reached the server"
         time.sleep(0.05)
+    return worker, slow
+
+
+def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_done(server):
+    base, _ = server
+    worker, slow = _start_slow(base)
     status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
+    assert status == 429 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]["message"]
     worker.join(timeout=120)
-    assert status == 429 and headers.get("retry-after") == "1" and "queue is full" in answer["error"]["message"]
-    assert slow["answer"][0] == 200 and len(slow["answer"][1]["data"]) == 1
-    assert _call(f"{base}/health")[1]["pending"] == 0
+    assert slow["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in slow["answer"][1]["error"]["message"]
+    deadline = time.monotonic() + 120  # the replica finishes the slow job; its result is dropped
+    while _call(f"{base}/health")[1]["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    status, body, _ = _call(f"{base}/v1/images/generations", REQUEST)
+    assert status == 200 and len(body["data"]) == 1
 
 
 def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
@@ -168,24 +188,37 @@ def test_models_lists_the_pipeline(server, tiny_flux_dir):
 
 def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(server):
     base, _ = server
-    pid = _call(f"{base}/health")[1]["replica_pids"][0]
-    slow: dict = {}
-    worker = threading.Thread(
-        target=lambda: slow.update(
-            answer=_call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
-        )
-    )
-    worker.start()
-    deadline = time.monotonic() + 60
-    while _call(f"{base}/health")[1]["pending"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    before = _call(f"{base}/health")[1]
+    worker, slow = _start_slow(base)
     time.sleep(0.5)  # into the denoising loop
-    os.kill(pid, signal.SIGKILL)
+    os.kill(before["replica_pids"][0], signal.SIGKILL)
     worker.join(timeout=120)
     status, answer, _ = slow["answer"]
     assert status == 500 and f"replica 0 died (exit code {-signal.SIGKILL})" in answer["error"]["message"]
-    # The next request waits for the restarted replica and succeeds.
+    # Restarted: /health says 503 until the new replica has loaded (longer than TIMEOUT_S here).
+    deadline = time.monotonic() + 120
+    while (health := _call(f"{base}/health"))[0] != 200:
+        assert health[0] == 503 and time.monotonic() < deadline
+        time.sleep(0.2)
+    assert health[1]["restarts"] == before["restarts"] + 1
+    assert health[1]["replica_pids"][0] != before["replica_pids"][0]
     status, body, _ = _call(f"{base}/v1/images/generations", REQUEST)
-    health = _call(f"{base}/health")[1]
     assert status == 200 and len(body["data"]) == 1
-    assert health["restarts"] == 1 and health["replica_pids"][0] != pid and health["replicas"] == 1
+
+
+def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
+    import diffusers
+
+    from dlo.cli.call_rules import read_call_rules
+    from dlo.cli.serve_app import ImageRequest, Limits, RequestError, pipeline_kwargs
+
+    rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
+    limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
+    request = ImageRequest(prompt="a red cube", negative_prompt="blurry")
+    taken = {"prompt", "num_inference_steps", "height", "width", "max_sequence_length"}  # no negative_prompt
+    with pytest.raises(RequestError, match="negative_prompt: FluxPipeline does not take it") as refused:
+        pipeline_kwargs(request, rules, limits, frozenset(taken))
+    assert refused.value.param == "negative_prompt"
+    assert pipeline_kwargs(ImageRequest(prompt="a"), rules, limits, frozenset(taken)) == {
+        "prompt": "a", "num_inference_steps": 28
+    }

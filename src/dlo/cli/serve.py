@@ -25,6 +25,8 @@ from dlo.errors import ConfigError
 def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue {args.max_queue}: give 0 or more")
+    if not args.timeout_s > 0 or args.timeout_s == float("inf"):
+        raise ConfigError(f"--timeout-s {args.timeout_s}: give a number of seconds > 0")
     model_dir = resolve_model(args.model_dir, "dlo serve does not download")
     cls, index = pipeline_class(model_dir)
     if "num_frames" in inspect.signature(cls.__call__).parameters:
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         timeout_s=args.timeout_s,
     )
+    parameters = frozenset(inspect.signature(cls.__call__).parameters)
     spec = ReplicaSpec(str(model_dir), str(device), dtype, config)
     pool = ReplicaPool(spec, args.replicas, args.max_queue, Metrics())
     try:
@@ -50,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"dlo serve: {cls.__name__} from {model_dir}, {args.replicas} replica(s) on {device}; "
               f"http://{args.host}:{args.port}/v1/images/generations", flush=True)
-        uvicorn.run(make_app(pool, rules, limits, model_dir.name), host=args.host, port=args.port, log_level="warning")
+        # Ctrl-C or SIGTERM: uvicorn stops accepting and waits for the requests in flight; then
+        # the replicas are stopped (finally).
+        app = make_app(pool, rules, limits, parameters, model_dir.name)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         pool.close()
     return 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import logging
+import re
 import multiprocessing
 import threading
 import time
@@ -24,6 +26,7 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,19 +35,24 @@ from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, validate_c
 from dlo.cli.serve_replica import Done, Job, Ready, ReplicaSpec, replica_main
 from dlo.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 
 class ImageRequest(BaseModel):
     """POST /v1/images/generations: OpenAI's fields, and the pipeline's own as extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1)
-    model: str | None = None
+    prompt: str = Field(min_length=1, max_length=10_000)
+    model: str | None = None  # one model per server: accepted, not checked
+    user: str | None = None  # accepted and ignored, as quality and style
+    quality: str | None = None
+    style: str | None = None
     n: int = Field(default=1, ge=1)
-    size: str | None = None  # "WxH"; unset: the pipeline's default
+    size: str | None = None  # "WxH"; unset or "auto": the pipeline's default
     response_format: Literal["b64_json"] = "b64_json"
     negative_prompt: str | None = None
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**63 - 1 - 1024)  # image k uses seed + k
     num_inference_steps: int = Field(default=28, ge=1)
     guidance_scale: float | None = None
     max_sequence_length: int | None = Field(default=None, ge=1)
@@ -65,18 +73,22 @@ class RequestError(Exception):
         self.param = param
 
 
-def pipeline_kwargs(request: ImageRequest, rules: CallRules, limits: Limits) -> dict:
-    """The pipeline's arguments for `request`, or a RequestError naming the field."""
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+
+
+def pipeline_kwargs(request: ImageRequest, rules: CallRules, limits: Limits, parameters: frozenset[str]) -> dict:
+    """The pipeline's arguments for `request`, or a RequestError naming the field. `parameters`:
+    the names the pipeline's __call__ takes."""
     if request.n > limits.max_images:
         raise RequestError("n", f"n={request.n}: at most {limits.max_images} images per request")
     if request.num_inference_steps > limits.max_steps:
         raise RequestError("num_inference_steps", f"at most {limits.max_steps} steps per request")
     height = width = None
-    if request.size is not None:
-        parts = request.size.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    if request.size not in (None, "auto"):
+        match = _SIZE.fullmatch(request.size.lower())
+        if match is None:
             raise RequestError("size", f"size={request.size!r}: give WIDTHxHEIGHT in pixels, e.g. 1024x1024")
-        width, height = int(parts[0]), int(parts[1])
+        width, height = int(match[1]), int(match[2])
     try:
         call = validate_call(
             rules, CallRequest(height, width, None, request.max_sequence_length), limits.max_tokens, limits.dtype_bytes
@@ -93,11 +105,18 @@ def pipeline_kwargs(request: ImageRequest, rules: CallRules, limits: Limits) -> 
         "guidance_scale": request.guidance_scale,
         "max_sequence_length": call.max_sequence_length,
     }
-    return {k: v for k, v in wanted.items() if v is not None}
+    given = {k: v for k, v in wanted.items() if v is not None}
+    for name in given:
+        if name not in parameters:
+            raise RequestError(name, f"{name}: {rules.pipeline} does not take it")
+    return given
 
 
 class QueueFull(Exception):
     pass
+
+
+_FAILED_STARTS = 3  # restarts in a row that never became ready before a replica is given up
 
 
 class Metrics:
@@ -134,13 +153,15 @@ class _Replica:
     conn: Connection
     ready: bool = False
     job_id: int | None = None  # the job it runs
+    failed_starts: int = 0  # restarts in a row that never became ready
 
 
 class ReplicaPool:
     """`count` replica processes, each on a pipe of its own. Jobs wait in one FIFO here and go
     to whichever replica is idle. One thread reads every pipe: a result resolves its job's
     future; a replica that died (its pipe closed) fails only the job it was running, with an
-    error that says so, and is started again."""
+    error that says so, and is started again (given up after `_FAILED_STARTS` restarts in a
+    row that never became ready). A future is resolved only if nobody cancelled it."""
 
     def __init__(
         self, spec: ReplicaSpec, count: int, max_queue: int, metrics: Metrics, ready_timeout_s: float = 600
@@ -148,15 +169,6 @@ class ReplicaPool:
         self._context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._spec = spec
         self.metrics = metrics
-        self._replicas = [self._start() for _ in range(count)]
-        failures = []
-        for index, replica in enumerate(self._replicas):
-            error = self._await_ready(replica, ready_timeout_s)
-            if error:
-                failures.append(f"replica {index}: {error}")
-        if failures:
-            self.close()
-            raise ConfigError("dlo serve: the replicas could not load the pipeline: " + "; ".join(failures))
         self.restarts = 0
         self._capacity = count + max_queue
         self._futures: dict[int, Future[Done]] = {}
@@ -164,6 +176,19 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closing = threading.Event()
+        self._replicas: list[_Replica] = []
+        try:  # Ctrl-C while the replicas load, or any failure: none is left running
+            self._replicas = [self._start() for _ in range(count)]
+            failures = []
+            for index, replica in enumerate(self._replicas):
+                error = self._await_ready(replica, ready_timeout_s)
+                if error:
+                    failures.append(f"replica {index}: {error}")
+            if failures:
+                raise ConfigError("dlo serve: the replicas could not load the pipeline: " + "; ".join(failures))
+        except BaseException:
+            self.close()
+            raise
         self._thread = threading.Thread(target=self._serve, name="dlo-serve-replicas", daemon=True)
         self._thread.start()
 
@@ -198,7 +223,7 @@ class ReplicaPool:
     def pids(self) -> list[int | None]:
         return [r.process.pid for r in self._replicas]
 
-    def submit(self, kwargs: dict, seed: int, n: int) -> Future[Done]:
+    def submit(self, kwargs: dict, seed: int, n: int) -> tuple[int, Future[Done]]:
         with self._lock:
             if len(self._futures) >= self._capacity:
                 raise QueueFull
@@ -207,23 +232,41 @@ class ReplicaPool:
             self._futures[job.job_id] = future
             self._queue.append(job)
             self._dispatch()
-        return future
+        return job.job_id, future
+
+    def forget(self, job_id: int) -> None:
+        """The request gave up (timed out): drop its job if no replica took it yet."""
+        with self._lock:
+            if any(job.job_id == job_id for job in self._queue):
+                self._queue = deque(job for job in self._queue if job.job_id != job_id)
+                self._futures.pop(job_id, None)
+                self.metrics.queued.set(len(self._queue))
 
     def _dispatch(self) -> None:
-        """Under the lock: hand queued jobs to idle replicas, oldest first."""
+        """Under the lock: hand queued jobs to idle replicas, oldest first. A replica whose
+        pipe broke keeps no job: it goes back to the front of the queue, and the replica's
+        end of file (read by `_serve`) restarts it."""
         for replica in self._replicas:
             if self._queue and replica.ready and replica.job_id is None:
                 job = self._queue.popleft()
+                try:
+                    replica.conn.send(job)
+                except OSError:
+                    replica.ready = False
+                    self._queue.appendleft(job)
+                    continue
                 replica.job_id = job.job_id
-                replica.conn.send(job)
         self.metrics.queued.set(len(self._queue))
         self.metrics.busy.set(sum(r.job_id is not None for r in self._replicas))
 
     def _serve(self) -> None:
         while not self._closing.is_set():
-            conns = {r.conn: r for r in self._replicas}
+            conns = {r.conn: r for r in self._replicas if not r.conn.closed}
             for conn in connection_wait(list(conns), timeout=0.2):
-                self._receive(conns[conn])
+                try:
+                    self._receive(conns[conn])
+                except Exception:  # this thread serves every replica: it must outlive any one bug
+                    logger.exception("dlo serve: handling a replica's message failed")
 
     def _receive(self, replica: _Replica) -> None:
         try:
@@ -235,6 +278,7 @@ class ReplicaPool:
         with self._lock:
             if isinstance(message, Ready):  # a restarted replica
                 replica.ready = not message.error
+                replica.failed_starts = 0 if replica.ready else replica.failed_starts
             else:
                 replica.job_id = None
                 index = str(self._replicas.index(replica))
@@ -242,41 +286,55 @@ class ReplicaPool:
                 self.metrics.streamed.labels(index).set(message.bytes_streamed)
                 if message.host_pss is not None:
                     self.metrics.pss.labels(index).set(message.host_pss)
-                future = self._futures.pop(message.job_id, None)
-                if future is not None:
-                    future.set_result(message)
+                _resolve(self._futures.pop(message.job_id, None), message)
             self._dispatch()
 
     def _restart(self, dead: _Replica) -> None:
         dead.process.join(5)
+        dead.conn.close()
         index = self._replicas.index(dead)
         with self._lock:
-            job_id, dead.job_id, dead.ready = dead.job_id, None, False
+            job_id, dead.job_id = dead.job_id, None
             future = self._futures.pop(job_id, None) if job_id is not None else None
-            self._replicas[index] = self._start()  # it reports Ready on its pipe, read by this thread
-            self.restarts += 1
-            self.metrics.restarts.inc()
+            failed_starts = dead.failed_starts + (not dead.ready)
+            if self._closing.is_set() or failed_starts >= _FAILED_STARTS:
+                logger.error("dlo serve: replica %d exited (code %s); not started again", index, dead.process.exitcode)
+                dead.ready = False
+            else:
+                self._replicas[index] = self._start()  # it reports Ready on its pipe, read by this thread
+                self._replicas[index].failed_starts = failed_starts
+                self.restarts += 1
+                self.metrics.restarts.inc()
             self._dispatch()
-        dead.conn.close()
-        if future is not None:
-            error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; it was restarted"
-            future.set_result(Done(job_id, error=error))
+        if job_id is not None:
+            again = "it was restarted" if self._replicas[index] is not dead else "it was not started again"
+            error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; {again}"
+            _resolve(future, Done(job_id, error=error))
 
     def close(self) -> None:
-        closing = getattr(self, "_closing", None)
-        if closing is not None:
-            closing.set()
-            self._thread.join(timeout=5)
-        for replica in self._replicas:
+        """Stop reading, ask every replica to stop (after its current job), and wait for them."""
+        self._closing.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            replicas = list(self._replicas)
+        for replica in replicas:
             try:
                 replica.conn.send(None)
             except OSError:  # already gone
                 pass
-        for replica in self._replicas:
-            replica.process.join(timeout=30)
+        deadline = time.monotonic() + 30
+        for replica in replicas:
+            replica.process.join(timeout=max(0.0, deadline - time.monotonic()))
             if replica.process.is_alive():
                 replica.process.kill()
             replica.conn.close()
+
+
+def _resolve(future: Future[Done] | None, done: Done) -> None:
+    if future is not None and future.set_running_or_notify_cancel():
+        future.set_result(done)
 
 
 def _error(status: int, param: str | None, message: str, headers: dict | None = None) -> JSONResponse:
@@ -286,15 +344,23 @@ def _error(status: int, param: str | None, message: str, headers: dict | None = 
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
-def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: str) -> FastAPI:
+def make_app(
+    pool: ReplicaPool, rules: CallRules, limits: Limits, parameters: frozenset[str], model_name: str
+) -> FastAPI:
     app = FastAPI(title="dlo serve")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, err: RequestValidationError) -> JSONResponse:
-        """FastAPI's 422 as OpenAI's 400, naming the first field that is wrong."""
+        """FastAPI's 422 as OpenAI's 400, naming the first field that is wrong (None: the body
+        is not JSON)."""
         first = err.errors()[0]
-        param = str(first["loc"][-1]) if first.get("loc") else None
-        return _error(400, param, f"{param}: {first.get('msg', 'invalid')}")
+        loc = first.get("loc") or ()
+        param = loc[-1] if loc and isinstance(loc[-1], str) and loc[-1] != "body" else None
+        return _error(400, param, f"{param or 'body'}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, err: StarletteHTTPException) -> JSONResponse:
+        return _error(err.status_code, None, str(err.detail))
 
     metrics = pool.metrics
 
@@ -307,23 +373,24 @@ def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: st
 
     @app.post("/v1/images/generations")
     async def generations(request: ImageRequest):
-        accepted = time.perf_counter()
+        received = time.perf_counter()
         try:
-            kwargs = pipeline_kwargs(request, rules, limits)
+            kwargs = pipeline_kwargs(request, rules, limits, parameters)
         except RequestError as err:
             return _error(400, err.param, str(err))
         try:
-            future = pool.submit(kwargs, request.seed, request.n)
+            job_id, future = pool.submit(kwargs, request.seed, request.n)
         except QueueFull:
             return _error(429, None, "the queue is full; retry later", headers={"Retry-After": "1"})
         try:
             done = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.timeout_s)
         except asyncio.TimeoutError:
+            pool.forget(job_id)  # still queued: dropped; already running: it runs to its end
             return _error(504, None, f"no result in {limits.timeout_s:g} s")
         if done.error:
             return _error(500, None, f"the replica failed on this request: {done.error}")
         data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in done.images]
-        metrics.latency.observe(time.perf_counter() - accepted)
+        metrics.latency.observe(time.perf_counter() - received)
         return {"created": int(time.time()), "data": data}
 
     @app.get("/metrics")
@@ -336,6 +403,8 @@ def make_app(pool: ReplicaPool, rules: CallRules, limits: Limits, model_name: st
 
     @app.get("/health")
     async def health():
+        if pool.replicas == 0:
+            return _error(503, None, "no replica is ready")
         return {"status": "ok", "replicas": pool.replicas, "pending": pool.pending, "restarts": pool.restarts,
                 "replica_pids": pool.pids()}
 
