@@ -27,6 +27,7 @@ PRELOAD = [
     "dlo.models.tiny",
     "allgather_ranks",
     "cache_writers",
+    "failed_enables",
 ]
 
 

@@ -266,40 +266,12 @@ def test_a_quantized_model_fails_closed_before_its_loader_runs(tmp_path, caplog)
     assert not isinstance(raised.value, dlo.DloError)
 
 
-FAILED_ENABLE = """
-import sys, torch, dlo
-from dlo.models.tiny import TINY_MODELS
-directory, cache = sys.argv[1], sys.argv[2]
-config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=cache)
-model, plan = dlo.load_transformer(directory, config)
-if sys.argv[4] == "tie":  # a tie dlo refuses, after the plan was bound
-    model.blocks[1].ffn.net[0].proj.bias = model.blocks[0].ffn.net[0].proj.bias
-else:  # a wrapper (as peft's) renames a planned weight: binding the plan fails halfway
-    class Wrapped(torch.nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base_layer = base
-
-        def forward(self, x):
-            return self.base_layer(x)
-
-    model.blocks[0].attn1.to_q = Wrapped(model.blocks[0].attn1.to_q)
-try:
-    dlo.enable(model, "cpu", config, plan=plan)
-except dlo.EnableError:
-    pass
-with torch.inference_mode():
-    out = model(**TINY_MODELS["wan"].inputs(1))[0]  # reads every weight after the rollback
-torch.save(out, sys.argv[3])
-"""
-
-
 @pytest.mark.parametrize("failure", ["tie", "rename"])
 def test_a_failed_enable_leaves_private_tensors_not_views_of_a_closed_mapping(tmp_path, failure):
-    # In a subprocess: reading an unmapped view is a segfault, which must fail this test, not
-    # end the test run.
-    import subprocess
-    import sys
+    # In a child process: reading an unmapped view is a segfault, which must fail this test,
+    # not end the test run.
+    from child_processes import child_context
+    from failed_enables import failed_enable
 
     directory = save(tmp_path, "wan")
     reference = diffusers.WanTransformer3DModel.from_pretrained(directory).eval()
@@ -307,10 +279,9 @@ def test_a_failed_enable_leaves_private_tensors_not_views_of_a_closed_mapping(tm
         reference.blocks[1].ffn.net[0].proj.bias = reference.blocks[0].ffn.net[0].proj.bias
     expected = run(reference, "wan", seeds=(1,))[0]
     out = tmp_path / "out.pt"
-    done = subprocess.run(
-        [sys.executable, "-c", FAILED_ENABLE, str(directory), str(tmp_path / "cache"), str(out), failure],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    args = (str(directory), str(tmp_path / "cache"), str(out), failure)
+    child = child_context().Process(target=failed_enable, args=args)
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
     assert torch.equal(torch.load(out), expected)
