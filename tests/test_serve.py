@@ -29,10 +29,9 @@ REQUEST = {
     "max_sequence_length": FLUX["max_sequence_length"],
     "guidance_scale": FLUX["guidance_scale"],
 }
-SLOW_STEPS = 150  # a request that keeps the one replica busy for seconds (about 3 s here)
+SLOW_STEPS = 100  # a request that keeps the one replica busy for seconds (about 2 s here)
 TIMEOUT_S = 1  # the server's --timeout-s: the slow request times out, the others do not
 
-pytestmark = pytest.mark.xdist_group("serve")  # every test here on one worker: one server
 
 
 def _free_port() -> int:
@@ -52,7 +51,7 @@ def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
         return err.code, json.loads(err.read()), err.headers
 
 
-@pytest.fixture(scope="session")  # session: pytest may interleave other modules' tests
+@pytest.fixture(scope="session")  # one server per test process (an xdist worker runs its own)
 def server(tiny_flux_dir, tmp_path_factory):
     port = _free_port()
     cache = tmp_path_factory.mktemp("serve-cache")
