@@ -29,8 +29,8 @@ REQUEST = {
     "max_sequence_length": FLUX["max_sequence_length"],
     "guidance_scale": FLUX["guidance_scale"],
 }
-SLOW_STEPS = 100  # a request that keeps the one replica busy for seconds (about 2 s here)
-TIMEOUT_S = 1  # the server's --timeout-s: the slow request times out, the others do not
+SLOW_STEPS = 400  # a request that keeps the one replica busy well past TIMEOUT_S (about 9 s here)
+TIMEOUT_S = 5  # the server's --timeout-s: the slow request times out, the others (under load too) do not
 
 
 
