@@ -38,11 +38,10 @@ def counts(watch):
     return watch.graphs, watch.recompiles, watch.graph_breaks
 
 
-@pytest.mark.parametrize("name", ["wan", "flux"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_regional_compile_streamed_matches_compiled_resident_on_cuda(name, dtype):
+def regional_runs(name, dtype, mode):
+    """Compiled regionally with `mode`: the resident model's outputs and compile counts, then the
+    streamed model's outputs and stats (compiled after enable()), and the streamed model."""
     entry = TINY_MODELS[name]
-    mode = "default"
     reference = entry.build(seed=0, dtype=dtype)
     streamed = copy.deepcopy(reference)
     watch = CompileWatch()
@@ -55,11 +54,18 @@ def test_regional_compile_streamed_matches_compiled_resident_on_cuda(name, dtype
         streamed.compile_repeated_blocks(fullgraph=True, mode=mode)
         got = outputs(streamed, entry, dtype)
         stats = handle.stats()
+    return expected, resident_counts, got, stats, streamed
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_regional_compile_streamed_matches_compiled_resident_on_cuda(name, dtype):
+    expected, resident_counts, got, stats, streamed = regional_runs(name, dtype, "default")
     assert identical(expected, got)
     assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
     assert stats.pinned and stats.demand_loads == 1
     # After disable(): still compiled; streamed blocks hold CPU tensors again, moved back to run resident.
-    assert identical(expected, outputs(streamed.cuda(), entry, dtype))
+    assert identical(expected, outputs(streamed.cuda(), TINY_MODELS[name], dtype))
 
 
 @pytest.mark.parametrize("name", ["wan", "flux"])
@@ -69,20 +75,7 @@ def test_max_autotune_streams_with_the_resident_graphs_but_not_bit_identically_o
     but not torch.equal to the compiled resident model (H200, torch 2.11, 2026-11-30: 1 of 4 cases
     differed in one run, 3 of 4 in another run under inductor's deterministic mode; the cause is
     not known). Issue 14."""
-    entry = TINY_MODELS[name]
-    mode = "max-autotune-no-cudagraphs"
-    reference = entry.build(seed=0, dtype=dtype)
-    streamed = copy.deepcopy(reference)
-    watch = CompileWatch()
-    reference.cuda().compile_repeated_blocks(fullgraph=True, mode=mode)
-    expected = outputs(reference, entry, dtype)
-    resident_counts = counts(watch)
-    torch._dynamo.reset()
-
-    with dlo.enable(streamed, "cuda") as handle:
-        streamed.compile_repeated_blocks(fullgraph=True, mode=mode)
-        got = outputs(streamed, entry, dtype)
-        stats = handle.stats()
+    expected, resident_counts, got, stats, _ = regional_runs(name, dtype, "max-autotune-no-cudagraphs")
     tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     assert all(torch.allclose(a, b, **tolerance) for a, b in zip(expected, got))
     assert (stats.compile.graphs, stats.compile.recompiles, stats.compile.graph_breaks) == resident_counts
