@@ -5,6 +5,7 @@ before they run, overlapping copies with compute.
 """
 
 from dlo.backend.enable import enable
+from dlo.backend.fp8_reference import quantize_resident
 from dlo.backend.gather_group import ParallelGroups
 from dlo.backend.handle import HandleState, OffloadHandle
 from dlo.backend.pipeline import PipelineHandle, enable_pipeline
@@ -42,6 +43,7 @@ __all__ = [
     "enable_pipeline",
     "load_transformer",
     "process_tree_memory",
+    "quantize_resident",
     "read_smaps_rollup",
 ]
 __version__ = "0.1.0"

@@ -178,7 +178,7 @@ class AutoResidency:
         # memory counts as the rest of the process's, their compute as the time between blocks.
         sizes = [runtime.blocks[i].layout.nbytes for i in streamed]
         measured = [ledger.block_compute_s[i] for i in streamed]
-        costs = _per_class(sizes, measured)
+        costs = _per_class(sizes, measured, [runtime.blocks[i].wire.nbytes for i in streamed])
         between_s = max(0.0, call_s - sum(measured) - exposed_s)
         peak = self._peak_bytes()
         slots_now = sum(slot.buffer.numel() for slot in runtime.slots)
@@ -260,14 +260,14 @@ def _slot_shape(runtime: StreamingRuntime) -> tuple[int, int]:
     return len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0
 
 
-def _per_class(sizes: list[int], measured: list[float]) -> list[BlockCost]:
+def _per_class(sizes: list[int], measured: list[float], link_bytes: list[int]) -> list[BlockCost]:
     """Each block's cost, its compute the median of its size class's (one measurement per
     block is noisy; blocks of one size run the same kernels)."""
     by_size: dict[int, list[float]] = {}
     for size, seconds in zip(sizes, measured):
         by_size.setdefault(size, []).append(seconds)
     median = {size: statistics.median(values) for size, values in by_size.items()}
-    return [BlockCost(size, median[size]) for size in sizes]
+    return [BlockCost(size, median[size], link) for size, link in zip(sizes, link_bytes)]
 
 
 def _promoted_bytes(runtime: StreamingRuntime) -> int:

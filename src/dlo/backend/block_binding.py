@@ -11,12 +11,14 @@ from torch import nn
 from dlo.backend.plan_binding import BoundPlan
 from dlo.errors import EnableError
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
+from dlo.host.fp8_codec import quantize_into
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
 from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.tensor_walk import owned_tensors
+from dlo.planning.wire_layout import Fp8Format, WireLayout, landing_views, plan_wire_layout
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class BlockTensors:
     specs: tuple[TensorSpec, ...]
     tensors: tuple[torch.Tensor, ...]
     bindings: tuple[Binding, ...]
+    quantize: tuple[bool, ...]  # per tensor: streams as float8. See [Note: fp8 streaming]
 
 
 def check_streamable(name: str, tensor: torch.Tensor) -> None:
@@ -41,7 +44,8 @@ def check_streamable(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def collect_block(ref: BlockRef) -> BlockTensors:
+def collect_block(ref: BlockRef, quantized: frozenset[int] = frozenset()) -> BlockTensors:
+    """`quantized`: id() of the block's tensors that stream as float8."""
     index: dict[int, int] = {}
     specs: list[TensorSpec] = []
     tensors: list[torch.Tensor] = []
@@ -54,7 +58,8 @@ def collect_block(ref: BlockRef) -> BlockTensors:
             tensors.append(tensor)
             specs.append(TensorSpec(owned.name, tuple(tensor.shape), tensor.dtype))
         bindings.append(Binding(owned.owner, owned.key, owned.is_parameter, tensor))
-    return BlockTensors(ref, tuple(specs), tuple(tensors), tuple(bindings))
+    quantize = tuple(id(tensor) in quantized for tensor in tensors)
+    return BlockTensors(ref, tuple(specs), tuple(tensors), tuple(bindings), quantize)
 
 
 def refuse_shared(streamed: list[BlockTensors], rest: dict[int, str]) -> None:
@@ -92,11 +97,16 @@ def _mapped_source(block: BlockTensors, plan: BoundPlan | None, pin_private: boo
 
 
 def _streamed(
-    block: BlockTensors, layout: BlockLayout, source: BlockSource, placeholder: dict[torch.dtype, torch.Tensor]
+    block: BlockTensors,
+    layout: BlockLayout,
+    wire: WireLayout,
+    source: BlockSource,
+    placeholder: dict[torch.dtype, torch.Tensor],
 ) -> StreamedBlock:
     return StreamedBlock(
         name=block.ref.name,
         layout=layout,
+        wire=wire,
         tensors=block.tensors,
         bindings=block.bindings,
         source=source,
@@ -116,20 +126,37 @@ def bind_block(
     plan: BoundPlan | None,
     pin: bool,
     placeholder: dict[torch.dtype, torch.Tensor],
+    fp8: Fp8Format | None = None,
 ) -> StreamedBlock:
     """Give the block its host source and point its tensors at placeholders (the module
-    changes here: the caller registers `restore` + `release` as the undo)."""
-    layout = plan_block_layout(block.specs)
+    changes here: the caller registers the undo). A block with float8 weights is packed
+    (quantized) into a private buffer, whatever the plan."""
+    layout, wire = plan_wire_layout(block.specs, block.quantize, fp8)
     direct = plan is not None and plan.direct  # copied straight from the registered mapping
-    source: BlockSource | None = _mapped_source(block, plan, pin_private=direct and pin)
+    source: BlockSource | None = None if wire.quantized else _mapped_source(block, plan, pin_private=direct and pin)
     if source is None:
-        host = _host_buffer(block, layout.nbytes, pin)
-        for tensor, placement in zip(block.tensors, layout.placements):
-            view_placement(host.tensor, placement).copy_(tensor)
+        host = _host_buffer(block, wire.nbytes, pin)
+        _pack(block, layout, wire, plan, host.tensor)
         source = PackedSource(host)
-    streamed = _streamed(block, layout, source, placeholder)
+    streamed = _streamed(block, layout, wire, source, placeholder)
     streamed.point_at(streamed.placeholders)
     return streamed
+
+
+def _pack(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan | None, host: torch.Tensor) -> None:
+    """Write the block's wire image into `host`: plain tensors as laid out in the slot, the
+    quantized ones as float8 + scales. Planned tensors are read from the mapping."""
+
+    def value(tensor: torch.Tensor) -> torch.Tensor:
+        source = plan.planned.get(id(tensor)) if plan is not None else None
+        return tensor if source is None else source.materialize(plan.weights.checkpoint)
+
+    quantized = {q.index: views for q, views in zip(wire.quantized, landing_views(host[wire.plain_bytes :], wire))}
+    for i, (tensor, placement) in enumerate(zip(block.tensors, layout.placements)):
+        if i in quantized:
+            quantize_into(value(tensor), *quantized[i], f"{block.ref.name}.{placement.spec.name}")
+        else:
+            view_placement(host, placement).copy_(value(tensor))
 
 
 def shard_block(
@@ -155,7 +182,8 @@ def shard_block(
             view_placement(whole, placement).copy_(tensor)
     host = _host_buffer(block, width, pin)
     host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
-    return _streamed(block, layout, ShardSource(host, width, group.rank, group.size), placeholder)
+    wire = WireLayout(layout.nbytes, 0, ())
+    return _streamed(block, layout, wire, ShardSource(host, width, group.rank, group.size), placeholder)
 
 
 def slot_bytes(block: StreamedBlock) -> int:

@@ -44,9 +44,11 @@ from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer, make_transfer
 from dlo.observe.ledger import TransferLedger
+from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
 from dlo.planning.plan_summary import summarize
 from dlo.planning.tensor_walk import unique_tensors
+from dlo.planning.wire_layout import Fp8Format
 
 
 def _rest_tensors(module: nn.Module, streamed_refs: list[BlockRef], blocks: list[BlockTensors]) -> list[torch.Tensor]:
@@ -94,6 +96,7 @@ def _bind_blocks(
     gather_group: GatherGroup | None,
     pin: bool,
     device: torch.device,
+    fp8: Fp8Format | None,
     undo: contextlib.ExitStack,
 ) -> list[StreamedBlock]:
     """Every block bound to its host source, each registering its undo. All-gather mode only
@@ -104,6 +107,12 @@ def _bind_blocks(
         if gather_group is not None:
             bound = shard_block(block, plan, gather_group, pin, placeholder)
             undo.callback(bound.source.release)
+        elif any(block.quantize):
+            # restore() would give back the dequantized weights: a failed enable() gives back
+            # the tensors it found (planned stand-ins then get their values from the plan).
+            originals = tuple(tensor.data for tensor in block.tensors)
+            bound = bind_block(block, plan, pin, placeholder, fp8)
+            undo.callback(_put_back, bound, originals)
         else:
             bound = bind_block(block, plan, pin, placeholder)
             undo.callback(_unbind, bound)
@@ -116,6 +125,11 @@ def _bind_blocks(
 def _unbind(block: StreamedBlock) -> None:
     with torch.no_grad():
         block.restore()
+    block.source.release()
+
+
+def _put_back(block: StreamedBlock, originals: tuple[torch.Tensor, ...]) -> None:
+    block.point_at(originals)
     block.source.release()
 
 
@@ -233,23 +247,27 @@ def enable(
             # placement's undos: every tensor then has its private value before the mapping closes.
             undo.callback(bound_plan.give_back, module)
             bound_plan.bind(module, device)
-            if gather_group is None:  # all-gather mode copies the shards out and closes the mapping
-                bound_plan.register(config, device)
-        blocks = [collect_block(ref) for ref in streamed_refs]
+        blocks = [collect_block(ref, quantized_tensors(module, ref, config)) for ref in streamed_refs]
+        # All-gather mode copies the shards out and closes the mapping; blocks with float8
+        # weights are quantized into private buffers: neither copies from the mapping.
+        quantized_only = bool(blocks) and all(any(b.quantize) for b in blocks)
+        if bound_plan is not None and gather_group is None and not quantized_only:
+            bound_plan.register(config, device)
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
-            streamed = _bind_blocks(blocks, bound_plan, gather_group, pin, device, undo)
+            streamed = _bind_blocks(blocks, bound_plan, gather_group, pin, device, fp8_format(config), undo)
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         transfer = make_transfer(device)
         slot_size = max((slot_bytes(b) for b in streamed), default=0)
         slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
+        landing = transfer.allocate_landing(max((b.wire.landing_bytes for b in streamed), default=0))
         stager = _stager(streamed, transfer, bound_plan, config, pin)
         if stager is not None:
             undo.callback(stager.close)
         ledger = TransferLedger(transfer, config.record_timeline)
         gather = BlockGather(gather_group, transfer) if gather_group is not None else None
         direct = bound_plan is not None and bound_plan.direct
-        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct)
+        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct, landing)
         tuner = None
         if budget is not None:
             tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
@@ -316,5 +334,7 @@ def _cuda_limit(device: torch.device) -> int:
 
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
-    return weight_bytes + sum(s.buffer.numel() for s in runtime.slots) + sum(m.numel() for m in runtime.promoted.values())
+    landing = runtime.landing.numel() if runtime.landing is not None else 0
+    slots = sum(s.buffer.numel() for s in runtime.slots)
+    return weight_bytes + landing + slots + sum(m.numel() for m in runtime.promoted.values())
 

@@ -27,6 +27,7 @@ from dlo.hotpath.transfer import Transfer
 from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import OffloadPlan
+from dlo.planning.wire_layout import bytes_by_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,10 @@ class OffloadHandle:
         ledger.settle()
         registered = self._registration.registration
         slot_bytes = sum(slot.buffer.numel() for slot in runtime.slots)
-        device_weight_bytes = self._device_weight_bytes + slot_bytes + sum(m.numel() for m in runtime.promoted.values())
+        landing_bytes = runtime.landing.numel() if runtime.landing is not None else 0
+        device_weight_bytes = (
+            self._device_weight_bytes + slot_bytes + landing_bytes + sum(m.numel() for m in runtime.promoted.values())
+        )
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
@@ -203,6 +207,7 @@ class OffloadHandle:
             host_memory=read_smaps_rollup(),
             compile=self._compile_stats(),
             residency=self._residency.report() if self._residency is not None else None,
+            host_bytes_by_dtype=_host_bytes_by_dtype(runtime),
         )
 
     def _compile_stats(self) -> CompileStats:
@@ -299,3 +304,11 @@ def _abandoned(
     _release_host_memory(registration, releases)
     if checkpoint is not None:
         release_mapping(checkpoint, registration)
+
+
+def _host_bytes_by_dtype(runtime: StreamingRuntime) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for block in runtime.blocks:
+        for name, nbytes in bytes_by_dtype(block.layout, block.wire).items():
+            total[name] = total.get(name, 0) + nbytes
+    return total

@@ -44,8 +44,20 @@ def _int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
 
 
+def _comma_separated(text: str) -> tuple[str, ...]:
+    return tuple(item for item in text.split(",") if item)
+
+
 # OffloadConfig field annotations -> how a flag's text is parsed (the config validates the value).
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "int | str": _int_or_auto, "float | None": float}
+_FLAG_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "int | str": _int_or_auto,
+    "float | None": float,
+    "str | None": str,
+    "tuple[str, ...]": _comma_separated,
+}
 
 
 def config_from_flags(args: argparse.Namespace) -> OffloadConfig:

@@ -32,6 +32,19 @@ from dlo.observe.stats import OffloadStats
 
 
 @dataclass(frozen=True)
+class QuantizationError:
+    """The last step's output with float8 weights against the unquantized model's."""
+
+    relative_l2: float
+    cosine: float
+
+    @classmethod
+    def between(cls, quantized: torch.Tensor, unquantized: torch.Tensor) -> QuantizationError:
+        a, b = quantized.double().flatten(), unquantized.double().flatten()
+        return cls(float((a - b).norm() / b.norm()), float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
+
+
+@dataclass(frozen=True)
 class DemoResult:
     model: str
     class_name: str
@@ -41,6 +54,7 @@ class DemoResult:
     resident: Trajectory
     streamed: Trajectory
     stats: OffloadStats
+    fp8_error: QuantizationError | None = None
 
     @property
     def identical(self) -> bool:
@@ -92,10 +106,21 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     leading = 0 if config.resident_layers == AUTO else config.resident_layers
+    reference = reference.to(device)
+    unquantized = None
+    if config.stream_dtype is not None:  # the resident model gets the float8 weights, dequantized here
+        unquantized = copy.deepcopy(reference)
+        dlo.quantize_resident(reference, config)
     compile_resident_like_streamed(reference, compile_how, leading)
-    resident = denoise(reference.to(device), entry, steps, dtype, device)
+    resident = denoise(reference, entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
+    fp8_error = None
+    if unquantized is not None:
+        compile_resident_like_streamed(unquantized, compile_how, leading)
+        baseline = denoise(unquantized, entry, steps, dtype, device)
+        fp8_error = QuantizationError.between(resident.outputs[-1], baseline.outputs[-1])
+        del unquantized
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -117,6 +142,7 @@ def run_demo(
         resident=Trajectory(resident.outputs, resident.step_s, resident_bytes),
         streamed=Trajectory(run.outputs, run.step_s, stats.peak_device_bytes),
         stats=stats,
+        fp8_error=fp8_error,
     )
 
 
@@ -157,6 +183,13 @@ def render(result: DemoResult) -> str:
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],
     ]
+    if result.fp8_error is not None:
+        by_dtype = ", ".join(f"{human_bytes(n)} {name}" for name, n in sorted(stats.host_bytes_by_dtype.items()))
+        rows.append(["host bytes by dtype", "-", by_dtype])
+        error = result.fp8_error
+        rows.append(
+            ["float8 vs unquantized (last step)", "-", f"relative L2 {error.relative_l2:.2e}, cosine {error.cosine:.6f}"]
+        )
     if stats.residency is not None:
         rows.append(["resident_layers='auto'", "-", _residency(stats)])
     if stats.compile.graphs:
@@ -164,6 +197,8 @@ def render(result: DemoResult) -> str:
         compiled = f"{counts.graphs} graphs, {counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"
         rows.append(["torch.compile", "-", compiled])
     verdict = "bit-identical" if result.identical else "DIFFERENT"
+    if result.fp8_error is not None:
+        verdict += " (the resident run has the same float8 weights, dequantized on its device)"
     dtype = str(result.dtype).removeprefix("torch.")
     return "\n".join(
         [

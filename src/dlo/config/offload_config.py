@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from dlo.errors import ConfigError
 
@@ -31,6 +34,35 @@ class CacheVerify(enum.Enum):
 
 
 AUTO = "auto"  # resident_layers: chosen from measured costs under a memory budget
+
+
+class Fp8Scale(enum.Enum):
+    """How a quantized weight's fp32 scales are shared (see [Note: fp8 streaming])."""
+
+    PER_CHANNEL = "per_channel"  # one scale per output row of a Linear weight
+    PER_TENSOR = "per_tensor"  # one scale for the whole weight
+
+
+# stream_dtype: accepted spellings -> the torch dtype name stored in the config.
+STREAM_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+}
+
+
+def _stream_dtype_name(value: object) -> str | None:
+    """The canonical name of a stream dtype given as a torch dtype or a string."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if isinstance(value, str) and value in STREAM_DTYPES:
+        return STREAM_DTYPES[value]
+    raise ConfigError(
+        f"OffloadConfig.stream_dtype must be None, torch.float8_e4m3fn or torch.float8_e5m2 (or the names "
+        f"{sorted(STREAM_DTYPES)}), got {value!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -127,6 +159,27 @@ class OffloadConfig:
         },
     )
 
+    stream_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "store and stream the 2-D weights of every nn.Linear in the streamed blocks as scaled float8 "
+            "('fp8' = 'float8_e4m3fn', or 'float8_e5m2'; a torch dtype in Python): half the host memory and "
+            "the bytes per load; dequantized in the slot before the block runs. Unset: weights stream as they are"
+        },
+    )
+    fp8_scale: str = field(
+        default="per_channel",
+        metadata={"help": "with stream_dtype: fp32 scales 'per_channel' (one per output row) or 'per_tensor'"},
+    )
+    fp8_skip: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "with stream_dtype: regular expressions (re.search on the full parameter name, e.g. "
+            "'transformer_blocks.0.', 'ff.net.2'); matching weights keep their dtype. On the command line: "
+            "comma-separated"
+        },
+    )
+
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)
         if isinstance(self.resident_layers, str) and self.resident_layers != AUTO:
@@ -166,8 +219,29 @@ class OffloadConfig:
         limit = self.pin_limit_gib
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit < 0:
             raise ConfigError(f"OffloadConfig.pin_limit_gib must be a finite number >= 0, got {limit!r}")
+        self._check_fp8()
         if limit > 0 and not (self.host_weight_cache or self.checkpoint_mmap):
             raise ConfigError(
                 f"OffloadConfig.pin_limit_gib={limit} limits registration of a checkpoint or cache mapping; it needs "
                 "checkpoint_mmap=True or host_weight_cache=True (or leave pin_limit_gib=0)"
+            )
+
+    def _check_fp8(self) -> None:
+        # Frozen: the canonical spelling is stored once, here.
+        object.__setattr__(self, "stream_dtype", _stream_dtype_name(self.stream_dtype))
+        scales = [mode.value for mode in Fp8Scale]
+        if self.fp8_scale not in scales:
+            raise ConfigError(f"OffloadConfig.fp8_scale must be one of {scales}, got {self.fp8_scale!r}")
+        if isinstance(self.fp8_skip, str) or not isinstance(self.fp8_skip, (tuple, list)):
+            raise ConfigError(f"OffloadConfig.fp8_skip must be a tuple of regular expressions, got {self.fp8_skip!r}")
+        object.__setattr__(self, "fp8_skip", tuple(self.fp8_skip))
+        for pattern in self.fp8_skip:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ConfigError(f"OffloadConfig.fp8_skip: {pattern!r} is not a regular expression ({err})") from None
+        if self.stream_dtype is None and (self.fp8_skip or self.fp8_scale != Fp8Scale.PER_CHANNEL.value):
+            raise ConfigError(
+                "OffloadConfig.fp8_scale and fp8_skip shape fp8 streaming; set stream_dtype (e.g. 'fp8'), or leave "
+                "them at their defaults"
             )

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from dlo.host.checkpoint import Checkpoint
+from dlo.host.fp8_codec import dequantized
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import CopyTask, TensorSource
 from dlo.planning.block_layout import BlockLayout, view_placement
+from dlo.planning.wire_layout import WireLayout, landing_views
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,18 @@ class _PrivateBuffer:
 
 @dataclass(frozen=True)
 class PackedSource(_PrivateBuffer):
-    """The block already laid out in one host buffer: a load is a single copy."""
+    """The block's wire image in one host buffer (See [Note: fp8 streaming]): a load copies
+    its plain region into the slot, and its landing region, if any, into the landing buffer."""
 
-    def restored(self, layout: BlockLayout) -> tuple[torch.Tensor, ...]:
-        """The tensors to give back on disable(): views of the host buffer (no copy)."""
-        return tuple(view_placement(self.host.tensor, p) for p in layout.placements)
+    def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
+        """The tensors to give back on disable(): views of the plain region (no copy), and
+        quantized weights dequantized into new CPU tensors."""
+        host = self.host.tensor
+        weights = {
+            q.index: dequantized(data, scale, layout.placements[q.index].spec.dtype)
+            for q, (data, scale) in zip(wire.quantized, landing_views(host[wire.plain_bytes :], wire))
+        }
+        return tuple(weights[i] if i in weights else view_placement(host, p) for i, p in enumerate(layout.placements))
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class MappedSource:
                 tasks.extend(source.copy_tasks(self.checkpoint, target))
         return tasks
 
-    def restored(self, layout: BlockLayout) -> tuple[torch.Tensor, ...]:
+    def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
         """Private copies: the mapping is read-only and closes with the handle."""
         return tuple(
             source if isinstance(source, torch.Tensor) else source.materialize(self.checkpoint)

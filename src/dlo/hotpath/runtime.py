@@ -19,8 +19,10 @@ from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
 from dlo.observe.ledger import TransferLedger
+from dlo.host.fp8_codec import dequantize_into
 from dlo.planning.block_layout import view_placement
 from dlo.planning.slot_planner import Load, SlotPlanner
+from dlo.planning.wire_layout import landing_views
 
 
 class StreamingRuntime:
@@ -33,10 +35,16 @@ class StreamingRuntime:
         stager: Stager | None = None,
         gather: BlockGather | None = None,
         direct: bool = False,
+        landing: torch.Tensor | None = None,
     ) -> None:
         """`stager`: packs mapped blocks into pinned staging buffers. `direct`: the mapping is
-        registered, so mapped blocks are copied tensor by tensor straight into the slot."""
+        registered, so mapped blocks are copied tensor by tensor straight into the slot.
+        `landing`: where float8 weights land before they are dequantized into the slot (See
+        [Note: fp8 streaming])."""
         self.blocks = tuple(blocks)
+        self.landing = landing
+        # Views of each block's float8 weights and scales in the landing buffer, made once.
+        self._landed = [landing_views(landing, b.wire) if b.wire.quantized else () for b in self.blocks]
         self.slots = tuple(slots)
         self.transfer = transfer
         self.ledger = ledger
@@ -150,8 +158,15 @@ class StreamingRuntime:
         if self.planner.is_running(index):
             raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
         memory = aligned_empty(block.layout.nbytes, self.transfer.device)
+        views = tuple(view_placement(memory, p) for p in block.layout.placements)
         if isinstance(source, PackedSource):
-            memory.copy_(source.host.tensor)
+            wire = block.wire
+            host = source.host.tensor
+            memory[: wire.plain_bytes].copy_(host[: wire.plain_bytes])
+            if wire.quantized:  # a landing buffer of its own: the shared one is the copy stream's
+                landed = landing_views(host[wire.plain_bytes :].to(memory.device), wire)
+                for q, (data, scale) in zip(wire.quantized, landed):
+                    dequantize_into(views[q.index], data, scale)
         else:  # a mapping: pack it on the host first (this happens once)
             packed = torch.empty(block.layout.nbytes, dtype=torch.uint8)
             for task in source.copy_tasks(block.layout, packed):
@@ -164,7 +179,7 @@ class StreamingRuntime:
             self._finish_staged(slot)
         self.planner.promote(index)
         self.promoted[index] = memory
-        block.point_at(tuple(view_placement(memory, p) for p in block.layout.placements))
+        block.point_at(views)
         return block.layout.nbytes
 
     def demote(self, index: int) -> int:
@@ -315,7 +330,10 @@ class StreamingRuntime:
         nbytes = block.layout.nbytes
         source = block.source
         with torch.profiler.record_function(f"dlo::h2d ({block.name})"):
-            if isinstance(source, PackedSource):
+            if isinstance(source, PackedSource) and block.wire.quantized:
+                start, end = self._load_quantized(load.block, load.slot)
+                nbytes = block.wire.nbytes
+            elif isinstance(source, PackedSource):
                 start, end = self.transfer.copy_into(slot, source.host.tensor)
             elif isinstance(source, ShardSource):
                 assert self.gather is not None
@@ -334,6 +352,28 @@ class StreamingRuntime:
                 end = self.transfer.mark()
         self._copy_end[load.slot] = end
         self.ledger.copied(block.name, nbytes, start, end)
+
+    def _load_quantized(self, index: int, slot_index: int) -> tuple[Any, Any]:
+        """The plain region straight into the slot, the float8 weights into the landing
+        buffer, then each weight dequantized into its place in the slot."""
+        block = self.blocks[index]
+        wire = block.wire
+        host = block.source.host.tensor
+        slot = self.slots[slot_index]
+        assert self.landing is not None
+        tasks = [
+            CopyTask(slot.buffer[: wire.plain_bytes], host[: wire.plain_bytes]),
+            CopyTask(self.landing[: wire.landing_bytes], host[wire.plain_bytes :]),
+        ]
+        views = self._views[slot_index][index]
+        if views is None:
+            raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+
+        def dequantize() -> None:
+            for q, (data, scale) in zip(wire.quantized, self._landed[index]):
+                dequantize_into(views[q.index], data, scale)
+
+        return self.transfer.copy_pieces_into(slot, tasks, dequantize)
 
     def _finish_staged(self, slot_index: int) -> None:
         for name, nbytes, future in self._staged.pop(slot_index, ()):

@@ -10,6 +10,7 @@ from torch import nn
 from dlo.errors import StreamingError
 from dlo.host.block_sources import BlockSource
 from dlo.planning.block_layout import BlockLayout
+from dlo.planning.wire_layout import WireLayout
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class Binding:
 @dataclass(frozen=True)
 class StreamedBlock:
     name: str
-    layout: BlockLayout
+    layout: BlockLayout  # in the slot
+    wire: WireLayout  # on the host and the link. See [Note: fp8 streaming]
     tensors: tuple[torch.Tensor, ...]  # unique live tensors, in layout order
     bindings: tuple[Binding, ...]  # every (owner, key) that holds one of them
     source: BlockSource
@@ -37,7 +39,7 @@ class StreamedBlock:
 
     def restore(self) -> None:
         """Give the block ordinary CPU tensors again (disable(), or a failed enable())."""
-        self.point_at(self.source.restored(self.layout))
+        self.point_at(self.source.restored(self.layout, self.wire))
 
     def point_at(self, views: tuple[torch.Tensor, ...]) -> None:
         for tensor, view in zip(self.tensors, views):

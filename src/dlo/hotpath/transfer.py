@@ -8,8 +8,9 @@ Marks are opaque timestamps: CUDA timing events, or `perf_counter` floats on the
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,21 @@ class CudaTransfer:
         # The one copy stream: the H2D of the next block runs here while the current
         # block's kernels run on the caller's stream.
         self.copy_stream = torch.cuda.Stream(device)
+        # One load's copies and dequantization are enqueued together: the landing buffer is
+        # reused in stream order, and the stager's thread enqueues loads too.
+        self._enqueue = threading.Lock()
 
     def allocate_slot(self, nbytes: int) -> DeviceSlot:
         # Slots are held until disable() or replace_slots(), which drop them only after
         # synchronizing the device: the caching allocator never gets their memory back while
         # a copy into them is in flight on the copy stream.
         return DeviceSlot(aligned_empty(nbytes, self.device), torch.cuda.Event(), torch.cuda.Event())
+
+    def allocate_landing(self, nbytes: int) -> torch.Tensor | None:
+        """The device buffer float8 weights land in before they are dequantized into a slot
+        (None when no block has any). One per device: loads use it in copy-stream order. Held
+        like the slots. See [Note: fp8 streaming]"""
+        return aligned_empty(nbytes, self.device) if nbytes else None
 
     def compute_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -57,17 +67,23 @@ class CudaTransfer:
         """Enqueue `source` -> slot after the slot's last use; returns (start, end) marks."""
         return self.copy_pieces_into(slot, [CopyTask(slot.buffer[: source.numel()], source)])
 
-    def copy_pieces_into(self, slot: DeviceSlot, tasks: Sequence[CopyTask]) -> tuple[Any, Any]:
-        """Enqueue every task's host -> slot view copy after the slot's last use, as one load.
+    def copy_pieces_into(
+        self, slot: DeviceSlot, tasks: Sequence[CopyTask], then: Callable[[], None] | None = None
+    ) -> tuple[Any, Any]:
+        """Enqueue every task's host -> device copy after the slot's last use, as one load,
+        then `then` (dequantization) on the same stream, before the slot's "ready" event.
         Sources must be page-locked (pinned or registered) for the copies to be asynchronous."""
         stream = self.copy_stream
-        stream.wait_event(slot.free)
-        start = self.mark(stream)
-        with torch.cuda.stream(stream):
+        with self._enqueue, torch.cuda.stream(stream):
+            stream.wait_event(slot.free)
+            start = self.mark(stream)
             for task in tasks:
                 task.target.copy_(task.source, non_blocking=True)
-        slot.ready.record(stream)
-        return start, self.mark(stream)
+            if then is not None:
+                then()
+            slot.ready.record(stream)
+            end = self.mark(stream)
+        return start, end
 
     def wait_ready(self, slot: DeviceSlot) -> None:
         self.compute_stream().wait_event(slot.ready)
@@ -95,16 +111,23 @@ class SyncTransfer:
     def allocate_slot(self, nbytes: int) -> DeviceSlot:
         return DeviceSlot(aligned_empty(nbytes, self.device), None, None)
 
+    def allocate_landing(self, nbytes: int) -> torch.Tensor | None:
+        return aligned_empty(nbytes, self.device) if nbytes else None
+
     def mark(self, stream: None = None) -> float:
         return time.perf_counter()
 
     def copy_into(self, slot: DeviceSlot, source: torch.Tensor) -> tuple[float, float]:
         return self.copy_pieces_into(slot, [CopyTask(slot.buffer[: source.numel()], source)])
 
-    def copy_pieces_into(self, slot: DeviceSlot, tasks: Sequence[CopyTask]) -> tuple[float, float]:
+    def copy_pieces_into(
+        self, slot: DeviceSlot, tasks: Sequence[CopyTask], then: Callable[[], None] | None = None
+    ) -> tuple[float, float]:
         start = time.perf_counter()
         for task in tasks:
             task.run()
+        if then is not None:
+            then()
         return start, time.perf_counter()
 
     def wait_ready(self, slot: DeviceSlot) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlo.host.memory_accounting import HostMemory
 
@@ -61,8 +61,12 @@ class OffloadStats:
         first block of the first call, and every time the call order changed).
     peak_device_bytes: CUDA: torch.cuda.max_memory_allocated since enable. CPU: the weight
         bytes dlo keeps on the device (no allocator to ask).
-    device_weight_bytes: non-streamed parts + resident blocks + slots.
+    device_weight_bytes: non-streamed parts + resident blocks + slots (+ the landing buffer
+        of float8 weights).
     host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
+    host_bytes_by_dtype: the streamed blocks' host bytes (private or mapped) by dtype name,
+        without padding: with OffloadConfig.stream_dtype, the float8 weights and their
+        float32 scales appear here (see [Note: fp8 streaming]).
     backing: where the streamed blocks live on the host: "pinned" or "pageable" (private
         packed copies), "checkpoint_mmap", "host_weight_cache" (shared read-only mappings),
         or "shards" (all-gather mode: this rank's 1/G).
@@ -110,3 +114,4 @@ class OffloadStats:
     host_memory: HostMemory | None
     compile: CompileStats = CompileStats()
     residency: ResidencyStats | None = None
+    host_bytes_by_dtype: dict[str, int] = field(default_factory=dict)

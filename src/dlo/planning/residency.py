@@ -40,10 +40,16 @@ _IMPROVEMENT = 1e-9
 
 @dataclass(frozen=True)
 class BlockCost:
-    """One block's device bytes and compute seconds (measured)."""
+    """One block's device bytes, compute seconds (measured) and the bytes a load moves over
+    the link (fewer than `nbytes` for a block streamed as float8; None: `nbytes`)."""
 
     nbytes: int
     compute_s: float
+    link_bytes: int | None = None
+
+    @property
+    def load_bytes(self) -> int:
+        return self.nbytes if self.link_bytes is None else self.link_bytes
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def simulate(
     compute_s = between_s + sum(cost.compute_s for cost in costs)
     if len(streamed) <= num_slots:  # each streamed block keeps a slot of its own after the first call
         return compute_s
-    copy_s = [costs[i].nbytes / bytes_per_s for i in streamed]
+    copy_s = [costs[i].load_bytes / bytes_per_s for i in streamed]
     if not overlap:
         return compute_s + sum(copy_s)
     landed: list[float] = []  # landed[n]: when the n-th load finished (loads in run order, across calls)

@@ -1,0 +1,46 @@
+"""Scaled float8: turning a weight into float8 bytes plus fp32 scales, and back.
+
+Dequantizing is defined as `round(float(q) * scale)` in the weight's dtype. Two steps
+compute exactly that on every device: the float8 -> weight-dtype copy is exact (every
+float8_e4m3fn and float8_e5m2 value is representable in bfloat16, float16 and float32),
+and the in-place multiply by an fp32 scale computes in fp32 and rounds once. So a block
+dequantized in its slot equals the same weight dequantized anywhere else on that device.
+See [Note: fp8 streaming]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlo.errors import EnableError
+
+
+def quantize_into(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """Quantize the 2-D `weight` into the float8 view `data` and the fp32 view `scale`
+    (shape (rows, 1): per output row; (1, 1): one scale), on the CPU. A weight holding NaN
+    or Inf has no scale: refused, naming it."""
+    finite_max = torch.finfo(data.dtype).max
+    value = weight.detach().to("cpu", torch.float32)
+    magnitude = value.abs()
+    amax = magnitude.amax(dim=1, keepdim=True) if scale.shape[0] > 1 else magnitude.amax().reshape(1, 1)
+    if not bool(torch.isfinite(amax).all()):
+        raise EnableError(
+            f"{name!r} holds NaN or Inf values, which float8 cannot scale; keep it in its dtype with "
+            f"OffloadConfig(fp8_skip=({name!r},)), or fix the weights"
+        )
+    computed = amax / finite_max
+    scale.copy_(torch.where(computed > 0, computed, torch.ones_like(computed)))  # an all-zero row: any scale
+    data.copy_(value.div_(scale).clamp_(-finite_max, finite_max))
+
+
+def dequantize_into(target: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """target = round(float(data) * scale), on target's device (all three on it)."""
+    target.copy_(data)
+    target.mul_(scale)
+
+
+def dequantized(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of `dtype` on data's device holding the dequantized weight."""
+    target = torch.empty(data.shape, dtype=dtype, device=data.device)
+    dequantize_into(target, data, scale)
+    return target

@@ -1,0 +1,140 @@
+"""How a block's bytes cross the link: as laid out in the slot, or with some weights as
+scaled float8 that the device dequantizes into the slot.
+
+[Note: fp8 streaming]
+With `OffloadConfig(stream_dtype=...)` the 2-D weights of a block's nn.Linear layers are
+kept on the host as float8 plus fp32 scales (per output row, or one per weight). The block's
+host image (its "wire" bytes) is two regions:
+
+    [ plain region: every other tensor, byte for byte as in the slot ][ landing region ]
+
+The slot layout puts the plain tensors first, so the plain region is copied straight into
+the slot's first `plain_bytes`. The landing region (each quantized weight's float8 bytes and
+its scales, 512-aligned) is copied into one landing buffer per device, and dequantized from
+there into the weight's place in the slot, on the same stream, before the slot's "ready"
+event: the compute stream sees an ordinary slot. Dequantizing is defined as
+`round(float(q) * scale)` to the weight's dtype (`hotpath/dequantize.py`), on the device that
+runs the block, so a streamed model equals the same quantized model run resident.
+An unquantized block is all plain region: its wire image is its slot image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlo.planning.block_layout import BlockLayout, TensorPlacement, TensorSpec, align_up
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How quantized weights are stored: the float8 dtype, and one fp32 scale per output
+    row (per_channel) or per weight."""
+
+    dtype: torch.dtype
+    per_channel: bool
+
+
+@dataclass(frozen=True)
+class QuantizedPlacement:
+    """Placement `index` of the slot layout arrives as float8 `data` plus fp32 `scale`
+    (offsets inside the landing region)."""
+
+    index: int
+    shape: tuple[int, int]  # the weight's (rows, columns)
+    dtype: torch.dtype  # the float8 dtype
+    data_offset: int
+    scale_offset: int
+    scale_shape: tuple[int, int]  # (rows, 1) per channel, (1, 1) per tensor
+
+    @property
+    def data_bytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.scale_shape[0] * 4
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """A block's host image: `plain_bytes` copied to the slot as they are, then
+    `landing_bytes` of quantized weights. See [Note: fp8 streaming]"""
+
+    plain_bytes: int
+    landing_bytes: int
+    quantized: tuple[QuantizedPlacement, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.plain_bytes + self.landing_bytes
+
+
+def plan_wire_layout(
+    specs: Sequence[TensorSpec], quantize: Sequence[bool], fp8: Fp8Format | None
+) -> tuple[BlockLayout, WireLayout]:
+    """The slot layout (plain tensors first, placements in `specs` order) and the wire layout
+    of a block whose tensors flagged in `quantize` (2-D weights) stream as `fp8`."""
+    plain = [i for i, q in enumerate(quantize) if not q]
+    weights = [i for i, q in enumerate(quantize) if q]
+    offsets: dict[int, int] = {}
+    offset = 0
+
+    def place(indices: list[int]) -> None:
+        nonlocal offset
+        for i in indices:
+            offsets[i] = offset
+            offset = align_up(offset + specs[i].nbytes)
+
+    place(plain)
+    plain_bytes = offset
+    place(weights)
+    layout = BlockLayout(tuple(TensorPlacement(spec, offsets[i]) for i, spec in enumerate(specs)), offset)
+    quantized = []
+    landing = 0
+    for i in weights:
+        assert fp8 is not None
+        rows, columns = specs[i].shape
+        placement = QuantizedPlacement(
+            index=i,
+            shape=(rows, columns),
+            dtype=fp8.dtype,
+            data_offset=landing,
+            scale_offset=align_up(landing + rows * columns * fp8.dtype.itemsize),
+            scale_shape=(rows, 1) if fp8.per_channel else (1, 1),
+        )
+        landing = align_up(placement.scale_offset + placement.scale_bytes)
+        quantized.append(placement)
+    return layout, WireLayout(plain_bytes, landing, tuple(quantized))
+
+
+def landing_views(landing: torch.Tensor, wire: WireLayout) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(float8 data, fp32 scale) views of each quantized placement inside a flat uint8
+    buffer holding the landing region."""
+    return tuple(
+        (
+            landing[q.data_offset : q.data_offset + q.data_bytes].view(q.dtype).view(q.shape),
+            landing[q.scale_offset : q.scale_offset + q.scale_bytes].view(torch.float32).view(q.scale_shape),
+        )
+        for q in wire.quantized
+    )
+
+
+def bytes_by_dtype(layout: BlockLayout, wire: WireLayout) -> dict[str, int]:
+    """The block's host image by dtype name (payload, without alignment padding)."""
+    found: dict[str, int] = {}
+
+    def add(dtype: torch.dtype, nbytes: int) -> None:
+        name = str(dtype).removeprefix("torch.")
+        found[name] = found.get(name, 0) + nbytes
+
+    quantized = {q.index for q in wire.quantized}
+    for i, placement in enumerate(layout.placements):
+        if i not in quantized:
+            add(placement.spec.dtype, placement.spec.nbytes)
+    for q in wire.quantized:
+        add(q.dtype, q.data_bytes)
+        add(torch.float32, q.scale_bytes)
+    return found
