@@ -20,7 +20,7 @@ def quantize_into(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     (shape (rows, 1): per output row; (1, 1): one scale), on the CPU. A weight holding NaN
     or Inf has no scale: refused, naming it."""
     finite_max = torch.finfo(data.dtype).max
-    value = weight.detach().to("cpu", torch.float32)
+    value = weight.detach().to("cpu", torch.float32, copy=True)  # divided in place below
     magnitude = value.abs()
     amax = magnitude.amax(dim=1, keepdim=True) if scale.shape[0] > 1 else magnitude.amax().reshape(1, 1)
     if not bool(torch.isfinite(amax).all()):
