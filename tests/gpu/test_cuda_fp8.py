@@ -1,0 +1,93 @@
+"""fp8 streaming on CUDA: float8 weights cross the link into the landing buffer and are
+dequantized into the slot on the copy stream; outputs equal the same quantized model run
+resident on the GPU. See [Note: fp8 streaming]"""
+
+import copy
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import dlo
+from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# 8 MB blocks in bf16: copies and dequantization long enough to overlap the compute stream.
+WAN_MB = TinyModel(
+    "wan-8mb-blocks",
+    "WanTransformer3DModel",
+    dict(
+        patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=4,
+        text_dim=64, freq_dim=64, ffn_dim=2048, num_layers=6, rope_max_seq_len=32,
+    ),
+    _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 64)),
+)
+MODELS = {"wan": TINY_MODELS["wan"], "flux": TINY_MODELS["flux"], "wan-8mb": WAN_MB}
+
+
+def outputs(model, entry, seeds, dtype):
+    with torch.inference_mode():
+        return [model(**entry.inputs(seed, dtype, "cuda"))[0] for seed in seeds]
+
+
+@contextmanager
+def synchronizing_calls_raise():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", ["wan", "flux", "wan-8mb"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", ["per_channel", "per_tensor"])
+@pytest.mark.parametrize(("num_slots", "resident_layers"), [(2, 0), (3, 1)])
+def test_fp8_streamed_matches_the_quantized_model_resident_on_cuda(name, dtype, scale, num_slots, resident_layers):
+    entry = MODELS[name]
+    model = entry.build(seed=0, dtype=dtype)
+    config = dlo.OffloadConfig(
+        stream_dtype="fp8", fp8_scale=scale, num_slots=num_slots, resident_layers=resident_layers
+    )
+    reference = copy.deepcopy(model).cuda()
+    assert dlo.quantize_resident(reference, config) > 0  # dequantized on the GPU
+    seeds = [1, 2, 3, 4]
+    expected = outputs(reference, entry, seeds, dtype)
+    with dlo.enable(model, "cuda", config) as handle:
+        got = outputs(model, entry, seeds, dtype)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.pinned and "float8_e4m3fn" in stats.host_bytes_by_dtype
+
+
+def test_fp8_streaming_never_synchronizes_the_host():
+    entry = WAN_MB
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8", num_slots=3)
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    inputs = [entry.inputs(seed, torch.bfloat16, "cuda") for seed in (1, 2, 3)]
+    with torch.inference_mode():
+        expected = [reference(**kwargs)[0] for kwargs in inputs]
+    handle = dlo.enable(model, "cuda", config)
+    with synchronizing_calls_raise(), torch.inference_mode():
+        got = [model(**kwargs)[0] for kwargs in inputs]
+    handle.disable()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_fp8_auto_residency_promotes_dequantized_blocks_on_cuda():
+    entry = WAN_MB
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8", resident_layers="auto")
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    seeds = [1, 2, 3, 4]
+    expected = outputs(reference, entry, seeds, torch.bfloat16)
+    with dlo.enable(model, "cuda", config) as handle:
+        got = outputs(model, entry, seeds, torch.bfloat16)
+        stats = handle.stats()
+    assert stats.residency.state == "planned" and stats.resident_blocks > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
