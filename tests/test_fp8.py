@@ -128,7 +128,7 @@ def test_a_failed_enable_gives_back_the_unquantized_weights(monkeypatch):
     def out_of_memory(self, nbytes):
         raise torch.OutOfMemoryError("fake device out of memory")
 
-    monkeypatch.setattr(SyncTransfer, "allocate_landing", out_of_memory)
+    monkeypatch.setattr(SyncTransfer, "allocate_landings", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         dlo.enable(model, "cpu", dlo.OffloadConfig(stream_dtype="fp8"))
     assert all(torch.equal(tensor, before[key]) for key, tensor in model.state_dict().items())
@@ -208,8 +208,9 @@ def test_the_wire_layout_keeps_plain_tensors_first_and_nothing_overlaps():
         TensorSpec("norm.weight", (40,), torch.float32),
         TensorSpec("ff.weight", (40, 96), torch.bfloat16),
     ]
+    fp8 = Fp8Format(FP8, per_channel=True)
     quantize = [True, False, False, True]
-    layout, wire = plan_wire_layout(specs, quantize, Fp8Format(FP8, per_channel=True))
+    layout, wire = plan_wire_layout(specs, [fp8 if q else None for q in quantize])
     plain = [p for p, q in zip(layout.placements, quantize) if not q]
     weights = [p for p, q in zip(layout.placements, quantize) if q]
     assert [p.spec.name for p in layout.placements] == [s.name for s in specs]  # declaration order kept

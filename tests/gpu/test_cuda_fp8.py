@@ -91,3 +91,22 @@ def test_fp8_auto_residency_promotes_dequantized_blocks_on_cuda():
         stats = handle.stats()
     assert stats.residency.state == "planned" and stats.resident_blocks > 0
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 37, 3072])
+def test_the_one_pass_kernel_computes_what_the_two_torch_kernels_compute(fp8, dtype, rows):
+    """The definition, round(float(q) * scale), as torch computes it in two exact steps."""
+    pytest.importorskip("triton")
+    from dlo.host.fp8_codec import dequantize_into
+
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    data = (torch.randn(rows, 4099, device="cuda", generator=generator) * 64).to(fp8)
+    for scale in (torch.rand(rows, 1, device="cuda", generator=generator) * 1e-2, torch.tensor([[3.7e-3]], device="cuda")):
+        expected = torch.empty(data.shape, dtype=dtype, device="cuda")
+        expected.copy_(data)
+        expected.mul_(scale)
+        got = torch.empty_like(expected)
+        dequantize_into(got, data, scale)
+        assert torch.equal(got, expected)

@@ -13,12 +13,13 @@ from dlo.errors import EnableError
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import quantize_into
 from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.tensor_source import QuantizedSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, plan_block_layout, view_placement
+from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, view_placement
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.tensor_walk import owned_tensors
-from dlo.planning.wire_layout import Fp8Format, WireLayout, landing_views, plan_wire_layout
+from dlo.planning.wire_layout import Fp8Format, WireLayout, plan_wire_layout, wire_targets
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,20 @@ def _host_buffer(block: BlockTensors, nbytes: int, pin: bool) -> HostBuffer:
         raise EnableError(f"block {block.ref.name!r}: {err}") from None
 
 
+def _formats(block: BlockTensors, plan: BoundPlan | None, fp8: Fp8Format | None) -> tuple[Fp8Format | None, ...]:
+    """Each tensor's float8 format: as the checkpoint stores it, else the config's for the
+    weights it selected, else None (streams as it is)."""
+    planned = plan.planned if plan is not None else {}
+
+    def format_of(tensor: torch.Tensor, selected: bool) -> Fp8Format | None:
+        source = planned.get(id(tensor))
+        if isinstance(source, QuantizedSource):
+            return source.format
+        return fp8 if selected else None
+
+    return tuple(format_of(t, selected) for t, selected in zip(block.tensors, block.quantize))
+
+
 def bind_block(
     block: BlockTensors,
     plan: BoundPlan | None,
@@ -129,11 +144,14 @@ def bind_block(
     fp8: Fp8Format | None = None,
 ) -> StreamedBlock:
     """Give the block its host source and point its tensors at placeholders (the module
-    changes here: the caller registers the undo). A block with float8 weights is packed
-    (quantized) into a private buffer, whatever the plan."""
-    layout, wire = plan_wire_layout(block.specs, block.quantize, fp8)
+    changes here: the caller registers the undo). A block with weights to quantize is
+    packed (quantized) into a private buffer, whatever the plan; float8 weights of a
+    checkpoint stream from its mapping as stored."""
+    layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
+    planned = plan.planned if plan is not None else {}
+    to_quantize = any(q and not isinstance(planned.get(id(t)), QuantizedSource) for t, q in zip(block.tensors, block.quantize))
     direct = plan is not None and plan.direct  # copied straight from the registered mapping
-    source: BlockSource | None = None if wire.quantized else _mapped_source(block, plan, pin_private=direct and pin)
+    source: BlockSource | None = None if to_quantize else _mapped_source(block, plan, pin_private=direct and pin)
     if source is None:
         host = _host_buffer(block, wire.nbytes, pin)
         _pack(block, layout, wire, plan, host.tensor)
@@ -144,19 +162,21 @@ def bind_block(
 
 
 def _pack(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan | None, host: torch.Tensor) -> None:
-    """Write the block's wire image into `host`: plain tensors as laid out in the slot, the
-    quantized ones as float8 + scales. Planned tensors are read from the mapping."""
-
-    def value(tensor: torch.Tensor) -> torch.Tensor:
-        source = plan.planned.get(id(tensor)) if plan is not None else None
-        return tensor if source is None else source.materialize(plan.weights.checkpoint)
-
-    quantized = {q.index: views for q, views in zip(wire.quantized, landing_views(host[wire.plain_bytes :], wire))}
-    for i, (tensor, placement) in enumerate(zip(block.tensors, layout.placements)):
-        if i in quantized:
-            quantize_into(value(tensor), *quantized[i], f"{block.ref.name}.{placement.spec.name}")
+    """Write the block's wire image into `host`: plain tensors as laid out in the slot,
+    float8 weights with their scales (copied from the mapping, or quantized here)."""
+    planned = plan.planned if plan is not None else {}
+    targets = wire_targets(layout, wire, host, host[wire.plain_bytes :])
+    for tensor, placement, target in zip(block.tensors, layout.placements, targets):
+        source = planned.get(id(tensor))
+        if isinstance(source, QuantizedSource):
+            for task in source.pieces(plan.weights.checkpoint, target):
+                task.run()
+            continue
+        value = tensor if source is None else source.materialize(plan.weights.checkpoint)
+        if isinstance(target, tuple):
+            quantize_into(value, *target, f"{block.ref.name}.{placement.spec.name}")
         else:
-            view_placement(host, placement).copy_(value(tensor))
+            target.copy_(value)
 
 
 def shard_block(
@@ -170,19 +190,22 @@ def shard_block(
     out in a temporary buffer (from its tensors, or packed from the mapping), padded to
     `size` equal 512-aligned shards, and only bytes [rank*S, (rank+1)*S) are kept. The
     caller points the block at placeholders once every rank's setup succeeded."""
-    layout = plan_block_layout(block.specs)
+    if any(fmt is not None for fmt in _formats(block, plan, None)):
+        raise EnableError(
+            f"block {block.ref.name!r} has float8 weights in the checkpoint; all-gather mode streams unquantized "
+            "blocks only for now. Use rank-local mode (use_allgather=False)"
+        )
+    layout, wire = plan_wire_layout(block.specs, [None] * len(block.specs))
     width = align_up(-(-layout.nbytes // group.size))
     whole = torch.zeros(width * group.size, dtype=torch.uint8)
     mapped = _mapped_source(block, plan)
     if mapped is not None:
-        for task in mapped.copy_tasks(layout, whole):
-            task.run()
+        mapped.pack(layout, wire, whole)
     else:
         for tensor, placement in zip(block.tensors, layout.placements):
             view_placement(whole, placement).copy_(tensor)
     host = _host_buffer(block, width, pin)
     host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
-    wire = WireLayout(layout.nbytes, 0, ())
     return _streamed(block, layout, wire, ShardSource(host, width, group.rank, group.size), placeholder)
 
 

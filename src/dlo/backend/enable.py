@@ -146,7 +146,7 @@ def _stager(
 ) -> Stager | None:
     """Pinned staging buffers for blocks packed from a mapping on every load (not needed when
     the mapping is registered, or on the CPU where slots are host memory)."""
-    mapped = [b.layout.nbytes for b in blocks if isinstance(b.source, MappedSource)]
+    mapped = [b.wire.nbytes for b in blocks if isinstance(b.source, MappedSource)]
     if not mapped or not isinstance(transfer, CudaTransfer) or (plan is not None and plan.direct):
         return None
     return Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
@@ -260,14 +260,15 @@ def enable(
         transfer = make_transfer(device)
         slot_size = max((slot_bytes(b) for b in streamed), default=0)
         slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
-        landing = transfer.allocate_landing(max((b.wire.landing_bytes for b in streamed), default=0))
+        # See [Note: fp8 landing]
+        transfer.allocate_landings(max((b.wire.nbytes for b in streamed if b.wire.quantized), default=0))
         stager = _stager(streamed, transfer, bound_plan, config, pin)
         if stager is not None:
             undo.callback(stager.close)
         ledger = TransferLedger(transfer, config.record_timeline)
         gather = BlockGather(gather_group, transfer) if gather_group is not None else None
         direct = bound_plan is not None and bound_plan.direct
-        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct, landing)
+        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct)
         tuner = None
         if budget is not None:
             tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
@@ -334,7 +335,7 @@ def _cuda_limit(device: torch.device) -> int:
 
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
-    landing = runtime.landing.numel() if runtime.landing is not None else 0
+    landing = sum(buffer.numel() for buffer in runtime.transfer.landings)
     slots = sum(s.buffer.numel() for s in runtime.slots)
     return weight_bytes + landing + slots + sum(m.numel() for m in runtime.promoted.values())
 

@@ -171,7 +171,7 @@ class OffloadHandle:
         ledger.settle()
         registered = self._registration.registration
         slot_bytes = sum(slot.buffer.numel() for slot in runtime.slots)
-        landing_bytes = runtime.landing.numel() if runtime.landing is not None else 0
+        landing_bytes = sum(buffer.numel() for buffer in runtime.transfer.landings)
         device_weight_bytes = (
             self._device_weight_bytes + slot_bytes + landing_bytes + sum(m.numel() for m in runtime.promoted.values())
         )

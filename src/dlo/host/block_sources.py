@@ -3,6 +3,7 @@ mapping (packed into a staging buffer on every load, or, registered, copied from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,9 +11,9 @@ import torch
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.fp8_codec import dequantized
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import CopyTask, TensorSource
+from dlo.host.tensor_source import CopyTask, MappedTensor
 from dlo.planning.block_layout import BlockLayout, view_placement
-from dlo.planning.wire_layout import WireLayout, landing_views
+from dlo.planning.wire_layout import WireLayout, landing_views, wire_targets
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,13 @@ class PackedSource(_PrivateBuffer):
 @dataclass(frozen=True)
 class MappedSource:
     """The block's tensors in the read-only checkpoint mapping: a load packs them (with the
-    loader's adapters) into a buffer laid out like the slot, then copies that. Tensors the
-    checkpoint does not hold (non-persistent buffers such as RoPE tables) are private
-    tensors, packed the same way."""
+    loader's adapters) into a buffer holding the block's wire image, then copies that.
+    Float8 weights of the checkpoint stay float8 on the way (See [Note: fp8 streaming]).
+    Tensors the checkpoint does not hold (non-persistent buffers such as RoPE tables) are
+    private tensors, packed the same way."""
 
     checkpoint: Checkpoint
-    sources: tuple[TensorSource | torch.Tensor, ...]  # one per layout placement
+    sources: tuple[MappedTensor | torch.Tensor, ...]  # one per layout placement
 
     pinned = False
 
@@ -66,12 +68,13 @@ class MappedSource:
         """Private bytes only: the mapped ones are shared page cache."""
         return sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
 
-    def copy_tasks(self, layout: BlockLayout, buffer: torch.Tensor, whole: bool = False) -> list[CopyTask]:
-        """Tasks that fill `buffer` (laid out as `layout`); large tensors are split in chunks
+    def copy_tasks(
+        self, targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]], whole: bool = False
+    ) -> list[CopyTask]:
+        """Tasks that fill `targets` (see `wire_targets`); large tensors are split in chunks
         for several host threads unless `whole` (one copy per tensor: direct device copies)."""
         tasks: list[CopyTask] = []
-        for source, placement in zip(self.sources, layout.placements):
-            target = view_placement(buffer, placement)
+        for source, target in zip(self.sources, targets):
             if isinstance(source, torch.Tensor):
                 tasks.append(CopyTask(target, source))
             elif whole:
@@ -80,8 +83,14 @@ class MappedSource:
                 tasks.extend(source.copy_tasks(self.checkpoint, target))
         return tasks
 
+    def pack(self, layout: BlockLayout, wire: WireLayout, buffer: torch.Tensor) -> None:
+        """The block's wire image into the host `buffer` (this thread, one copy at a time)."""
+        for task in self.copy_tasks(wire_targets(layout, wire, buffer, buffer[wire.plain_bytes :])):
+            task.run()
+
     def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
-        """Private copies: the mapping is read-only and closes with the handle."""
+        """Private copies (float8 weights dequantized): the mapping is read-only and closes
+        with the handle."""
         return tuple(
             source if isinstance(source, torch.Tensor) else source.materialize(self.checkpoint)
             for source in self.sources

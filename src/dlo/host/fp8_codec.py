@@ -10,6 +10,9 @@ See [Note: fp8 streaming]
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from dlo.errors import EnableError
@@ -34,9 +37,23 @@ def quantize_into(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
 
 
 def dequantize_into(target: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
-    """target = round(float(data) * scale), on target's device (all three on it)."""
+    """target = round(float(data) * scale), on target's device (all three on it): one
+    kernel on CUDA where Triton is installed, else two (the same values)."""
+    fused = _fused_kernel() if target.is_cuda else None
+    if fused is not None and target.is_contiguous() and data.is_contiguous() and scale.dtype == torch.float32:
+        fused(target, data, scale)
+        return
     target.copy_(data)
     target.mul_(scale)
+
+
+@functools.cache
+def _fused_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    try:
+        from dlo.host.fp8_kernel import dequantize_cuda
+    except ImportError:  # no Triton: the two-kernel path
+        return None
+    return dequantize_cuda
 
 
 def dequantized(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from dlo.host.checkpoint import Checkpoint
+from dlo.host.fp8_codec import dequantized
+from dlo.planning.wire_layout import Fp8Format
 
 # Copies are split into pieces of about this size so several threads share a large tensor.
 CHUNK_BYTES = 8 * 2**20
@@ -36,7 +38,7 @@ class CopyTask:
             self.target.copy_(self.source)
 
 
-def count_adapters(sources: Iterable[TensorSource], checkpoint: Checkpoint) -> dict[str, int]:
+def count_adapters(sources: Iterable[TensorSource | QuantizedSource], checkpoint: Checkpoint) -> dict[str, int]:
     """How many tensors each adapter ("cast", "concat") touches."""
     counts: dict[str, int] = {}
     for source in sources:
@@ -103,6 +105,50 @@ class TensorSource:
         for task in self.copy_tasks(checkpoint, tensor):
             task.run()
         return tensor
+
+
+@dataclass(frozen=True)
+class QuantizedSource:
+    """A runtime weight the checkpoint holds as float8 (`data_key`) with its scales
+    (`scale_key`: one per output row, or one for the weight). It streams as stored and is
+    dequantized on the device (See [Note: fp8 streaming]); copies out of the mapping
+    (`materialize`) are dequantized on the CPU, which gives the same values."""
+
+    data_key: str
+    scale_key: str
+    shape: tuple[int, ...]  # runtime shape
+    dtype: torch.dtype  # runtime dtype (dequantized into)
+    format: Fp8Format
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.data_key, self.scale_key)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return (self.shape[0], 1) if self.format.per_channel else (1, 1)
+
+    def adapters(self, checkpoint: Checkpoint) -> tuple[str, ...]:
+        """The float8 bytes are used as saved; scales not stored as fp32 are cast."""
+        return ("cast",) if checkpoint.tensors[self.scale_key].entry.dtype != torch.float32 else ()
+
+    def scale(self, checkpoint: Checkpoint) -> torch.Tensor:
+        return checkpoint.view(self.scale_key).reshape(self.scale_shape)
+
+    def pieces(self, checkpoint: Checkpoint, target: tuple[torch.Tensor, torch.Tensor]) -> list[CopyTask]:
+        """Tasks filling `target`: (float8 data, fp32 scale) views in a landing region."""
+        data, scale = target
+        return [CopyTask(data, checkpoint.view(self.data_key)), CopyTask(scale, self.scale(checkpoint))]
+
+    def copy_tasks(self, checkpoint: Checkpoint, target: tuple[torch.Tensor, torch.Tensor]) -> list[CopyTask]:
+        data, scale = target
+        return [*_chunks(data, checkpoint.view(self.data_key)), CopyTask(scale, self.scale(checkpoint))]
+
+    def materialize(self, checkpoint: Checkpoint) -> torch.Tensor:
+        return dequantized(checkpoint.view(self.data_key), self.scale(checkpoint).float(), self.dtype)
+
+
+MappedTensor = TensorSource | QuantizedSource
 
 
 def _chunks(target: torch.Tensor, source: torch.Tensor) -> list[CopyTask]:

@@ -22,7 +22,7 @@ from dlo.observe.ledger import TransferLedger
 from dlo.host.fp8_codec import dequantize_into
 from dlo.planning.block_layout import view_placement
 from dlo.planning.slot_planner import Load, SlotPlanner
-from dlo.planning.wire_layout import landing_views
+from dlo.planning.wire_layout import landing_views, wire_targets
 
 
 class StreamingRuntime:
@@ -35,16 +35,26 @@ class StreamingRuntime:
         stager: Stager | None = None,
         gather: BlockGather | None = None,
         direct: bool = False,
-        landing: torch.Tensor | None = None,
     ) -> None:
         """`stager`: packs mapped blocks into pinned staging buffers. `direct`: the mapping is
-        registered, so mapped blocks are copied tensor by tensor straight into the slot.
-        `landing`: where float8 weights land before they are dequantized into the slot (See
-        [Note: fp8 streaming])."""
+        registered, so mapped blocks are copied tensor by tensor straight into the slot (or,
+        with float8 weights, the landing buffer: See [Note: fp8 landing])."""
         self.blocks = tuple(blocks)
-        self.landing = landing
-        # Views of each block's float8 weights and scales in the landing buffer, made once.
-        self._landed = [landing_views(landing, b.wire) if b.wire.quantized else () for b in self.blocks]
+        # Per landing buffer, each float8 block's (data, scale) views and, for a mapped block,
+        # its copies into that buffer: made once, like the slot views.
+        self._landed = [
+            [landing_views(landing[b.wire.plain_bytes :], b.wire) if b.wire.quantized else () for b in self.blocks]
+            for landing in transfer.landings
+        ]
+        self._land_tasks = [
+            [
+                b.source.copy_tasks(wire_targets(b.layout, b.wire, landing, landing[b.wire.plain_bytes :]), whole=True)
+                if b.wire.quantized and isinstance(b.source, MappedSource)
+                else []
+                for b in self.blocks
+            ]
+            for landing in transfer.landings
+        ]
         self.slots = tuple(slots)
         self.transfer = transfer
         self.ledger = ledger
@@ -83,7 +93,14 @@ class StreamingRuntime:
         # Registered mapping: each (slot, block)'s per-tensor copies, made once like the views.
         self._direct = (
             [
-                [_direct_tasks(b, slot) if b.layout.nbytes <= slot.buffer.numel() else [] for b in self.blocks]
+                [
+                    b.source.copy_tasks(wire_targets(b.layout, b.wire, slot.buffer, slot.buffer[:0]), whole=True)
+                    if isinstance(b.source, MappedSource)
+                    and not b.wire.quantized
+                    and b.layout.nbytes <= slot.buffer.numel()
+                    else []
+                    for b in self.blocks
+                ]
                 for slot in self.slots
             ]
             if self._direct_copies
@@ -159,19 +176,17 @@ class StreamingRuntime:
             raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
         memory = aligned_empty(block.layout.nbytes, self.transfer.device)
         views = tuple(view_placement(memory, p) for p in block.layout.placements)
+        wire = block.wire
         if isinstance(source, PackedSource):
-            wire = block.wire
-            host = source.host.tensor
-            memory[: wire.plain_bytes].copy_(host[: wire.plain_bytes])
-            if wire.quantized:  # a landing buffer of its own: the shared one is the copy stream's
-                landed = landing_views(host[wire.plain_bytes :].to(memory.device), wire)
-                for q, (data, scale) in zip(wire.quantized, landed):
-                    dequantize_into(views[q.index], data, scale)
-        else:  # a mapping: pack it on the host first (this happens once)
-            packed = torch.empty(block.layout.nbytes, dtype=torch.uint8)
-            for task in source.copy_tasks(block.layout, packed):
-                task.run()
-            memory.copy_(packed)
+            image = source.host.tensor
+        else:  # a mapping: pack its wire image on the host first (this happens once)
+            image = torch.empty(wire.nbytes, dtype=torch.uint8)
+            source.pack(block.layout, wire, image)
+        memory[: wire.plain_bytes].copy_(image[: wire.plain_bytes])
+        if wire.quantized:  # a landing buffer of its own: the shared one is the copy stream's
+            landed = landing_views(image[wire.plain_bytes :].to(memory.device), wire)
+            for q, (data, scale) in zip(wire.quantized, landed):
+                dequantize_into(views[q.index], data, scale)
         # Only now that nothing can fail: the planner drops the block's slot (after any staged
         # load into it has been issued, so the stager never writes it later).
         slot = self.planner.slot_of(index)
@@ -327,53 +342,68 @@ class StreamingRuntime:
     def _load(self, load: Load) -> None:
         block = self.blocks[load.block]
         slot = self.slots[load.slot]
-        nbytes = block.layout.nbytes
+        nbytes = block.wire.nbytes
         source = block.source
         with torch.profiler.record_function(f"dlo::h2d ({block.name})"):
-            if isinstance(source, PackedSource) and block.wire.quantized:
-                start, end = self._load_quantized(load.block, load.slot)
-                nbytes = block.wire.nbytes
-            elif isinstance(source, PackedSource):
-                start, end = self.transfer.copy_into(slot, source.host.tensor)
+            if block.wire.quantized and self._views[load.slot][load.block] is None:
+                raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+            if isinstance(source, PackedSource):
+                start, end = self._send(load.block, load.slot, source.host.tensor)
             elif isinstance(source, ShardSource):
                 assert self.gather is not None
                 start, end = self.gather.load(slot, source)
                 nbytes = source.shard_bytes  # what crossed this rank's link
+            elif block.wire.quantized and (self._direct is not None or self.stager is None):
+                # Registered mapping, or device "cpu": straight from the mapping into the landing buffer.
+                finish = partial(self._finish_landed, load.block, load.slot)
+                start, end = self.transfer.land_into(slot, partial(self._landing_tasks, load.block), finish)
             elif self._direct is not None:
                 start, end = self.transfer.copy_pieces_into(slot, self._direct[load.slot][load.block])
             elif self.stager is not None:  # See [Note: staged loads]
-                future = self.stager.submit(nbytes, partial(source.copy_tasks, block.layout), slot)
+                targets = partial(self._staging_tasks, load.block)
+                future = self.stager.submit(targets, partial(self._send, load.block, load.slot))
                 self._staged.setdefault(load.slot, []).append((block.name, nbytes, future))
                 return
             else:  # device "cpu": the slot is host memory, pack straight into it
                 start = self.transfer.mark()
-                for task in source.copy_tasks(block.layout, slot.buffer):
-                    task.run()
+                source.pack(block.layout, block.wire, slot.buffer)
                 end = self.transfer.mark()
         self._copy_end[load.slot] = end
         self.ledger.copied(block.name, nbytes, start, end)
 
-    def _load_quantized(self, index: int, slot_index: int) -> tuple[Any, Any]:
-        """The plain region straight into the slot, the float8 weights into the landing
-        buffer, then each weight dequantized into its place in the slot."""
-        block = self.blocks[index]
-        wire = block.wire
-        host = block.source.host.tensor
+    def _send(self, index: int, slot_index: int, image: torch.Tensor) -> tuple[Any, Any]:
+        """Copy a block's host wire `image` (a packed buffer, or a filled staging buffer):
+        as one copy into the slot, or, with float8 weights, into a landing buffer to be
+        dequantized from there into the slot. See [Note: fp8 landing]"""
+        wire = self.blocks[index].wire
         slot = self.slots[slot_index]
-        assert self.landing is not None
-        tasks = [
-            CopyTask(slot.buffer[: wire.plain_bytes], host[: wire.plain_bytes]),
-            CopyTask(self.landing[: wire.landing_bytes], host[wire.plain_bytes :]),
-        ]
+        if not wire.quantized:
+            return self.transfer.copy_pieces_into(slot, [CopyTask(slot.buffer[: wire.nbytes], image[: wire.nbytes])])
+
+        def tasks_for(k: int) -> list[CopyTask]:
+            return [CopyTask(self.transfer.landings[k][: wire.nbytes], image[: wire.nbytes])]
+
+        return self.transfer.land_into(slot, tasks_for, partial(self._finish_landed, index, slot_index))
+
+    def _landing_tasks(self, index: int, k: int) -> list[CopyTask]:
+        return self._land_tasks[k][index]
+
+    def _finish_landed(self, index: int, slot_index: int, k: int) -> None:
+        """Block `index`, landed in landing buffer k, into its slot: the plain region as it
+        is, the float8 weights dequantized (on the stream current at the call)."""
+        wire = self.blocks[index].wire
         views = self._views[slot_index][index]
-        if views is None:
-            raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+        assert views is not None  # checked before the load was issued
+        if wire.plain_bytes:
+            self.slots[slot_index].buffer[: wire.plain_bytes].copy_(self.transfer.landings[k][: wire.plain_bytes])
+        for q, (data, scale) in zip(wire.quantized, self._landed[k][index]):
+            dequantize_into(views[q.index], data, scale)
 
-        def dequantize() -> None:
-            for q, (data, scale) in zip(wire.quantized, self._landed[index]):
-                dequantize_into(views[q.index], data, scale)
-
-        return self.transfer.copy_pieces_into(slot, tasks, dequantize)
+    def _staging_tasks(self, index: int, staging: torch.Tensor) -> list[CopyTask]:
+        block = self.blocks[index]
+        source = block.source
+        assert isinstance(source, MappedSource)
+        return source.copy_tasks(wire_targets(block.layout, block.wire, staging, staging[block.wire.plain_bytes :]))
 
     def _finish_staged(self, slot_index: int) -> None:
         for name, nbytes, future in self._staged.pop(slot_index, ()):
@@ -381,9 +411,3 @@ class StreamingRuntime:
             self.pack_s += staged.pack_s
             self._copy_end[slot_index] = staged.end
             self.ledger.copied(name, nbytes, staged.start, staged.end)
-
-
-def _direct_tasks(block: StreamedBlock, slot: DeviceSlot) -> list[CopyTask]:
-    """A mapped block's per-tensor copies from the (registered) mapping into `slot`."""
-    source = block.source
-    return source.copy_tasks(block.layout, slot.buffer, whole=True) if isinstance(source, MappedSource) else []

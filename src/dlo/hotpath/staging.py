@@ -31,7 +31,7 @@ import torch
 
 from dlo.host.pinned_buffer import host_buffers
 from dlo.host.tensor_source import CopyTask, balanced_batches, run_batch
-from dlo.hotpath.transfer import CudaTransfer, DeviceSlot
+from dlo.hotpath.transfer import CudaTransfer
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,20 @@ class Stager:
         return sum(b.nbytes for b in self._buffers)
 
     def submit(
-        self, nbytes: int, tasks_for: Callable[[torch.Tensor], list[CopyTask]], slot: DeviceSlot
+        self, tasks_for: Callable[[torch.Tensor], list[CopyTask]], send: Callable[[torch.Tensor], tuple[Any, Any]]
     ) -> Future[StagedCopy]:
+        """Pack a block into the next staging buffer with `tasks_for(staging)`, then enqueue
+        its copies with `send(staging)`, which returns the copy's (start, end) marks."""
         # See [Note: staged loads]
         turn = self._turn
         self._turn ^= 1
-        return self._sequencer.submit(self._load, turn, nbytes, tasks_for, slot)
+        return self._sequencer.submit(self._load, turn, tasks_for, send)
 
     def _load(
-        self, turn: int, nbytes: int, tasks_for: Callable[[torch.Tensor], list[CopyTask]], slot: DeviceSlot
+        self,
+        turn: int,
+        tasks_for: Callable[[torch.Tensor], list[CopyTask]],
+        send: Callable[[torch.Tensor], tuple[Any, Any]],
     ) -> StagedCopy:
         staging = self._buffers[turn].tensor
         with torch.cuda.device(self._transfer.device):
@@ -82,7 +87,7 @@ class Stager:
             for _ in self._copiers.map(run_batch, balanced_batches(tasks_for(staging), self._threads)):
                 pass
             pack_s = time.perf_counter() - started
-            start, end = self._transfer.copy_into(slot, staging[:nbytes])
+            start, end = send(staging)
             self._drained[turn].record(self._transfer.copy_stream)
         return StagedCopy(start, end, pack_s)
 

@@ -61,8 +61,8 @@ class OffloadStats:
         first block of the first call, and every time the call order changed).
     peak_device_bytes: CUDA: torch.cuda.max_memory_allocated since enable. CPU: the weight
         bytes dlo keeps on the device (no allocator to ask).
-    device_weight_bytes: non-streamed parts + resident blocks + slots (+ the landing buffer
-        of float8 weights).
+    device_weight_bytes: non-streamed parts + resident blocks + slots (+ the two landing
+        buffers of blocks with float8 weights: See [Note: fp8 landing]).
     host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
     host_bytes_by_dtype: the streamed blocks' host bytes (private or mapped) by dtype name,
         without padding: with OffloadConfig.stream_dtype, the float8 weights and their

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.planning.block_layout import BlockLayout, TensorPlacement, TensorSpec, align_up
+from dlo.planning.block_layout import BlockLayout, TensorPlacement, TensorSpec, align_up, view_placement
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,12 @@ class WireLayout:
 
 
 def plan_wire_layout(
-    specs: Sequence[TensorSpec], quantize: Sequence[bool], fp8: Fp8Format | None
+    specs: Sequence[TensorSpec], formats: Sequence[Fp8Format | None]
 ) -> tuple[BlockLayout, WireLayout]:
     """The slot layout (plain tensors first, placements in `specs` order) and the wire layout
-    of a block whose tensors flagged in `quantize` (2-D weights) stream as `fp8`."""
-    plain = [i for i, q in enumerate(quantize) if not q]
-    weights = [i for i, q in enumerate(quantize) if q]
+    of a block whose tensors with a format (2-D weights) stream as float8."""
+    plain = [i for i, fmt in enumerate(formats) if fmt is None]
+    weights = [i for i, fmt in enumerate(formats) if fmt is not None]
     offsets: dict[int, int] = {}
     offset = 0
 
@@ -95,15 +95,16 @@ def plan_wire_layout(
     quantized = []
     landing = 0
     for i in weights:
-        assert fp8 is not None
+        fmt = formats[i]
+        assert fmt is not None
         rows, columns = specs[i].shape
         placement = QuantizedPlacement(
             index=i,
             shape=(rows, columns),
-            dtype=fp8.dtype,
+            dtype=fmt.dtype,
             data_offset=landing,
-            scale_offset=align_up(landing + rows * columns * fp8.dtype.itemsize),
-            scale_shape=(rows, 1) if fp8.per_channel else (1, 1),
+            scale_offset=align_up(landing + rows * columns * fmt.dtype.itemsize),
+            scale_shape=(rows, 1) if fmt.per_channel else (1, 1),
         )
         landing = align_up(placement.scale_offset + placement.scale_bytes)
         quantized.append(placement)
@@ -120,6 +121,16 @@ def landing_views(landing: torch.Tensor, wire: WireLayout) -> tuple[tuple[torch.
         )
         for q in wire.quantized
     )
+
+
+def wire_targets(
+    layout: BlockLayout, wire: WireLayout, plain: torch.Tensor, landing: torch.Tensor
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ...]:
+    """Where each placement's bytes go, in placement order: a view of `plain` (laid out like
+    the slot) for a plain tensor, (float8 data, fp32 scale) views of `landing` (holding the
+    landing region) for a quantized one."""
+    landed = dict(zip((q.index for q in wire.quantized), landing_views(landing, wire)))
+    return tuple(landed[i] if i in landed else view_placement(plain, p) for i, p in enumerate(layout.placements))
 
 
 def bytes_by_dtype(layout: BlockLayout, wire: WireLayout) -> dict[str, int]:
