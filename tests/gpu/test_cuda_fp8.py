@@ -102,7 +102,7 @@ def test_the_one_pass_kernel_computes_what_the_two_torch_kernels_compute(fp8, dt
     from dlo.host.fp8_codec import dequantize_into
 
     generator = torch.Generator(device="cuda").manual_seed(rows)
-    data = (torch.randn(rows, 4099, device="cuda", generator=generator) * 64).to(fp8)
+    data = (torch.randn(rows, 4099, device="cuda", generator=generator) * 64).clamp(-400, 400).to(fp8)
     for scale in (torch.rand(rows, 1, device="cuda", generator=generator) * 1e-2, torch.tensor([[3.7e-3]], device="cuda")):
         expected = torch.empty(data.shape, dtype=dtype, device="cuda")
         expected.copy_(data)
