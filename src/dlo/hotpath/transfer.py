@@ -11,11 +11,12 @@ one of two device landing buffers, then written into its slot by a second, high-
 stream: the plain region copied, each weight dequantized. The copy stream waits only for
 the landing buffer's previous block to be dequantized, never for a slot or for a kernel, so
 it runs at link rate up to two blocks ahead; the dequantization waits for its slot's last
-use and records the slot's "ready". Measured on the H200 (Flux-shaped), dequantizing on the
-copy stream itself into the slot, with one landing buffer, stalled the next copy behind
-kernels queued after the compute stream's GEMMs: 0.101 s per forward against a 0.068 s
-link floor. The price is two landing buffers of the largest float8 block's wire image
-(about half a bf16 block each).
+use and records the slot's "ready". Measured on the H200 (Flux-shaped, benchmarks/RESULTS.md):
+0.0763 s per forward against a 0.0682 s link floor; dequantizing on the copy stream itself,
+into the slot, through one landing buffer, with two torch kernels per weight (so the next copy
+queued behind the dequantization
+kernels, which queue behind the compute stream's), took 0.101 s. The price is two landing
+buffers of the largest float8 block's wire image (about half a bf16 block each).
 """
 
 from __future__ import annotations
