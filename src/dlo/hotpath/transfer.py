@@ -13,9 +13,9 @@ the landing buffer's previous block to be dequantized, never for a slot or for a
 it runs at link rate up to two blocks ahead; the dequantization waits for its slot's last
 use and records the slot's "ready". Measured on the H200 (Flux-shaped, benchmarks/RESULTS.md):
 0.0763 s per forward against a 0.0682 s link floor; dequantizing on the copy stream itself,
-into the slot, through one landing buffer, with two torch kernels per weight (so the next copy
-queued behind the dequantization
-kernels, which queue behind the compute stream's), took 0.101 s. The price is two landing
+into the slot, through one landing buffer, with two torch kernels per weight (so the next
+copy queued behind the dequantization kernels, which queue behind the compute stream's),
+took 0.101 s. The price is two landing
 buffers of the largest float8 block's wire image (about half a bf16 block each).
 """
 
