@@ -110,3 +110,22 @@ def test_the_one_pass_kernel_computes_what_the_two_torch_kernels_compute(fp8, dt
         got = torch.empty_like(expected)
         dequantize_into(got, data, scale)
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("pin_limit_gib", [0.0, 1e-6], ids=["registered", "staged"])
+def test_a_float8_checkpoint_streams_on_cuda_as_its_dequantized_weights(tmp_path, pin_limit_gib):
+    """Registered: float8 bytes copied straight from the mapping into the landing buffers;
+    over the pin limit: packed into pinned staging buffers first."""
+    from fp8_checkpoints import resident_from, write_fp8_checkpoint
+
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    entry = TINY_MODELS["flux"]
+    expected = outputs(resident_from(dequantized).cuda(), entry, [1, 2, 3], torch.bfloat16)
+    config = dlo.OffloadConfig(pin_limit_gib=pin_limit_gib)
+    model, plan = dlo.load_transformer(directory, config)
+    with dlo.enable(model, "cuda", config, plan=plan) as handle:
+        got = outputs(model, entry, [1, 2, 3], torch.bfloat16)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert (stats.registered_bytes > 0) == (pin_limit_gib == 0.0)
+    assert (stats.staging_bytes > 0) == (pin_limit_gib > 0.0)

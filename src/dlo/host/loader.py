@@ -15,8 +15,10 @@ from dlo.host.cache.consume import load_through_cache
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
-from dlo.host.preflight import CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
-from dlo.host.tensor_source import TensorSource
+from dlo.errors import ConfigError
+from dlo.host.preflight import FLOAT8, CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
+from dlo.host.tensor_source import MappedTensor, QuantizedSource
 from dlo.planning.offload_plan import OffloadPlan, discover
 from dlo.planning.tensor_walk import owned_tensors
 
@@ -33,7 +35,31 @@ def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | Non
     return None
 
 
-def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, TensorSource]) -> None:
+def _holds_float8(directory: Path) -> bool:
+    """Whether the safetensors checkpoint has float8 tensors (False when there is none that
+    dlo can read: the ordinary loader then says what is wrong)."""
+    try:
+        checkpoint = Checkpoint(directory)
+    except CheckpointError:
+        return False
+    try:
+        return any(source.entry.dtype in FLOAT8 for source in checkpoint.tensors.values())
+    finally:
+        checkpoint.close()
+
+
+def _check_scales(checkpoint: Checkpoint, sources: CheckpointSources) -> None:
+    """Every float8 weight's scales are finite, before anything runs."""
+    for source in [*sources.planned.values(), *sources.rest.values()]:
+        if isinstance(source, QuantizedSource) and not bool(torch.isfinite(source.scale(checkpoint)).all()):
+            raise CheckpointError(
+                CheckpointErrorKind.FP8_SCALES,
+                checkpoint.tensors[source.scale_key].file.path,
+                f"{source.scale_key!r} holds NaN or Inf: the weight {source.data_key!r} cannot be dequantized",
+            )
+
+
+def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, MappedTensor]) -> None:
     """Copy the non-planned tensors out of the mapping into ordinary tensors (tied ones once)."""
     made: dict[int, torch.Tensor] = {}
     for owned in list(owned_tensors(model)):
@@ -123,18 +149,32 @@ def load_transformer(
     """
     config = OffloadConfig() if config is None else config
     directory = find_transformer_dir(model_dir)
+    # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
+    # scales: diffusers' loader would cast the float8 values and drop the scales.
+    float8 = _holds_float8(directory)
+    if float8 and (config.host_weight_cache or not config.checkpoint_mmap):
+        raise ConfigError(
+            f"{directory} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
+            "checkpoint_mmap=True and host_weight_cache=False (the file is already half the size of bf16)"
+        )
     if config.host_weight_cache:
         return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
     if config.checkpoint_mmap:
         result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
         if isinstance(result, MappedLoad):
             try:
+                _check_scales(result.checkpoint, result.sources)
                 _materialize(result.skeleton, result.checkpoint, result.sources.rest)
             except BaseException:
                 result.checkpoint.close()
                 raise
             plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
             return result.skeleton.eval(), plan
+        if float8:
+            raise ConfigError(
+                f"{directory} holds float8 weights, which dlo reads only from the checkpoint mapping, and the "
+                f"mapping was refused ({result.code}: {result.reason})"
+            )
         logger.warning(
             "dlo: checkpoint mmap fallback %s: %s; loading %s the ordinary way",
             result.code,

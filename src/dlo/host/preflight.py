@@ -11,9 +11,16 @@ import torch
 from torch import nn
 
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.tensor_source import TensorSource
+from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
+from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.planning.offload_plan import OffloadPlan
 from dlo.planning.tensor_walk import owned_tensors
+from dlo.planning.wire_layout import Fp8Format
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Where scaled-float8 checkpoints keep a weight's scales: `<layer>.weight_scale` (ModelOpt,
+# compressed-tensors), `<layer>.scale_weight` (ComfyUI's scaled fp8 files).
+SCALE_SUFFIXES = ("weight_scale", "scale_weight")
 
 FALLBACK_CODES = (
     # checkpoint mmap plans (SPEC §5.1)
@@ -54,8 +61,8 @@ class CheckpointSources:
     """Sources for every runtime parameter and persistent buffer: `planned` ones (under the
     block lists) are streamed from the mapping, `rest` ones are copied out at load time."""
 
-    planned: dict[str, TensorSource]
-    rest: dict[str, TensorSource]
+    planned: dict[str, MappedTensor]
+    rest: dict[str, MappedTensor]
 
 
 # Fused projections diffusers' fuse_qkv_projections() creates, and the tensors they join.
@@ -86,17 +93,66 @@ def _runtime_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
+def _fp8_refusal(checkpoint: Checkpoint, key: str, detail: str) -> CheckpointError:
+    where = checkpoint.tensors[key].file.path if key in checkpoint.tensors else checkpoint.directory
+    return CheckpointError(CheckpointErrorKind.FP8_SCALES, where, f"{key!r}: {detail}")
+
+
+def _quantized_source(
+    name: str,
+    tensor: torch.Tensor,
+    keys: tuple[str, ...],
+    checkpoint: Checkpoint,
+    runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
+) -> QuantizedSource:
+    """The source of a weight the checkpoint stores as float8, with its scales. Anything
+    dlo cannot dequantize exactly as the file means raises: loading the float8 values
+    without their scales would silently give wrong weights."""
+    data = checkpoint.tensors[keys[0]].entry
+    if len(keys) > 1:
+        raise _fp8_refusal(checkpoint, keys[0], "float8 projections cannot be fused (load with fuse_qkv=False)")
+    if not name.endswith(".weight") or tensor.dim() != 2 or data.shape != tuple(tensor.shape):
+        raise _fp8_refusal(
+            checkpoint, keys[0], f"{data.dtype} {list(data.shape)} for {name!r} {list(tensor.shape)}: dlo reads "
+            "float8 only as the 2-D weight of a Linear layer, with scales"
+        )
+    stem = name[: -len("weight")]
+    found = [f"{stem}{suffix}" for suffix in SCALE_SUFFIXES if f"{stem}{suffix}" in checkpoint.tensors]
+    if len(found) != 1:
+        looked = " or ".join(repr(f"{stem}{suffix}") for suffix in SCALE_SUFFIXES)
+        problem = "no scales" if not found else "two sets of scales"
+        raise _fp8_refusal(checkpoint, keys[0], f"float8 weight with {problem} (looked for {looked})")
+    scale = checkpoint.tensors[found[0]].entry
+    rows = data.shape[0]
+    if not scale.dtype.is_floating_point or scale.dtype in FLOAT8:
+        raise _fp8_refusal(checkpoint, found[0], f"scales must be fp32, bf16 or fp16, found {scale.dtype}")
+    if scale.shape in ((), (1,), (1, 1)):
+        per_channel = False
+    elif scale.shape in ((rows,), (rows, 1)):
+        per_channel = True
+    else:
+        raise _fp8_refusal(
+            checkpoint, found[0], f"scales of shape {list(scale.shape)} for a weight of {rows} rows: dlo reads one "
+            f"scale per weight ([] or [1]) or per output row ([{rows}] or [{rows}, 1])"
+        )
+    # Computed in the dtype the weight would have unquantized: bf16 unless torch_dtype says.
+    dtype = runtime_dtype(name, torch.bfloat16)
+    return QuantizedSource(keys[0], found[0], tuple(tensor.shape), dtype, Fp8Format(data.dtype, per_channel))
+
+
 def _source_for(
     name: str,
     tensor: torch.Tensor,
     keys: tuple[str, ...],
     checkpoint: Checkpoint,
     runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
-) -> TensorSource | str:
+) -> MappedTensor | str:
     """The source of one runtime tensor, or why there is none."""
     missing = [k for k in keys if k not in checkpoint.tensors]
     if missing:
         return f"{name}: checkpoint has no {missing[0]!r}"
+    if checkpoint.tensors[keys[0]].entry.dtype in FLOAT8:
+        return _quantized_source(name, tensor, keys, checkpoint, runtime_dtype)
     entries = [checkpoint.tensors[k].entry for k in keys]
     misaligned = [e.key for e in entries if not e.aligned]
     if misaligned:
@@ -131,8 +187,8 @@ def plan_checkpoint_sources(
     """Exactly one source per runtime tensor, every checkpoint tensor used, every
     non-identity step a declared adapter; else `checkpoint_plan_incompatible`."""
     prefixes = tuple(f"{path}." for path in offload_plan.block_lists)
-    planned: dict[str, TensorSource] = {}
-    rest: dict[str, TensorSource] = {}
+    planned: dict[str, MappedTensor] = {}
+    rest: dict[str, MappedTensor] = {}
     used: set[str] = set()
     problems: list[str] = []
     for name, tensor in _runtime_tensors(skeleton).items():
@@ -141,7 +197,7 @@ def plan_checkpoint_sources(
         if isinstance(source, str):
             problems.append(source)
             continue
-        used.update(keys)
+        used.update(source.keys)
         (planned if name.startswith(prefixes) else rest)[name] = source
     unexpected = sorted(set(checkpoint.tensors) - used)
     if unexpected:

@@ -54,6 +54,7 @@ class CheckpointErrorKind(enum.Enum):
     DUPLICATE_KEY = "duplicate_key"  # one tensor name in two shards
     INDEX_INVALID = "index_invalid"  # *.safetensors.index.json unreadable or inconsistent
     NO_CHECKPOINT = "no_checkpoint"  # no safetensors weights in the directory
+    FP8_SCALES = "fp8_scales"  # float8 weights without scales dlo recognizes, or with unusable ones
 
 
 class CheckpointError(DloError):

@@ -1,0 +1,89 @@
+"""Checkpoints that are already float8 with scales (SPEC-less ecosystem formats: ComfyUI's
+`scale_weight`, ModelOpt / compressed-tensors' `weight_scale`) stream as stored and equal
+the model dequantized independently from the file. See [Note: fp8 streaming]"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+from fp8_checkpoints import FP8, resident_from, write_fp8_checkpoint
+
+
+def outputs(model, seeds=(1, 2)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS["flux"].inputs(seed, torch.bfloat16))[0] for seed in seeds]
+
+
+@pytest.mark.parametrize(
+    ("scale_name", "per_channel"),
+    [("weight_scale", True), ("scale_weight", False)],
+    ids=["modelopt-per-channel", "comfyui-per-tensor"],
+)
+def test_a_float8_checkpoint_streams_as_stored_and_matches_its_dequantized_weights(tmp_path, scale_name, per_channel):
+    directory, dequantized = write_fp8_checkpoint(tmp_path, scale_name, per_channel)
+    expected = outputs(resident_from(dequantized))
+    model, plan = dlo.load_transformer(directory)
+    assert plan is not None
+    with dlo.enable(model, "cpu", plan=plan) as handle:
+        got = outputs(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    stored = load_file(directory / "diffusion_pytorch_model.safetensors")
+    float8_bytes = sum(t.numel() for t in stored.values() if t.dtype == FP8)
+    assert stats.host_bytes_by_dtype["float8_e4m3fn"] == float8_bytes
+    assert stats.host_bytes == 0  # nothing private: the float8 bytes are the mapping's
+
+
+def test_resident_blocks_of_a_float8_checkpoint_hold_the_dequantized_weights(tmp_path):
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    expected = outputs(resident_from(dequantized))
+    model, plan = dlo.load_transformer(directory)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=2, num_slots=3), plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, outputs(model)))
+
+
+def _drop_one_scale(state):
+    del state["transformer_blocks.0.ff.net.2.weight_scale"]
+
+
+def _both_scale_names(state):
+    state["transformer_blocks.0.ff.net.2.scale_weight"] = state["transformer_blocks.0.ff.net.2.weight_scale"].clone()
+
+
+def _wrong_scale_shape(state):
+    state["transformer_blocks.0.ff.net.2.weight_scale"] = torch.ones(3, 2)
+
+
+def _nan_scale(state):
+    state["transformer_blocks.0.ff.net.2.weight_scale"][1, 0] = float("nan")
+
+
+def _float8_bias(state):
+    state["transformer_blocks.0.ff.net.2.bias"] = state["transformer_blocks.0.ff.net.2.bias"].to(FP8)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_drop_one_scale, r"ff\.net\.2\.weight'.*no scales \(looked for 'transformer_blocks\.0\.ff\.net\.2\.weight_scale'"),
+        (_both_scale_names, r"two sets of scales"),
+        (_wrong_scale_shape, r"scales of shape \[3, 2\] for a weight of 32 rows"),
+        (_nan_scale, r"weight_scale' holds NaN or Inf"),
+        (_float8_bias, r"ff\.net\.2\.bias'.*only as the 2-D weight of a Linear layer"),
+    ],
+)
+def test_float8_weights_dlo_cannot_dequantize_exactly_are_refused_by_name(tmp_path, edit, message):
+    directory, _ = write_fp8_checkpoint(tmp_path, edit=edit)
+    with pytest.raises(dlo.CheckpointError, match=message) as raised:
+        dlo.load_transformer(directory)
+    assert raised.value.kind == dlo.CheckpointErrorKind.FP8_SCALES
+
+
+@pytest.mark.parametrize("fields", [dict(checkpoint_mmap=False), dict(host_weight_cache=True)])
+def test_a_float8_checkpoint_is_never_loaded_the_ordinary_way(tmp_path, fields):
+    """diffusers' loader would cast the float8 values and drop the scales: wrong weights."""
+    directory, _ = write_fp8_checkpoint(tmp_path)
+    with pytest.raises(dlo.ConfigError, match="holds float8 weights, which dlo reads only from the checkpoint mapping"):
+        dlo.load_transformer(directory, dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache")))
