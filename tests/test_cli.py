@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import dlo
 from dlo.cli.demo import denoise
 from dlo.cli.main import main
 from dlo.config import OffloadConfig
@@ -22,6 +23,20 @@ def assert_streamed_like_a_fresh_resident_run(saved_path, model: str, steps: int
     expected = denoise(entry.build(seed=0), entry, steps, torch.float32, torch.device("cpu"), prompt_seed).outputs
     assert len(streamed) == steps
     assert all(torch.equal(got, want) for got, want in zip(streamed, expected))
+
+
+def test_demo_streams_float8_weights_like_the_quantized_model_resident(tmp_path, capsys):
+    saved = tmp_path / "outputs.pt"
+    argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--stream-dtype", "fp8", "--fp8-scale", "per_tensor"]
+    assert main([*argv, "--save-outputs", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"host bytes by dtype +- +.*KiB float8_e4m3fn", out)
+    assert re.search(r"float8 vs unquantized \(last step\) +- +relative L2 \d\.\d\de-0[2-4], cosine 0\.99", out)
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0)
+    dlo.quantize_resident(model, dlo.OffloadConfig(stream_dtype="fp8", fp8_scale="per_tensor"))
+    expected = denoise(model, entry, 2, torch.float32, torch.device("cpu"), 1).outputs
+    assert all(torch.equal(got, want) for got, want in zip(torch.load(saved)["streamed"], expected))
 
 
 def test_demo_console_script_streams_what_the_resident_model_computes(tmp_path):
