@@ -25,6 +25,7 @@ On the GPU machine, from the repository root (diffusers from the wheels in .whl/
   python3 benchmarks/bench_fp8.py --shapes flux,wan
 
 CPU smoke test: python benchmarks/bench_fp8.py --device cpu --shapes tiny --warmup 0 --iters 1
+A subset: --variants dlo,dlo-fp8 --num-slots 3
 """
 
 from __future__ import annotations
@@ -187,8 +188,8 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
     resident = fresh().to(device)
     median_s, output = timed(resident, inputs, device, args)
     add("resident", 0.0, median_s, output)
-    captured = capture_blocks(resident, inputs)
-    for scale in SCALES:
+    captured = capture_blocks(resident, inputs) if "resident-fp8" in args.variants else None
+    for scale in SCALES if captured is not None else ():
         quantized = copy.deepcopy(resident)
         config = dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale)
         started = _now(device)
@@ -200,10 +201,14 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
     del resident, captured
 
     # Streamed: bf16, then fp8 per scale (each must equal its resident fp8 model).
-    for variant, config in [
-        ("dlo", dlo.OffloadConfig()),
-        *((f"dlo fp8/{scale}", dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale)) for scale in SCALES),
-    ]:
+    slots = args.num_slots
+    streamed = [("dlo", dlo.OffloadConfig(num_slots=slots))] if "dlo" in args.variants else []
+    if "dlo-fp8" in args.variants:
+        streamed += [
+            (f"dlo fp8/{scale}", dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale, num_slots=slots))
+            for scale in SCALES
+        ]
+    for variant, config in streamed:
         model = fresh()
         started = _now(device)
         handle = dlo.enable(model, device, config)
@@ -212,12 +217,13 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
         median_s, output = timed(model, inputs, device, args)
         stats = handle.stats()
         per_forward = (stats.bytes_streamed - before) // (args.warmup + args.iters)
-        equal_to = "resident" if config.stream_dtype is None else variant.replace("dlo", "resident")
+        reference = "resident" if config.stream_dtype is None else variant.replace("dlo", "resident")
+        equal_to = reference if reference in outputs else None
         add(variant, setup_s, median_s, output, equal_to, stats, nbytes=per_forward)
         handle.disable()
         del model, handle
 
-    if device.type == "cuda":
+    if device.type == "cuda" and "diffusers-cast" in args.variants:
         model = fresh()
         started = _now(device)
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
@@ -263,10 +269,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-slots", type=int, default=2, help="OffloadConfig.num_slots of the dlo variants")
+    variants = ("resident-fp8", "dlo", "dlo-fp8", "diffusers-cast")
+    parser.add_argument(
+        "--variants", type=lambda text: text.split(","), default=list(variants),
+        help=f"comma-separated from {', '.join(variants)} (the bf16 resident run, the error reference, always runs)",
+    )
     out = os.environ.get("OUT")
     parser.add_argument("--json", type=Path, default=Path(out) / "bench_fp8.json" if out else None)
     args = parser.parse_args(argv)
     check_run_args(parser, args)
+    unknown = sorted(set(args.variants) - set(variants))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(variants)}")
     device = torch.device(args.device)
     print(" | ".join(f"{k} {v}" for k, v in environment(device).items()), flush=True)
     rows: list[Row] = []
