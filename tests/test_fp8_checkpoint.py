@@ -87,3 +87,32 @@ def test_a_float8_checkpoint_is_never_loaded_the_ordinary_way(tmp_path, fields):
     directory, _ = write_fp8_checkpoint(tmp_path)
     with pytest.raises(dlo.ConfigError, match="holds float8 weights, which dlo reads only from the checkpoint mapping"):
         dlo.load_transformer(directory, dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("stream_dtype", [None, "fp8"])
+def test_a_registered_float8_checkpoint_is_copied_from_its_pages_into_the_landing_buffer(tmp_path, driver, stream_dtype):
+    """With the fake registration driver on the CPU: the mapping is registered (its float8
+    weights need no host adapter), also when stream_dtype asks for float8 (the weights
+    already are), and the loads read the mapping's own pages."""
+    from dlo.hotpath.transfer import SyncTransfer
+
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    expected = outputs(resident_from(dequantized))
+    config = dlo.OffloadConfig(stream_dtype=stream_dtype)
+    model, plan = dlo.load_transformer(directory, config)
+    sources = []
+    land = SyncTransfer.land_into
+
+    def record(self, slot, tasks_for, finish):
+        sources.extend(task.source for task in tasks_for(0))
+        return land(self, slot, tasks_for, finish)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SyncTransfer, "land_into", record)
+        with dlo.enable(model, "cpu", config, plan=plan) as handle:
+            got = outputs(model)
+            stats = handle.stats()
+            mapping = handle._checkpoint
+            assert sources and all(mapping.holds(source) for source in sources if source.dtype == FP8)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.host_bytes == 0

@@ -136,6 +136,13 @@ def _formats(block: BlockTensors, plan: BoundPlan | None, fp8: Fp8Format | None)
     return tuple(format_of(t, selected) for t, selected in zip(block.tensors, block.quantize))
 
 
+def quantizes_privately(block: BlockTensors, plan: BoundPlan | None) -> bool:
+    """Whether the block has weights to quantize at enable() (not already float8 in the
+    plan's mapping): it then streams from a private buffer, whatever the plan."""
+    planned = plan.planned if plan is not None else {}
+    return any(q and not isinstance(planned.get(id(t)), QuantizedSource) for t, q in zip(block.tensors, block.quantize))
+
+
 def bind_block(
     block: BlockTensors,
     plan: BoundPlan | None,
@@ -148,10 +155,9 @@ def bind_block(
     packed (quantized) into a private buffer, whatever the plan; float8 weights of a
     checkpoint stream from its mapping as stored."""
     layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
-    planned = plan.planned if plan is not None else {}
-    to_quantize = any(q and not isinstance(planned.get(id(t)), QuantizedSource) for t, q in zip(block.tensors, block.quantize))
     direct = plan is not None and plan.direct  # copied straight from the registered mapping
-    source: BlockSource | None = None if to_quantize else _mapped_source(block, plan, pin_private=direct and pin)
+    private = quantizes_privately(block, plan)
+    source: BlockSource | None = None if private else _mapped_source(block, plan, pin_private=direct and pin)
     if source is None:
         host = _host_buffer(block, wire.nbytes, pin)
         _pack(block, layout, wire, plan, host.tensor)

@@ -22,6 +22,7 @@ from dlo.backend.block_binding import (
     check_streamable,
     collect_block,
     placeholders,
+    quantizes_privately,
     refuse_shared,
     shard_block,
     slot_bytes,
@@ -248,10 +249,10 @@ def enable(
             undo.callback(bound_plan.give_back, module)
             bound_plan.bind(module, device)
         blocks = [collect_block(ref, quantized_tensors(module, ref, config)) for ref in streamed_refs]
-        # All-gather mode copies the shards out and closes the mapping; blocks with float8
-        # weights are quantized into private buffers: neither copies from the mapping.
-        quantized_only = bool(blocks) and all(any(b.quantize) for b in blocks)
-        if bound_plan is not None and gather_group is None and not quantized_only:
+        # All-gather mode copies the shards out and closes the mapping; blocks with weights to
+        # quantize are packed into private buffers: neither copies from the mapping.
+        private_only = bool(blocks) and all(quantizes_privately(b, bound_plan) for b in blocks)
+        if bound_plan is not None and gather_group is None and not private_only:
             bound_plan.register(config, device)
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
