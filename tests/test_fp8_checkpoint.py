@@ -116,3 +116,12 @@ def test_a_registered_float8_checkpoint_is_copied_from_its_pages_into_the_landin
             assert sources and all(mapping.holds(source) for source in sources if source.dtype == FP8)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.registered_bytes > 0 and stats.host_bytes == 0
+
+
+def test_all_gather_mode_refuses_a_float8_checkpoint_and_leaves_the_model_usable(tmp_path):
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    model, plan = dlo.load_transformer(directory)
+    with pytest.raises(dlo.EnableError, match=r"float8 weights in the checkpoint; all-gather mode streams unquantized"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan)
+    # The failed enable() gave every planned tensor its value back from the mapping.
+    assert all(torch.equal(a, b) for a, b in zip(outputs(resident_from(dequantized)), outputs(model)))
