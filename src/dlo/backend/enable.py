@@ -38,6 +38,7 @@ from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.block_sources import MappedSource
 from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.compiled_call import StreamedCallHandle
 from dlo.hotpath.gather import BlockGather, GatherGroup
 from dlo.hotpath.runtime import StreamingRuntime
@@ -69,7 +70,7 @@ def _place_rest(
     the undo puts every one back where it was. On "cpu" they are copied too: mmap'd or
     oddly aligned storage becomes an ordinary allocation. Planned tensors of resident blocks
     are read from the mapping: straight from its pages when it is registered, else through a
-    private copy."""
+    private copy (float8 weights: dequantized on the CPU, the same values as on the device)."""
     originals = [tensor.data for tensor in tensors]
 
     def put_back() -> None:
@@ -79,7 +80,7 @@ def _place_rest(
     undo.callback(put_back)
     for tensor in tensors:
         source = plan.planned.get(id(tensor)) if plan is not None else None
-        if source is not None and plan.direct:
+        if isinstance(source, TensorSource) and plan.direct:
             value = torch.empty(source.shape, dtype=source.dtype, device=device)
             for piece in source.pieces(plan.weights.checkpoint, value):
                 piece.target.copy_(piece.source)

@@ -18,6 +18,7 @@ from dlo.config import OffloadConfig, Topology
 from dlo.config.offload_config import CacheVerify
 from dlo.host.cache.collect import collect_tensors
 from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.fp8_entry import entry_source, expected_entry, quantize_entry, quantized_names, stream_identity
 from dlo.host.cache.identity import build_identity, content_digest, load_identity, without_content
 from dlo.host.cache.source_index import SourceIndex
 from dlo.host.cache.trust import root_refusal
@@ -26,7 +27,7 @@ from dlo.host.checkpoint import Checkpoint, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import checkpoint_float_dtype, model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import Fallback
-from dlo.host.tensor_source import TensorSource
+from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.planning.offload_plan import discover
 from dlo.planning.tensor_walk import OwnedTensor, owned_tensors
 
@@ -76,6 +77,9 @@ def load_through_cache(
     dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
     inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
     load = load_identity(directory, cls, model_config, dtype, inputs, topology) if fallback is None else fallback
+    stream = stream_identity(config)
+    if stream is not None and not isinstance(load, Fallback):  # See [Note: fp8 streaming]
+        load = {**load, "stream": stream}
     store = EntryStore(config.cache_dir)
     if not isinstance(load, Fallback):
         refusal = root_refusal(store.root, config.cache_allow_any_filesystem)
@@ -86,7 +90,7 @@ def load_through_cache(
         _log_fallback(load)
         return ordinary_load(directory, torch_dtype, fuse_qkv), None
     verify = CacheVerify(config.cache_verify)
-    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify)
+    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify, config)
     if warm is not None:
         return warm
     model = ordinary_load(directory, torch_dtype, fuse_qkv)
@@ -103,44 +107,68 @@ def _publish_and_map(
     tensors = collect_tensors(model)
     if isinstance(tensors, Fallback):
         return tensors
-    identity, key = build_identity(load, content_digest(tensors))  # the entry's key proves its identity
+    float8 = quantized_names(model, config) if "stream" in load else []
+    published = quantize_entry(tensors, float8, config) if float8 else tensors
+    identity, key = build_identity(load, content_digest(published))  # the entry's key proves its identity
     try:
         hold = store.hold(key)  # before publish: eviction refuses entries in use
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
     try:
-        entry = store.publish(key, tensors, identity, config.cache_lock_timeout_s, verify=verify)
+        entry = store.publish(key, published, identity, config.cache_lock_timeout_s, verify=verify)
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
     checkpoint = entry.checkpoint
     checkpoint.on_close.append(lambda: os.close(hold))
-    problem = _entry_mismatch(entry, load, {n: (list(t.shape), t.dtype) for n, t in tensors.items()})
+    problem = _entry_mismatch(entry, load, {n: (list(t.shape), t.dtype) for n, t in published.items()})
     if problem is not None:
         checkpoint.close()
         return Fallback("cache_operation_failed", problem)
     # Everything is mapped and checked: swap the storage in place. The Parameter objects (and
-    # their attributes) stay; no post-load hook runs again. Until the plan is made, each
+    # their attributes) stay; no post-load hook runs again. A weight the entry holds as
+    # float8 becomes a meta tensor until enable() binds it. Until the plan is made, each
     # swap can be undone: the private tensors are freed only after.
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    replaced: list[tuple[OwnedTensor, torch.Tensor]] = []
+    sources = {
+        name: entry_source(name, tuple(tensors[name].shape), tensors[name].dtype, config) for name in float8
+    }
     try:
         with torch.no_grad():
-            for owned in owned_tensors(model):
-                if owned.tensor is tensors.get(owned.name):
+            for owned in list(owned_tensors(model)):
+                if owned.tensor is not tensors.get(owned.name):
+                    continue
+                if owned.name in sources:
+                    replaced.append((owned, owned.tensor))
+                    _table(owned)[owned.key] = _meta_like(owned)
+                else:
                     swapped.append((owned.tensor, owned.tensor.data))
                     owned.tensor.data = checkpoint.view(owned.name)
         SourceIndex(store.root).record(load, key)
-        plan = _plan(model, checkpoint)
+        plan = _plan(model, checkpoint, sources)
     except Exception as err:  # any failure: the model gets its private tensors back
         with torch.no_grad():
             for tensor, private in swapped:
                 tensor.data = private
+            for owned, original in replaced:
+                _table(owned)[owned.key] = original
         checkpoint.close()  # releases the hold
         code = err.code if isinstance(err, CacheUnavailable) else "cache_operation_failed"
         return Fallback(code, f"after mapping {key[:16]}: {type(err).__name__}: {err}")
-    del tensors, swapped
+    del tensors, published, swapped, replaced
     _release_private_memory()
     return plan
+
+
+def _table(owned: OwnedTensor) -> dict:
+    return owned.owner._parameters if owned.is_parameter else owned.owner._buffers
+
+
+def _meta_like(owned: OwnedTensor) -> torch.Tensor:
+    tensor = owned.tensor
+    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if owned.is_parameter else meta
 
 
 def _entry_mismatch(entry: Entry, load: Mapping, expected: Mapping[str, tuple[list[int], torch.dtype]]) -> str | None:
@@ -160,11 +188,12 @@ def _entry_mismatch(entry: Entry, load: Mapping, expected: Mapping[str, tuple[li
     return None
 
 
-def _plan(model: nn.Module, checkpoint: Checkpoint) -> HostWeightPlan:
+def _plan(model: nn.Module, checkpoint: Checkpoint, float8: Mapping[str, QuantizedSource]) -> HostWeightPlan:
+    """The plan streaming the blocks from the entry; `float8`: the weights it holds as float8."""
     offload_plan = discover(model)
     prefixes = tuple(f"{path}." for path in offload_plan.block_lists)
-    bindings = {
-        owned.name: TensorSource((owned.name,), tuple(owned.tensor.shape), owned.tensor.dtype)
+    bindings: dict[str, MappedTensor] = {
+        owned.name: float8.get(owned.name) or TensorSource((owned.name,), tuple(owned.tensor.shape), owned.tensor.dtype)
         for owned in owned_tensors(model)
         if owned.name.startswith(prefixes) and owned.name in checkpoint.tensors
     }
@@ -175,7 +204,7 @@ def _persistent(model: nn.Module) -> list[OwnedTensor]:
     return [o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set]
 
 
-def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify):
+def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify, config):
     """The model built empty and bound to the entry this load identity published last time,
     without running the ordinary loader; None (and the cold path) whenever anything does not
     match. See [Note: warm start identity]."""
@@ -200,19 +229,23 @@ def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv
         # The dtypes the ordinary loader would give (the skeleton's floats are all fp32).
         rule = runtime_dtype_rule(cls, torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory))
         expected = {o.name: (list(o.tensor.shape), rule(o.name, o.tensor.dtype)) for o in persistent}
-        problem = _entry_mismatch(entry, load, expected)
+        float8 = quantized_names(model, config) if "stream" in load else []
+        sources = {name: entry_source(name, tuple(expected[name][0]), expected[name][1], config) for name in float8}
+        problem = _entry_mismatch(entry, load, expected_entry(expected, float8, config))
         if problem is not None:
             logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], problem)
             checkpoint.close()
             return None
         made: dict[int, torch.Tensor] = {}
         for owned in persistent:
+            if owned.name in sources:  # stays meta: enable() binds it to the float8 entry
+                continue
             if id(owned.tensor) not in made:
                 view = checkpoint.view(owned.name)
                 made[id(owned.tensor)] = nn.Parameter(view, owned.tensor.requires_grad) if owned.is_parameter else view
             table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
             table[owned.key] = made[id(owned.tensor)]
-        plan = _plan(model, checkpoint)
+        plan = _plan(model, checkpoint, sources)
     except Exception:
         checkpoint.close()  # releases the hold; the cold path builds its own model
         raise

@@ -1,0 +1,79 @@
+"""The host weight cache with stream_dtype: the first load publishes a float8 entry, every
+other load maps it, and streaming from it equals the quantized model run resident. See
+[Note: fp8 streaming]"""
+
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+
+pytest.importorskip("diffusers")
+
+
+def outputs(model, seeds=(1, 2)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS["wan"].inputs(seed))[0] for seed in seeds]
+
+
+def cached(tmp_path, **fields):
+    return dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"), **fields)
+
+
+def entry_dtypes(tmp_path):
+    """key -> {tensor name: dtype} of every published entry, read from its files."""
+    found = {}
+    for entry in sorted((tmp_path / "cache" / "v1").iterdir()):
+        dtypes = {}
+        for path in entry.glob("*.safetensors"):
+            with safe_open(path, "pt") as f:
+                dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
+        found[entry.name] = dtypes
+    return found
+
+
+def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_path, caplog):
+    directory = tmp_path / "wan"
+    model = TINY_MODELS["wan"].build(seed=2)
+    model.save_pretrained(directory)
+    config = cached(tmp_path, stream_dtype="fp8")
+    dlo.quantize_resident(model, config)
+    expected = outputs(model)
+    for warm in (False, True):
+        with caplog.at_level(logging.INFO):
+            loaded, plan = dlo.load_transformer(directory, config)
+        assert any("warm start" in r.getMessage() for r in caplog.records) == warm
+        caplog.clear()
+        with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
+            got = outputs(loaded)
+            stats = handle.stats()
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert stats.host_bytes == 0 and stats.host_bytes_by_dtype["float8_e4m3fn"] > 0
+    (dtypes,) = entry_dtypes(tmp_path).values()
+    assert dtypes["blocks.0.attn1.to_q.weight"] == "F8_E4M3" and dtypes["blocks.0.attn1.to_q.weight_scale"] == "F32"
+    assert dtypes["blocks.0.attn1.to_q.bias"] == "F32" and dtypes["proj_out.weight"] == "F32"
+
+
+def test_the_stream_format_is_part_of_the_entry_identity(tmp_path):
+    directory = tmp_path / "wan"
+    TINY_MODELS["wan"].build(seed=2).save_pretrained(directory)
+    for fields in (dict(stream_dtype="fp8"), dict(stream_dtype="fp8", fp8_scale="per_tensor"), {}):
+        dlo.load_transformer(directory, cached(tmp_path, **fields))
+    scales = sorted(d.get("blocks.0.attn1.to_q.weight_scale", "-") for d in entry_dtypes(tmp_path).values())
+    assert len(scales) == 3 and scales.count("F32") == 2 and scales.count("-") == 1
+
+
+def test_resident_blocks_of_a_float8_entry_hold_the_dequantized_weights(tmp_path):
+    """The entry serves any resident_layers: it holds every block's weights as float8."""
+    directory = tmp_path / "wan"
+    model = TINY_MODELS["wan"].build(seed=2)
+    model.save_pretrained(directory)
+    config = cached(tmp_path, stream_dtype="fp8", resident_layers=1)
+    dlo.quantize_resident(model, cached(tmp_path, stream_dtype="fp8"))  # every block, as the entry
+    expected = outputs(model)
+    loaded, plan = dlo.load_transformer(directory, config)
+    with dlo.enable(loaded, "cpu", config, plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, outputs(loaded)))
