@@ -60,6 +60,10 @@ def _nan_scale(state):
     state["transformer_blocks.0.ff.net.2.weight_scale"][1, 0] = float("nan")
 
 
+def _float64_scale(state):
+    state["transformer_blocks.0.ff.net.2.weight_scale"] = state["transformer_blocks.0.ff.net.2.weight_scale"].double()
+
+
 def _float8_bias(state):
     state["transformer_blocks.0.ff.net.2.bias"] = state["transformer_blocks.0.ff.net.2.bias"].to(FP8)
 
@@ -71,6 +75,7 @@ def _float8_bias(state):
         (_both_scale_names, r"two sets of scales"),
         (_wrong_scale_shape, r"scales of shape \[3, 2\] for a weight of 32 rows"),
         (_nan_scale, r"weight_scale' holds NaN or Inf"),
+        (_float64_scale, r"scales must be fp32, bf16 or fp16, found torch.float64"),
         (_float8_bias, r"ff\.net\.2\.bias'.*only as the 2-D weight of a Linear layer"),
     ],
 )
@@ -125,3 +130,15 @@ def test_all_gather_mode_refuses_a_float8_checkpoint_and_leaves_the_model_usable
         dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan)
     # The failed enable() gave every planned tensor its value back from the mapping.
     assert all(torch.equal(a, b) for a, b in zip(outputs(resident_from(dequantized)), outputs(model)))
+
+
+def test_resident_blocks_of_a_registered_float8_checkpoint_are_dequantized(tmp_path, driver):
+    """Resident tensors of a registered mapping are otherwise copied straight from its pages:
+    float8 ones are dequantized instead."""
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    expected = outputs(resident_from(dequantized))
+    config = dlo.OffloadConfig(resident_layers=2, num_slots=3)
+    model, plan = dlo.load_transformer(directory, config)
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        assert handle.stats().registered_bytes > 0
+        assert all(torch.equal(a, b) for a, b in zip(expected, outputs(model)))

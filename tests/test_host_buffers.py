@@ -111,3 +111,26 @@ def test_a_dropped_handle_whose_device_fails_releases_nothing():
         transfer=BrokenDevice(), stager=None, registration=None, releases=[lambda: order.append("unpin")], checkpoint=None
     )
     assert order == []
+
+
+def test_a_block_whose_weights_cannot_be_quantized_leaves_nothing_page_locked(cudart):
+    """The host buffer is pinned, then packing refuses a NaN weight: it is unpinned before
+    the error propagates (no undo is registered for a block that was never bound)."""
+    import torch
+
+    from dlo.backend.block_binding import bind_block, collect_block, placeholders
+    from dlo.config import OffloadConfig
+    from dlo.models.tiny import TINY_MODELS
+    from dlo.planning.fp8_selection import fp8_format, quantized_tensors
+    from dlo.planning.offload_plan import discover, resolve_blocks
+
+    fake = cudart()
+    model = TINY_MODELS["flux"].build(seed=0)
+    with torch.no_grad():
+        model.transformer_blocks[1].ff.net[2].weight[0, 0] = float("nan")
+    config = OffloadConfig(stream_dtype="fp8")
+    ref = resolve_blocks(model, discover(model))[1]
+    block = collect_block(ref, quantized_tensors(model, ref, config))
+    with pytest.raises(EnableError, match=r"'\^transformer_blocks\\\\.1\\\\.ff\\\\.net\\\\.2\\\\.weight\$'"):
+        bind_block(block, None, True, placeholders([block], torch.device("cpu")), fp8_format(config))
+    assert fake.registers == 1 and fake.registered == set()

@@ -1,6 +1,6 @@
-"""fp8 streaming on CUDA: float8 weights cross the link into the landing buffer and are
-dequantized into the slot on the copy stream; outputs equal the same quantized model run
-resident on the GPU. See [Note: fp8 streaming]"""
+"""fp8 streaming on CUDA: float8 weights cross the link into a landing buffer and are
+dequantized into the slot on the dequantization stream; outputs equal the same quantized
+model run resident on the GPU. See [Note: fp8 streaming] and [Note: fp8 landing]"""
 
 import copy
 from contextlib import contextmanager
@@ -129,3 +129,59 @@ def test_a_float8_checkpoint_streams_on_cuda_as_its_dequantized_weights(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert (stats.registered_bytes > 0) == (pin_limit_gib == 0.0)
     assert (stats.staging_bytes > 0) == (pin_limit_gib > 0.0)
+
+
+def test_float8_and_unquantized_blocks_share_the_slots_through_interrupted_calls():
+    """Double blocks float8 (written on the dequantization stream), single blocks bf16
+    (written on the copy stream) in the same slots; a call interrupted after its second
+    block leaves prefetched float8 blocks that never ran, and the next writer of their slots
+    must wait for them. Every later call equals the quantized model resident."""
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=("single_transformer_blocks",), num_slots=3)
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    expected = outputs(reference, entry, [1, 2, 3], torch.bfloat16)
+
+    class Stop(Exception):
+        pass
+
+    def stop(module, args):
+        raise Stop
+
+    with dlo.enable(model, "cuda", config) as handle:
+        assert {"float8_e4m3fn", "bfloat16"} <= handle.stats().host_bytes_by_dtype.keys()
+        for seed, want in zip([1, 2, 3], expected):
+            hook = model.transformer_blocks[1].register_forward_pre_hook(stop)
+            with pytest.raises(Stop), torch.inference_mode():
+                model(**entry.inputs(seed, torch.bfloat16, "cuda"))
+            hook.remove()
+            assert torch.equal(outputs(model, entry, [seed], torch.bfloat16)[0], want)
+
+
+def test_streaming_runs_the_one_pass_kernel_where_it_is_available(monkeypatch):
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the one-pass kernel needs compute capability 8.9 or newer")
+    from dlo.host import fp8_codec
+    from dlo.host.fp8_kernel import dequantize_cuda
+
+    launches = []
+
+    def counted(target, data, scale):
+        launches.append(target.numel())
+        dequantize_cuda(target, data, scale)
+
+    monkeypatch.setattr(fp8_codec, "_fused_kernel", lambda device: counted)
+    entry = WAN_MB
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8")
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    expected = outputs(reference, entry, [1], torch.bfloat16)
+    launches.clear()
+    with dlo.enable(model, "cuda", config):
+        got = outputs(model, entry, [1], torch.bfloat16)
+    assert torch.equal(expected[0], got[0])
+    weights = sum(m.weight.numel() for b in model.blocks for m in b.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(launches) >= weights  # every streamed weight went through it (and the warm-up)

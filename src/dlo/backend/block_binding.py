@@ -160,7 +160,11 @@ def bind_block(
     source: BlockSource | None = None if private else _mapped_source(block, plan, pin_private=direct and pin)
     if source is None:
         host = _host_buffer(block, wire.nbytes, pin)
-        _pack(block, layout, wire, plan, host.tensor)
+        try:
+            _pack(block, layout, wire, plan, host.tensor)
+        except BaseException:  # e.g. a weight float8 cannot scale: nothing stays page-locked
+            host.unpin()
+            raise
         source = PackedSource(host)
     streamed = _streamed(block, layout, wire, source, placeholder)
     streamed.point_at(streamed.placeholders)

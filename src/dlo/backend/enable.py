@@ -37,6 +37,7 @@ from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.block_sources import MappedSource
+from dlo.host.fp8_codec import prepare_dequantization
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.compiled_call import StreamedCallHandle
@@ -263,7 +264,10 @@ def enable(
         slot_size = max((slot_bytes(b) for b in streamed), default=0)
         slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
         # See [Note: fp8 landing]
+        undo.callback(transfer.drop_landings)  # a failed enable() drops them with the exception
         transfer.allocate_landings(max((b.wire.nbytes for b in streamed if b.wire.quantized), default=0))
+        prepare_dequantization(transfer.device, {(q.dtype, b.layout.placements[q.index].spec.dtype)
+                                                 for b in streamed for q in b.wire.quantized})
         stager = _stager(streamed, transfer, bound_plan, config, pin)
         if stager is not None:
             undo.callback(stager.close)

@@ -35,6 +35,8 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
         help_text = f"{spec.metadata['help']} (default: {'unset' if spec.default is None else spec.default})"
         if spec.type in (bool, "bool"):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
+        elif spec.type == "tuple[str, ...]":  # one item per use of the flag: items may hold commas
+            group.add_argument(*flags, action="append", metavar=spec.name.upper(), help=help_text)
         else:
             kind = _FLAG_TYPES[spec.type if isinstance(spec.type, str) else spec.type.__name__]
             group.add_argument(*flags, type=kind, default=spec.default, metavar=spec.name.upper(), help=help_text)
@@ -42,10 +44,6 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
 
 def _int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
-
-
-def _comma_separated(text: str) -> tuple[str, ...]:
-    return tuple(item for item in text.split(",") if item)
 
 
 # OffloadConfig field annotations -> how a flag's text is parsed (the config validates the value).
@@ -56,11 +54,12 @@ _FLAG_TYPES = {
     "int | str": _int_or_auto,
     "float | None": float,
     "str | None": str,
-    "tuple[str, ...]": _comma_separated,
 }
 
 
 def config_from_flags(args: argparse.Namespace) -> OffloadConfig:
     """The config the flags give; fields without a flag on this command keep their defaults."""
     fields = dataclasses.fields(OffloadConfig)
-    return OffloadConfig(**{spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)})
+    given = {spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)}
+    unused = {spec.name for spec in fields if spec.type == "tuple[str, ...]" and given.get(spec.name) is None}
+    return OffloadConfig(**{name: value for name, value in given.items() if name not in unused})  # defaults

@@ -176,7 +176,7 @@ class OffloadConfig:
         metadata={
             "help": "with stream_dtype: regular expressions (re.search on the full parameter name, e.g. "
             "'transformer_blocks.0.', 'ff.net.2'); matching weights keep their dtype. On the command line: "
-            "comma-separated"
+            "the flag once per pattern"
         },
     )
 

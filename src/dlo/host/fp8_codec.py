@@ -11,6 +11,7 @@ See [Note: fp8 streaming]
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import torch
@@ -27,9 +28,10 @@ def quantize_into(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     magnitude = value.abs()
     amax = magnitude.amax(dim=1, keepdim=True) if scale.shape[0] > 1 else magnitude.amax().reshape(1, 1)
     if not bool(torch.isfinite(amax).all()):
+        pattern = f"^{re.escape(name)}$"
         raise EnableError(
             f"{name!r} holds NaN or Inf values, which float8 cannot scale; keep it in its dtype with "
-            f"OffloadConfig(fp8_skip=({name!r},)), or fix the weights"
+            f"OffloadConfig(fp8_skip=({pattern!r},)), or fix the weights"
         )
     computed = amax / finite_max
     scale.copy_(torch.where(computed > 0, computed, torch.ones_like(computed)))  # an all-zero row: any scale
@@ -38,8 +40,8 @@ def quantize_into(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
 
 def dequantize_into(target: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
     """target = round(float(data) * scale), on target's device (all three on it): one
-    kernel on CUDA where Triton is installed, else two (the same values)."""
-    fused = _fused_kernel() if target.is_cuda else None
+    kernel where `_fused_kernel` runs, else two (the same values)."""
+    fused = _fused_kernel(target.device) if target.is_cuda else None
     if fused is not None and target.is_contiguous() and data.is_contiguous() and scale.dtype == torch.float32:
         fused(target, data, scale)
         return
@@ -48,12 +50,25 @@ def dequantize_into(target: torch.Tensor, data: torch.Tensor, scale: torch.Tenso
 
 
 @functools.cache
-def _fused_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+def _fused_kernel(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """The one-pass kernel where it runs: Triton installed, an NVIDIA GPU that loads float8
+    natively (compute capability 8.9 and up); else None, and the two-kernel path."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
     try:
         from dlo.host.fp8_kernel import dequantize_cuda
-    except ImportError:  # no Triton: the two-kernel path
+    except ImportError:
         return None
     return dequantize_cuda
+
+
+def prepare_dequantization(device: torch.device, kinds: set[tuple[torch.dtype, torch.dtype]]) -> None:
+    """Compile the one-pass kernel for each (float8 dtype, weight dtype) now, at enable(),
+    not inside the first call's loads."""
+    for stored, dtype in sorted(kinds, key=str):
+        for rows in (1, 2):  # per tensor, per row
+            data = torch.zeros((rows, 1), dtype=stored, device=device)
+            dequantize_into(torch.empty((rows, 1), dtype=dtype, device=device), data, torch.ones((rows, 1), device=device))
 
 
 def dequantized(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

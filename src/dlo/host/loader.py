@@ -49,9 +49,10 @@ def _holds_float8(directory: Path) -> bool:
 
 
 def _check_scales(checkpoint: Checkpoint, sources: CheckpointSources) -> None:
-    """Every float8 weight's scales are finite, before anything runs."""
+    """Every float8 weight's scales are finite in fp32 (what dequantizing uses), before
+    anything runs."""
     for source in [*sources.planned.values(), *sources.rest.values()]:
-        if isinstance(source, QuantizedSource) and not bool(torch.isfinite(source.scale(checkpoint)).all()):
+        if isinstance(source, QuantizedSource) and not bool(torch.isfinite(source.scale(checkpoint).float()).all()):
             raise CheckpointError(
                 CheckpointErrorKind.FP8_SCALES,
                 checkpoint.tensors[source.scale_key].file.path,

@@ -4,6 +4,7 @@ changed. Any doubt returns a `Fallback`, and the caller loads the ordinary way."
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Where scaled-float8 checkpoints keep a weight's scales: `<layer>.weight_scale` (ModelOpt,
 # compressed-tensors), `<layer>.scale_weight` (ComfyUI's scaled fp8 files).
 SCALE_SUFFIXES = ("weight_scale", "scale_weight")
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32, which dequantizing uses
 
 FALLBACK_CODES = (
     # checkpoint mmap plans (SPEC §5.1)
@@ -104,6 +106,7 @@ def _quantized_source(
     keys: tuple[str, ...],
     checkpoint: Checkpoint,
     runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
+    unquantized_dtype: torch.dtype,
 ) -> QuantizedSource:
     """The source of a weight the checkpoint stores as float8, with its scales. Anything
     dlo cannot dequantize exactly as the file means raises: loading the float8 values
@@ -124,7 +127,7 @@ def _quantized_source(
         raise _fp8_refusal(checkpoint, keys[0], f"float8 weight with {problem} (looked for {looked})")
     scale = checkpoint.tensors[found[0]].entry
     rows = data.shape[0]
-    if not scale.dtype.is_floating_point or scale.dtype in FLOAT8:
+    if scale.dtype not in SCALE_DTYPES:
         raise _fp8_refusal(checkpoint, found[0], f"scales must be fp32, bf16 or fp16, found {scale.dtype}")
     if scale.shape in ((), (1,), (1, 1)):
         per_channel = False
@@ -135,8 +138,9 @@ def _quantized_source(
             checkpoint, found[0], f"scales of shape {list(scale.shape)} for a weight of {rows} rows: dlo reads one "
             f"scale per weight ([] or [1]) or per output row ([{rows}] or [{rows}, 1])"
         )
-    # Computed in the dtype the weight would have unquantized: bf16 unless torch_dtype says.
-    dtype = runtime_dtype(name, torch.bfloat16)
+    # Computed in the dtype the weight would have unquantized: the checkpoint's other floats'
+    # (or torch_dtype).
+    dtype = runtime_dtype(name, unquantized_dtype)
     return QuantizedSource(keys[0], found[0], tuple(tensor.shape), dtype, Fp8Format(data.dtype, per_channel))
 
 
@@ -146,13 +150,14 @@ def _source_for(
     keys: tuple[str, ...],
     checkpoint: Checkpoint,
     runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
+    unquantized_dtype: torch.dtype,
 ) -> MappedTensor | str:
     """The source of one runtime tensor, or why there is none."""
     missing = [k for k in keys if k not in checkpoint.tensors]
     if missing:
         return f"{name}: checkpoint has no {missing[0]!r}"
     if checkpoint.tensors[keys[0]].entry.dtype in FLOAT8:
-        return _quantized_source(name, tensor, keys, checkpoint, runtime_dtype)
+        return _quantized_source(name, tensor, keys, checkpoint, runtime_dtype, unquantized_dtype)
     entries = [checkpoint.tensors[k].entry for k in keys]
     misaligned = [e.key for e in entries if not e.aligned]
     if misaligned:
@@ -177,6 +182,19 @@ def _source_for(
     return TensorSource(keys, shape, runtime_dtype(name, stored))
 
 
+def _unquantized_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The most common float dtype of the checkpoint's tensors that are neither float8 nor
+    scales (bf16 when there are none): what its float8 weights are dequantized into."""
+    counts = Counter(
+        source.entry.dtype
+        for key, source in checkpoint.tensors.items()
+        if source.entry.dtype.is_floating_point
+        and source.entry.dtype not in FLOAT8
+        and not key.endswith(SCALE_SUFFIXES)
+    )
+    return counts.most_common(1)[0][0] if counts else torch.bfloat16
+
+
 def plan_checkpoint_sources(
     skeleton: nn.Module,
     offload_plan: OffloadPlan,
@@ -191,9 +209,10 @@ def plan_checkpoint_sources(
     rest: dict[str, MappedTensor] = {}
     used: set[str] = set()
     problems: list[str] = []
+    unquantized = _unquantized_dtype(checkpoint)
     for name, tensor in _runtime_tensors(skeleton).items():
         keys = fused.get(name, (name,))
-        source = _source_for(name, tensor, keys, checkpoint, runtime_dtype)
+        source = _source_for(name, tensor, keys, checkpoint, runtime_dtype, unquantized)
         if isinstance(source, str):
             problems.append(source)
             continue

@@ -110,7 +110,7 @@ class BlockGather:
         if self.comm_stream is None:  # a group of one: a plain copy
             return transfer.copy_into(slot, shard.host.tensor)
         copy_stream = transfer.copy_stream
-        copy_stream.wait_event(slot.free)
+        transfer.wait_writable(copy_stream, slot)
         start = transfer.mark(copy_stream)
         with torch.cuda.stream(copy_stream):
             own.copy_(shard.host.tensor, non_blocking=True)

@@ -49,7 +49,7 @@ class StreamingRuntime:
         self._land_tasks = [
             [
                 b.source.copy_tasks(wire_targets(b.layout, b.wire, landing, landing[b.wire.plain_bytes :]), whole=True)
-                if b.wire.quantized and isinstance(b.source, MappedSource)
+                if b.wire.quantized and isinstance(b.source, MappedSource) and (direct or stager is None)
                 else []
                 for b in self.blocks
             ]
@@ -348,17 +348,19 @@ class StreamingRuntime:
             if block.wire.quantized and self._views[load.slot][load.block] is None:
                 raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
             if isinstance(source, PackedSource):
-                start, end = self._send(load.block, load.slot, source.host.tensor)
+                start, end, ready = self._send(load.block, load.slot, source.host.tensor)
             elif isinstance(source, ShardSource):
                 assert self.gather is not None
                 start, end = self.gather.load(slot, source)
+                ready = end
                 nbytes = source.shard_bytes  # what crossed this rank's link
             elif block.wire.quantized and (self._direct is not None or self.stager is None):
                 # Registered mapping, or device "cpu": straight from the mapping into the landing buffer.
                 finish = partial(self._finish_landed, load.block, load.slot)
-                start, end = self.transfer.land_into(slot, partial(self._landing_tasks, load.block), finish)
+                start, end, ready = self.transfer.land_into(slot, partial(self._landing_tasks, load.block), finish)
             elif self._direct is not None:
                 start, end = self.transfer.copy_pieces_into(slot, self._direct[load.slot][load.block])
+                ready = end
             elif self.stager is not None:  # See [Note: staged loads]
                 targets = partial(self._staging_tasks, load.block)
                 future = self.stager.submit(targets, partial(self._send, load.block, load.slot))
@@ -367,18 +369,20 @@ class StreamingRuntime:
             else:  # device "cpu": the slot is host memory, pack straight into it
                 start = self.transfer.mark()
                 source.pack(block.layout, block.wire, slot.buffer)
-                end = self.transfer.mark()
-        self._copy_end[load.slot] = end
-        self.ledger.copied(block.name, nbytes, start, end)
+                end = ready = self.transfer.mark()
+        self._copy_end[load.slot] = ready  # when the block can run: dequantized, if float8
+        self.ledger.copied(block.name, nbytes, start, end)  # the copy alone: the link's rate
 
-    def _send(self, index: int, slot_index: int, image: torch.Tensor) -> tuple[Any, Any]:
+    def _send(self, index: int, slot_index: int, image: torch.Tensor) -> tuple[Any, Any, Any]:
         """Copy a block's host wire `image` (a packed buffer, or a filled staging buffer):
         as one copy into the slot, or, with float8 weights, into a landing buffer to be
-        dequantized from there into the slot. See [Note: fp8 landing]"""
+        dequantized from there into the slot. Returns the marks (start, copied, ready).
+        See [Note: fp8 landing]"""
         wire = self.blocks[index].wire
         slot = self.slots[slot_index]
         if not wire.quantized:
-            return self.transfer.copy_pieces_into(slot, [CopyTask(slot.buffer[: wire.nbytes], image[: wire.nbytes])])
+            start, end = self.transfer.copy_pieces_into(slot, [CopyTask(slot.buffer[: wire.nbytes], image[: wire.nbytes])])
+            return start, end, end
 
         def tasks_for(k: int) -> list[CopyTask]:
             return [CopyTask(self.transfer.landings[k][: wire.nbytes], image[: wire.nbytes])]
@@ -409,5 +413,5 @@ class StreamingRuntime:
         for name, nbytes, future in self._staged.pop(slot_index, ()):
             staged = future.result()
             self.pack_s += staged.pack_s
-            self._copy_end[slot_index] = staged.end
+            self._copy_end[slot_index] = staged.ready
             self.ledger.copied(name, nbytes, staged.start, staged.end)

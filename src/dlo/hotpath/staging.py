@@ -36,10 +36,12 @@ from dlo.hotpath.transfer import CudaTransfer
 
 @dataclass(frozen=True)
 class StagedCopy:
-    """A finished load job: the H2D marks and the host time spent packing."""
+    """A finished load job: the H2D marks (start, end of the copy, block ready) and the host
+    time spent packing."""
 
     start: Any
     end: Any
+    ready: Any
     pack_s: float
 
 
@@ -65,10 +67,10 @@ class Stager:
         return sum(b.nbytes for b in self._buffers)
 
     def submit(
-        self, tasks_for: Callable[[torch.Tensor], list[CopyTask]], send: Callable[[torch.Tensor], tuple[Any, Any]]
+        self, tasks_for: Callable[[torch.Tensor], list[CopyTask]], send: Callable[[torch.Tensor], tuple[Any, Any, Any]]
     ) -> Future[StagedCopy]:
         """Pack a block into the next staging buffer with `tasks_for(staging)`, then enqueue
-        its copies with `send(staging)`, which returns the copy's (start, end) marks."""
+        its copies with `send(staging)`, which returns the load's (start, end, ready) marks."""
         # See [Note: staged loads]
         turn = self._turn
         self._turn ^= 1
@@ -78,7 +80,7 @@ class Stager:
         self,
         turn: int,
         tasks_for: Callable[[torch.Tensor], list[CopyTask]],
-        send: Callable[[torch.Tensor], tuple[Any, Any]],
+        send: Callable[[torch.Tensor], tuple[Any, Any, Any]],
     ) -> StagedCopy:
         staging = self._buffers[turn].tensor
         with torch.cuda.device(self._transfer.device):
@@ -87,9 +89,9 @@ class Stager:
             for _ in self._copiers.map(run_batch, balanced_batches(tasks_for(staging), self._threads)):
                 pass
             pack_s = time.perf_counter() - started
-            start, end = send(staging)
+            start, end, ready = send(staging)
             self._drained[turn].record(self._transfer.copy_stream)
-        return StagedCopy(start, end, pack_s)
+        return StagedCopy(start, end, ready, pack_s)
 
     def stop(self) -> None:
         """Finish the queued jobs (their copies are then enqueued) and accept no more;

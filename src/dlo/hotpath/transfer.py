@@ -9,9 +9,9 @@ Marks are opaque timestamps: CUDA timing events, or `perf_counter` floats on the
 A block with float8 weights (See [Note: fp8 streaming]) is copied whole (its wire image) into
 one of two device landing buffers, then written into its slot by a second, high-priority
 stream: the plain region copied, each weight dequantized. The copy stream waits only for
-the landing buffer's previous block to be dequantized, never for a slot or for a kernel, so
-it runs at link rate up to two blocks ahead; the dequantization waits for its slot's last
-use and records the slot's "ready". Measured on the H200 (Flux-shaped, benchmarks/RESULTS.md):
+the block that last used the landing buffer to be dequantized out of it, not for a slot, so
+it runs up to two blocks ahead; the dequantization waits for its slot's last use and write
+and records the slot's "ready". Measured on the H200 (Flux-shaped, benchmarks/RESULTS.md):
 0.0763 s per forward against a 0.0682 s link floor; dequantizing on the copy stream itself,
 into the slot, through one landing buffer, with two torch kernels per weight (so the next
 copy queued behind the dequantization kernels, which queue behind the compute stream's),
@@ -79,13 +79,18 @@ class CudaTransfer:
         # instead of queueing behind a whole GEMM.
         self._dequant_stream = torch.cuda.Stream(self.device, priority=-1)
 
+    def drop_landings(self) -> None:
+        """Free the landing buffers (a failed enable(); the device must be idle)."""
+        self.landings = ()
+
     def land_into(
         self, slot: DeviceSlot, tasks_for: Callable[[int], Sequence[CopyTask]], finish: Callable[[int], None]
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, Any, Any]:
         """One load of a block with float8 weights: `tasks_for(k)` copies its wire image into
         landing buffer k on the copy stream (after k's previous block was dequantized), then
         `finish(k)` writes the block into `slot` on the dequantization stream (after the slot's
-        last use) before its "ready" event. See [Note: fp8 landing]"""
+        last use and write) before its "ready" event. Returns the marks (start, landed: the
+        copy's end, ready: the block's). See [Note: fp8 landing]"""
         copy_stream, dequant_stream = self.copy_stream, self._dequant_stream
         assert dequant_stream is not None
         with self._enqueue:
@@ -96,15 +101,16 @@ class CudaTransfer:
             with torch.cuda.stream(copy_stream):
                 for task in tasks_for(k):
                     task.target.copy_(task.source, non_blocking=True)
+            landed = self.mark(copy_stream)
             self._landed[k].record(copy_stream)
             dequant_stream.wait_event(self._landed[k])
-            dequant_stream.wait_event(slot.free)
+            self.wait_writable(dequant_stream, slot)
             with torch.cuda.stream(dequant_stream):
                 finish(k)
             self._drained[k].record(dequant_stream)
             slot.ready.record(dequant_stream)
-            end = self.mark(dequant_stream)
-        return start, end
+            ready = self.mark(dequant_stream)
+        return start, landed, ready
 
     def compute_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -122,13 +128,21 @@ class CudaTransfer:
         """Enqueue every task's host -> slot view copy after the slot's last use, as one load.
         Sources must be page-locked (pinned or registered) for the copies to be asynchronous."""
         stream = self.copy_stream
-        stream.wait_event(slot.free)
+        self.wait_writable(stream, slot)
         start = self.mark(stream)
         with torch.cuda.stream(stream):
             for task in tasks:
                 task.target.copy_(task.source, non_blocking=True)
         slot.ready.record(stream)
         return start, self.mark(stream)
+
+    @staticmethod
+    def wait_writable(stream: torch.cuda.Stream, slot: DeviceSlot) -> None:
+        """Order `stream` after the slot's last use and after its last write, which may have
+        been on another stream (a float8 block's, on the dequantization stream) and still be
+        pending if that block never ran."""
+        stream.wait_event(slot.free)
+        stream.wait_event(slot.ready)
 
     def wait_ready(self, slot: DeviceSlot) -> None:
         self.compute_stream().wait_event(slot.ready)
@@ -161,14 +175,18 @@ class SyncTransfer:
     def allocate_landings(self, nbytes: int) -> None:
         self.landings = (aligned_empty(nbytes, self.device),) if nbytes else ()
 
+    def drop_landings(self) -> None:
+        self.landings = ()
+
     def land_into(
         self, slot: DeviceSlot, tasks_for: Callable[[int], Sequence[CopyTask]], finish: Callable[[int], None]
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, float]:
         start = time.perf_counter()
         for task in tasks_for(0):
             task.run()
+        landed = time.perf_counter()
         finish(0)
-        return start, time.perf_counter()
+        return start, landed, time.perf_counter()
 
     def mark(self, stream: None = None) -> float:
         return time.perf_counter()

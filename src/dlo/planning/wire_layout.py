@@ -8,13 +8,14 @@ host image (its "wire" bytes) is two regions:
 
     [ plain region: every other tensor, byte for byte as in the slot ][ landing region ]
 
-The slot layout puts the plain tensors first, so the plain region is copied straight into
-the slot's first `plain_bytes`. The landing region (each quantized weight's float8 bytes and
-its scales, 512-aligned) is copied into one landing buffer per device, and dequantized from
-there into the weight's place in the slot, on the same stream, before the slot's "ready"
-event: the compute stream sees an ordinary slot. Dequantizing is defined as
-`round(float(q) * scale)` to the weight's dtype (`hotpath/dequantize.py`), on the device that
-runs the block, so a streamed model equals the same quantized model run resident.
+The slot layout puts the plain tensors first, so the plain region is laid out exactly like
+the slot's first `plain_bytes`. The landing region holds each quantized weight's float8 bytes
+and its scales, 512-aligned. A load copies the whole image into a device landing buffer, and
+a second stream writes the block into the slot from there: the plain region as it is, each
+weight dequantized, before the slot's "ready" event (See [Note: fp8 landing]): the compute
+stream sees an ordinary slot. Dequantizing is defined as `round(float(q) * scale)` to the
+weight's dtype (`host/fp8_codec.py`), so a streamed model equals the same quantized model
+run resident on that device.
 An unquantized block is all plain region: its wire image is its slot image.
 """
 
