@@ -381,7 +381,7 @@ class StreamingRuntime:
         wire = self.blocks[index].wire
         slot = self.slots[slot_index]
         if not wire.quantized:
-            start, end = self.transfer.copy_pieces_into(slot, [CopyTask(slot.buffer[: wire.nbytes], image[: wire.nbytes])])
+            start, end = self.transfer.copy_into(slot, image[: wire.nbytes])
             return start, end, end
 
         def tasks_for(k: int) -> list[CopyTask]:
