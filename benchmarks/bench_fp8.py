@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,50 +99,57 @@ def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{path}.{i}", block) for path in plan.block_lists for i, block in enumerate(model.get_submodule(path))]
 
 
-def capture_blocks(model: nn.Module, inputs: dict) -> dict[str, tuple[tuple, dict, list[torch.Tensor]]]:
-    """Each block's (args, kwargs, outputs) in one forward."""
-    seen: dict[str, tuple[tuple, dict, list[torch.Tensor]]] = {}
+def forward_with_block_hooks(model: nn.Module, inputs: dict, before, after) -> None:
+    """One forward with `before(name, args, kwargs)` (may return replacement (args, kwargs))
+    and `after(name, output)` hooked on every block."""
     handles = []
     for name, block in blocks_of(model):
-        def before(module, args, kwargs, name=name):
-            seen[name] = (args, kwargs, [])
-
-        def after(module, args, kwargs, output, name=name):
-            seen[name][2].extend(tensors_of(output))
-
-        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(block.register_forward_hook(after, with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(partial(_pre, before, name), with_kwargs=True))
+        handles.append(block.register_forward_hook(partial(_post, after, name), with_kwargs=True))
     try:
         with torch.inference_mode():
             model(**inputs)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _pre(before, name, module, args, kwargs):
+    return before(name, args, kwargs)
+
+
+def _post(after, name, module, args, kwargs, output):
+    after(name, output)
+
+
+def capture_blocks(model: nn.Module, inputs: dict) -> dict[str, tuple[tuple, dict, list[torch.Tensor]]]:
+    """Each block's (args, kwargs, outputs) in one forward."""
+    seen: dict[str, tuple[tuple, dict, list[torch.Tensor]]] = {}
+
+    def before(name, args, kwargs):
+        seen[name] = (args, kwargs, [])
+
+    def after(name, output):
+        seen[name][2].extend(tensors_of(output))
+
+    forward_with_block_hooks(model, inputs, before, after)
     return seen
 
 
 def worst_block(model: nn.Module, inputs: dict, bf16: dict) -> tuple[str, float]:
     """Teacher-forced per-block error: each block gets its bf16-run inputs."""
     errors: dict[str, float] = {}
-    handles = []
-    for name, block in blocks_of(model):
-        def before(module, args, kwargs, name=name):
-            return bf16[name][0], bf16[name][1]
 
-        def after(module, args, kwargs, output, name=name):
-            got, expected = tensors_of(output), bf16[name][2]
-            diff = sum(float((g.double() - e.double()).norm() ** 2) for g, e in zip(got, expected))
-            ref = sum(float(e.double().norm() ** 2) for e in expected)
-            errors[name] = (diff / ref) ** 0.5
+    def before(name, args, kwargs):
+        return bf16[name][0], bf16[name][1]
 
-        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(block.register_forward_hook(after, with_kwargs=True))
-    try:
-        with torch.inference_mode():
-            model(**inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    def after(name, output):
+        got, expected = tensors_of(output), bf16[name][2]
+        diff = sum(float((g.double() - e.double()).norm() ** 2) for g, e in zip(got, expected))
+        ref = sum(float(e.double().norm() ** 2) for e in expected)
+        errors[name] = (diff / ref) ** 0.5
+
+    forward_with_block_hooks(model, inputs, before, after)
     name = max(errors, key=errors.get)
     return name, errors[name]
 

@@ -69,3 +69,21 @@ def test_the_guard_catches_a_host_sync():
     value = torch.ones(4, device="cuda")
     with synchronizing_calls_raise(), pytest.raises(RuntimeError, match="synchroniz"):
         value.sum().item()
+
+
+def test_fp8_streaming_never_synchronizes_the_host():
+    """Float8 blocks: copies into the landing buffers, the dequantization stream's waits and
+    kernels (compiled at enable()) are all enqueued without the host waiting."""
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8", num_slots=3)
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    inputs = [entry.inputs(seed, torch.bfloat16, "cuda") for seed in (1, 2, 3)]
+    with torch.inference_mode():
+        expected = [reference(**kwargs)[0] for kwargs in inputs]
+    handle = dlo.enable(model, "cuda", config)
+    with synchronizing_calls_raise(), torch.inference_mode():
+        got = [model(**kwargs)[0] for kwargs in inputs]
+    handle.disable()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
