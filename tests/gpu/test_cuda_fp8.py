@@ -8,20 +8,11 @@ import pytest
 import torch
 
 import dlo
-from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
+from dlo.models.tiny import TINY_MODELS
+from wide_models import WAN_MB
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# 8 MB blocks in bf16: copies and dequantization long enough to overlap the compute stream.
-WAN_MB = TinyModel(
-    "wan-8mb-blocks",
-    "WanTransformer3DModel",
-    dict(
-        patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=4,
-        text_dim=64, freq_dim=64, ffn_dim=2048, num_layers=6, rope_max_seq_len=32,
-    ),
-    _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 64)),
-)
 MODELS = {"wan": TINY_MODELS["wan"], "flux": TINY_MODELS["flux"], "wan-8mb": WAN_MB}
 
 

@@ -8,24 +8,14 @@ import pytest
 import torch
 
 import dlo
-from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
+from dlo.models.tiny import TINY_MODELS
 from dlo.planning.plan_summary import summarize
+from wide_models import WAN_MB
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 GIB = 2**30
 
-# Blocks of 8.4 MB in bf16: well above the megabyte or so by which the allocator's peak moves
-# from one enable() to the next, so a budget between two block counts stays between them.
-WAN_MB = TinyModel(
-    "wan-8mb-blocks",
-    "WanTransformer3DModel",
-    dict(
-        patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=4,
-        text_dim=64, freq_dim=64, ffn_dim=2048, num_layers=8, rope_max_seq_len=32,
-    ),
-    _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 64)),
-)
 MODELS = {"wan": WAN_MB, "flux": TINY_MODELS["flux"]}
 
 
