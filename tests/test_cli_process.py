@@ -182,3 +182,25 @@ def test_quiet_output_keeps_the_download_progress_bar(capsys):
 
     assert main(["inspect", "flux"]) == 0
     assert not are_progress_bars_disabled()
+
+
+def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_path):
+    """The console script's first import (torch, through the CLI) is held until Ctrl-C: the
+    interrupt lands inside it and still ends with one line and 130, no traceback."""
+    ready = tmp_path / "importing-torch"
+    script = (
+        "import sys, time\n"
+        "class Stall:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch':\n"
+        f"            open({str(ready)!r}, 'w').close()\n"
+        "            time.sleep(600)\n"
+        "sys.meta_path.insert(0, Stall())\n"
+        "from dlo.cli.launch import main\n"
+        "sys.exit(main())\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script, "--version"], stderr=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    stderr = interrupt_when(process, ready.exists)
+    assert process.returncode == 130
+    assert stderr.splitlines() == ["dlo: interrupted"]

@@ -4,46 +4,57 @@ Keep a transformer's blocks in host memory and stream them into rotating device 
 before they run, overlapping copies with compute.
 """
 
-from dlo.backend.enable import enable
-from dlo.backend.fp8_reference import quantize_resident
-from dlo.backend.gather_group import ParallelGroups
-from dlo.backend.handle import HandleState, OffloadHandle
-from dlo.backend.pipeline import PipelineHandle, enable_pipeline
-from dlo.config import OffloadConfig, Topology
-from dlo.host.host_weight_plan import HostWeightPlan
-from dlo.host.loader import load_transformer
-from dlo.host.memory_accounting import HostMemory, process_tree_memory, read_smaps_rollup
-from dlo.host.registration import RegistrationCleanupError
-from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
-from dlo.errors import ConfigError, DiscoveryError, DloError, EnableError, StreamingError
-from dlo.observe.stats import OffloadStats
-from dlo.planning.offload_plan import OffloadPlan, discover
+import importlib
+from typing import Any
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointErrorKind",
-    "ConfigError",
-    "DiscoveryError",
-    "DloError",
-    "EnableError",
-    "HandleState",
-    "HostMemory",
-    "HostWeightPlan",
-    "OffloadConfig",
-    "OffloadHandle",
-    "OffloadPlan",
-    "OffloadStats",
-    "PipelineHandle",
-    "RegistrationCleanupError",
-    "ParallelGroups",
-    "StreamingError",
-    "Topology",
-    "discover",
-    "enable",
-    "enable_pipeline",
-    "load_transformer",
-    "process_tree_memory",
-    "quantize_resident",
-    "read_smaps_rollup",
-]
+# name -> the module defining it. Imported on first use (PEP 562): `import dlo` costs nothing,
+# so the CLI can answer Ctrl-C while torch is still being imported.
+_EXPORTS = {
+    "CheckpointError": "dlo.host.safetensors_file",
+    "CheckpointErrorKind": "dlo.host.safetensors_file",
+    "ConfigError": "dlo.errors",
+    "DiscoveryError": "dlo.errors",
+    "DloError": "dlo.errors",
+    "EnableError": "dlo.errors",
+    "HandleState": "dlo.backend.handle",
+    "HostMemory": "dlo.host.memory_accounting",
+    "HostWeightPlan": "dlo.host.host_weight_plan",
+    "OffloadConfig": "dlo.config",
+    "OffloadHandle": "dlo.backend.handle",
+    "OffloadPlan": "dlo.planning.offload_plan",
+    "OffloadStats": "dlo.observe.stats",
+    "ParallelGroups": "dlo.backend.gather_group",
+    "PipelineHandle": "dlo.backend.pipeline",
+    "RegistrationCleanupError": "dlo.host.registration",
+    "StreamingError": "dlo.errors",
+    "Topology": "dlo.config",
+    "discover": "dlo.planning.offload_plan",
+    "enable": "dlo.backend.enable",
+    "enable_pipeline": "dlo.backend.pipeline",
+    "load_transformer": "dlo.host.loader",
+    "process_tree_memory": "dlo.host.memory_accounting",
+    "quantize_resident": "dlo.backend.fp8_reference",
+    "read_smaps_rollup": "dlo.host.memory_accounting",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:  # a subpackage used as an attribute (dlo.host.checkpoint...)
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":  # a dependency of that module is missing: say so
+                raise
+            raise AttributeError(f"module 'dlo' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
 __version__ = "0.1.0"

@@ -11,14 +11,11 @@ from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny, serve
 from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
+from dlo.cli.exit_status import INTERRUPTED_STATUS
 from dlo.cli.library_noise import quiet_other_libraries
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
-
-# What a shell reports for a process ended by Ctrl-C (128 + SIGINT).
-INTERRUPTED_STATUS = 130
-
 
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2."""
