@@ -6,6 +6,7 @@ Each scenario returns a small picklable result; an exception becomes ("raised", 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import traceback
 from datetime import timedelta
@@ -66,9 +67,12 @@ def _tiny_outputs(model, name, seeds):
         return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
 
 
-def parity(rank: int, world: int, name: str, num_slots: int = 2, resident_layers: int = 0) -> dict:
+def parity(
+    rank: int, world: int, name: str, num_slots: int = 2, resident_layers: int = 0, stream_dtype: str | None = None
+) -> dict:
     """Different prompts per rank (a DP wave), same step count: bit-identical to resident and
-    to rank-local streaming; per-rank host bytes of the shards."""
+    to rank-local streaming; per-rank host bytes of the shards. With `stream_dtype`, the
+    resident model is the quantized one (dlo.quantize_resident)."""
     seeds = [10 * rank + step for step in range(3)]
     if name == "odd":
         reference = OddStack()
@@ -84,14 +88,16 @@ def parity(rank: int, world: int, name: str, num_slots: int = 2, resident_layers
             return _tiny_outputs(model, name, seeds)
 
     local, gathered = copy.deepcopy(reference), copy.deepcopy(reference)
+    local_config = dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers, stream_dtype=stream_dtype)
+    dlo.quantize_resident(reference, local_config)
     expected = run(reference)
-    with dlo.enable(local, "cpu", dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers)):
+    with dlo.enable(local, "cpu", local_config):
         from_local = run(local)
-    config = dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers, use_allgather=True)
+    config = dataclasses.replace(local_config, use_allgather=True)
     handle = dlo.enable(gathered, "cpu", config)
     from_gather = run(gathered)
     stats = handle.stats()
-    block_bytes = [b.layout.nbytes for b in handle._runtime.blocks]
+    block_bytes = [b.wire.nbytes for b in handle._runtime.blocks]  # the host image (float8: smaller)
     handle.disable()
     after = run(gathered)  # disable() gathered the full blocks back: a plain module again
     return dict(
@@ -103,6 +109,7 @@ def parity(rank: int, world: int, name: str, num_slots: int = 2, resident_layers
         group_size=stats.gather_group_size,
         collectives=stats.collectives,
         resident=stats.resident_blocks,
+        float8_bytes=stats.host_bytes_by_dtype.get("float8_e4m3fn", 0),
     )
 
 

@@ -72,6 +72,17 @@ def test_gathered_blocks_are_bit_identical_and_each_rank_holds_a_shard(tmp_path,
         assert result["host_bytes"] <= sum(result["block_bytes"]) / world + 512 * len(result["block_bytes"])
 
 
+def test_float8_blocks_are_sharded_and_gathered_as_float8(tmp_path):
+    """Each rank keeps 1/2 of every block's float8 image; the gathered block is dequantized
+    in the slot and equals the quantized model resident and rank-local float8 streaming."""
+    results, _ = run_ranks(tmp_path, "parity", 2, name="flux", num_slots=3, stream_dtype="fp8")
+    assert_no_errors(results)
+    for result in results.values():
+        assert result["identical_to_resident"] and result["identical_to_local"] and result["identical_after_disable"]
+        assert result["host_bytes"] == sum(align_up(-(-size // 2)) for size in result["block_bytes"])
+        assert result["float8_bytes"] > 0
+
+
 def test_three_slots_and_resident_layers_in_allgather_mode(tmp_path):
     results, _ = run_ranks(tmp_path, "parity", 2, name="wan", num_slots=3, resident_layers=2)
     assert_no_errors(results)

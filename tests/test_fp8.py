@@ -195,7 +195,6 @@ def test_a_mapped_checkpoint_streams_its_weights_quantized(tmp_path, driver, cac
         (dict(stream_dtype="fp8", fp8_skip=("ff[",)), r"fp8_skip: 'ff\[' is not a regular expression"),
         (dict(fp8_skip=("ff",)), "set stream_dtype"),
         (dict(fp8_scale="per_tensor"), "set stream_dtype"),
-        (dict(stream_dtype="fp8", use_allgather=True), "not built for all-gather mode yet"),
     ],
 )
 def test_config_refuses_fp8_options_it_cannot_honour(fields, message):

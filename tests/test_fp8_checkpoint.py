@@ -123,13 +123,19 @@ def test_a_registered_float8_checkpoint_is_copied_from_its_pages_into_the_landin
     assert stats.registered_bytes > 0 and stats.host_bytes == 0
 
 
-def test_all_gather_mode_refuses_a_float8_checkpoint_and_leaves_the_model_usable(tmp_path):
+def test_all_gather_mode_shards_a_float8_checkpoint_as_float8(tmp_path):
+    """A group of one (no process group): the rank's one shard is the whole float8 image,
+    copied out of the mapping at enable(); disable() gives back the dequantized weights."""
     directory, dequantized = write_fp8_checkpoint(tmp_path)
+    expected = outputs(resident_from(dequantized))
     model, plan = dlo.load_transformer(directory)
-    with pytest.raises(dlo.EnableError, match=r"float8 weights in the checkpoint; all-gather mode streams unquantized"):
-        dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan)
-    # The failed enable() gave every planned tensor its value back from the mapping.
-    assert all(torch.equal(a, b) for a, b in zip(outputs(resident_from(dequantized)), outputs(model)))
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=plan)
+    got = outputs(model)
+    stats = handle.stats()
+    handle.disable()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.backing == "shards" and stats.host_bytes_by_dtype["float8_e4m3fn"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, outputs(model)))
 
 
 def test_resident_blocks_of_a_registered_float8_checkpoint_are_dequantized(tmp_path, driver):

@@ -16,7 +16,7 @@ from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import QuantizedSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up, view_placement
+from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format, WireLayout, plan_wire_layout, wire_targets
@@ -195,31 +195,35 @@ def shard_block(
     group: GatherGroup,
     pin: bool,
     placeholder: dict[torch.dtype, torch.Tensor],
+    fp8: Fp8Format | None = None,
 ) -> StreamedBlock:
-    """This rank's shard of the block, built without touching the module: the block is laid
-    out in a temporary buffer (from its tensors, or packed from the mapping), padded to
-    `size` equal 512-aligned shards, and only bytes [rank*S, (rank+1)*S) are kept. The
-    caller points the block at placeholders once every rank's setup succeeded."""
-    if any(fmt is not None for fmt in _formats(block, plan, None)):
-        raise EnableError(
-            f"block {block.ref.name!r} has float8 weights in the checkpoint; all-gather mode streams unquantized "
-            "blocks only for now. Use rank-local mode (use_allgather=False)"
-        )
-    layout, wire = plan_wire_layout(block.specs, [None] * len(block.specs))
-    width = align_up(-(-layout.nbytes // group.size))
+    """This rank's shard of the block, built without touching the module: the block's wire
+    image (float8 weights quantized, or as the checkpoint stores them) is laid out in a
+    temporary buffer, padded to `size` equal 512-aligned shards, and only bytes
+    [rank*S, (rank+1)*S) are kept. The caller points the block at placeholders once every
+    rank's setup succeeded."""
+    layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
+    width = align_up(-(-wire.nbytes // group.size))
     whole = torch.zeros(width * group.size, dtype=torch.uint8)
-    mapped = _mapped_source(block, plan)
-    if mapped is not None:
-        mapped.pack(layout, wire, whole)
-    else:
-        for tensor, placement in zip(block.tensors, layout.placements):
-            view_placement(whole, placement).copy_(tensor)
+    _pack(block, layout, wire, plan, whole)
     host = _host_buffer(block, width, pin)
     host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
     return _streamed(block, layout, wire, ShardSource(host, width, group.rank, group.size), placeholder)
 
 
-def slot_bytes(block: StreamedBlock) -> int:
+def landing_bytes(block: StreamedBlock) -> int:
+    """What a float8 block needs of a landing buffer: its wire image (all-gather mode: all the
+    padded shards); 0 for a block without float8 weights. See [Note: fp8 landing]"""
+    if not block.wire.quantized:
+        return 0
     if isinstance(block.source, ShardSource):
+        return block.source.shard_bytes * block.source.size
+    return block.wire.nbytes
+
+
+def slot_bytes(block: StreamedBlock) -> int:
+    """All-gather mode gathers an unquantized block straight into its slot (all the padded
+    shards); a float8 block is gathered into a landing buffer and dequantized into the slot."""
+    if isinstance(block.source, ShardSource) and not block.wire.quantized:
         return block.source.shard_bytes * block.source.size
     return block.layout.nbytes

@@ -21,6 +21,7 @@ from dlo.backend.block_binding import (
     bind_block,
     check_streamable,
     collect_block,
+    landing_bytes,
     placeholders,
     quantizes_privately,
     refuse_shared,
@@ -108,7 +109,7 @@ def _bind_blocks(
     streamed: list[StreamedBlock] = []
     for block in blocks:
         if gather_group is not None:
-            bound = shard_block(block, plan, gather_group, pin, placeholder)
+            bound = shard_block(block, plan, gather_group, pin, placeholder, fp8)
             undo.callback(bound.source.release)
         elif any(block.quantize):
             # restore() would give back the dequantized weights: a failed enable() gives back
@@ -265,7 +266,7 @@ def enable(
         slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
         # See [Note: fp8 landing]
         undo.callback(transfer.drop_landings)  # a failed enable() drops them with the exception
-        transfer.allocate_landings(max((b.wire.nbytes for b in streamed if b.wire.quantized), default=0))
+        transfer.allocate_landings(max((landing_bytes(b) for b in streamed), default=0))
         prepare_dequantization(transfer.device, {(q.dtype, b.layout.placements[q.index].spec.dtype)
                                                  for b in streamed for q in b.wire.quantized})
         stager = _stager(streamed, transfer, bound_plan, config, pin)

@@ -240,11 +240,6 @@ class OffloadConfig:
                 re.compile(pattern)
             except (re.error, TypeError) as err:
                 raise ConfigError(f"OffloadConfig.fp8_skip: {pattern!r} is not a regular expression ({err})") from None
-        if self.stream_dtype is not None and self.use_allgather:
-            raise ConfigError(
-                "OffloadConfig.stream_dtype is not built for all-gather mode yet (its shards hold unquantized "
-                "blocks); set use_allgather=False, or leave stream_dtype unset"
-            )
         if self.stream_dtype is None and (self.fp8_skip or self.fp8_scale != Fp8Scale.PER_CHANNEL.value):
             raise ConfigError(
                 "OffloadConfig.fp8_scale and fp8_skip shape fp8 streaming; set stream_dtype (e.g. 'fp8'), or leave "

@@ -16,6 +16,16 @@ from dlo.planning.block_layout import BlockLayout, view_placement
 from dlo.planning.wire_layout import WireLayout, landing_views, wire_targets
 
 
+def restored_image(image: torch.Tensor, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
+    """A block's tensors from its wire `image` on the host: views of the plain region (no
+    copy), float8 weights dequantized into new CPU tensors."""
+    weights = {
+        q.index: dequantized(data, scale, layout.placements[q.index].spec.dtype)
+        for q, (data, scale) in zip(wire.quantized, landing_views(image[wire.plain_bytes :], wire))
+    }
+    return tuple(weights[i] if i in weights else view_placement(image, p) for i, p in enumerate(layout.placements))
+
+
 @dataclass(frozen=True)
 class _PrivateBuffer:
     """A source whose bytes live in one private host buffer of this process."""
@@ -40,14 +50,8 @@ class PackedSource(_PrivateBuffer):
     its plain region into the slot, and its landing region, if any, into the landing buffer."""
 
     def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
-        """The tensors to give back on disable(): views of the plain region (no copy), and
-        quantized weights dequantized into new CPU tensors."""
-        host = self.host.tensor
-        weights = {
-            q.index: dequantized(data, scale, layout.placements[q.index].spec.dtype)
-            for q, (data, scale) in zip(wire.quantized, landing_views(host[wire.plain_bytes :], wire))
-        }
-        return tuple(weights[i] if i in weights else view_placement(host, p) for i, p in enumerate(layout.placements))
+        """The tensors to give back on disable(): see `restored_image`."""
+        return restored_image(self.host.tensor, layout, wire)
 
 
 @dataclass(frozen=True)

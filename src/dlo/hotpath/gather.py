@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
+from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
 
@@ -60,8 +61,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
     """A 62-bit digest of everything that decides which collectives a call issues and what
     they carry: the slot count (which blocks get reloaded), and per block its name, shard
-    width and every tensor's name, shape, dtype and offset. Equal on ranks that may gather
-    together; anything else is refused at the first agreement."""
+    width, every tensor's name, shape, dtype and offset, and its float8 weights' formats.
+    Equal on ranks that may gather together; anything else is refused at the first agreement."""
     lines = [f"slots {num_slots}"]
     for block in blocks:
         width = block.source.shard_bytes if isinstance(block.source, ShardSource) else block.layout.nbytes
@@ -69,6 +70,7 @@ def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
         lines.extend(
             f"  {p.spec.name} {list(p.spec.shape)} {p.spec.dtype} {p.offset}" for p in block.layout.placements
         )
+        lines.extend(f"  float8 {q.index} {q.dtype} {q.data_offset} {q.scale_shape}" for q in block.wire.quantized)
     return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little") >> 2
 
 
@@ -119,6 +121,23 @@ class BlockGather:
             self._gather(whole, own)
         slot.ready.record(self.comm_stream)
         return start, transfer.mark(self.comm_stream)
+
+    def load_landed(self, slot: DeviceSlot, shard: ShardSource, finish: Callable[[int], None]) -> tuple[Any, Any, Any]:
+        """A float8 block (See [Note: fp8 landing]): this rank's shard of the wire image into
+        its place in a landing buffer, the others' all-gathered there, then `finish(k)` writes
+        the block into `slot`. Returns the (start, gathered, ready) marks."""
+        width = shard.shard_bytes
+        transfer = self._transfer
+
+        def own(k: int) -> list[CopyTask]:
+            return [CopyTask(transfer.landings[k][self.rank * width : (self.rank + 1) * width], shard.host.tensor)]
+
+        def everyone(k: int) -> None:
+            whole = transfer.landings[k][: width * self.size]
+            self._gather(whole, whole[self.rank * width : (self.rank + 1) * width])
+
+        # A group of one copies its whole image: nothing to gather.
+        return transfer.land_into(slot, own, finish, (self.comm_stream, everyone) if self.size > 1 else None)
 
     def issue_agreement(self, call_index: int, digest: int, poisoned: bool) -> torch.Tensor | None:
         """Start gathering every rank's (call index, plan digest, poisoned); `check` reads it.

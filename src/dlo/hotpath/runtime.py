@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import MappedSource, PackedSource, ShardSource, restored_image
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
@@ -325,7 +325,10 @@ class StreamingRuntime:
             for index in remaining:
                 source = self.blocks[index].source
                 assert isinstance(source, ShardSource)
-                self.gather.load(self.slots[0], source)
+                if self.blocks[index].wire.quantized:  # gathered in a landing buffer, not dequantized
+                    self.gather.load_landed(self.slots[0], source, lambda k: None)
+                else:
+                    self.gather.load(self.slots[0], source)
                 self.transfer.synchronize()
             self.planner.forget(*range(len(self.slots)))
 
@@ -334,8 +337,7 @@ class StreamingRuntime:
         for block in self.blocks:
             if isinstance(block.source, ShardSource):
                 assert self.gather is not None
-                whole = self.gather.gather_full(block.source)
-                block.point_at(tuple(view_placement(whole, p) for p in block.layout.placements))
+                block.point_at(restored_image(self.gather.gather_full(block.source), block.layout, block.wire))
             else:
                 block.restore()
 
@@ -351,8 +353,12 @@ class StreamingRuntime:
                 start, end, ready = self._send(load.block, load.slot, source.host.tensor)
             elif isinstance(source, ShardSource):
                 assert self.gather is not None
-                start, end = self.gather.load(slot, source)
-                ready = end
+                if block.wire.quantized:
+                    finish = partial(self._finish_landed, load.block, load.slot)
+                    start, end, ready = self.gather.load_landed(slot, source, finish)
+                else:
+                    start, end = self.gather.load(slot, source)
+                    ready = end
                 nbytes = source.shard_bytes  # what crossed this rank's link
             elif block.wire.quantized and (self._direct is not None or self.stager is None):
                 # Registered mapping, or device "cpu": straight from the mapping into the landing buffer.

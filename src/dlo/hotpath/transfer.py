@@ -84,15 +84,22 @@ class CudaTransfer:
         self.landings = ()
 
     def land_into(
-        self, slot: DeviceSlot, tasks_for: Callable[[int], Sequence[CopyTask]], finish: Callable[[int], None]
+        self,
+        slot: DeviceSlot,
+        tasks_for: Callable[[int], Sequence[CopyTask]],
+        finish: Callable[[int], None],
+        gather: tuple[torch.cuda.Stream, Callable[[int], None]] | None = None,
     ) -> tuple[Any, Any, Any]:
-        """One load of a block with float8 weights: `tasks_for(k)` copies its wire image into
-        landing buffer k on the copy stream (after k's previous block was dequantized), then
-        `finish(k)` writes the block into `slot` on the dequantization stream (after the slot's
-        last use and write) before its "ready" event. Returns the marks (start, landed: the
-        copy's end, ready: the block's). See [Note: fp8 landing]"""
-        copy_stream, dequant_stream = self.copy_stream, self._dequant_stream
-        assert dequant_stream is not None
+        """One load of a block with float8 weights: `tasks_for(k)` copies its wire image (or,
+        in all-gather mode, this rank's shard of it) into landing buffer k on the copy stream
+        (after k's previous block was dequantized); `gather` = (stream, collective(k)) then
+        fills in the other ranks' shards on that stream; `finish(k)` writes the block into
+        `slot` (after the slot's last use and write) before its "ready" event, on the
+        dequantization stream, or the gather's. Returns the marks (start, landed: the copy's or
+        the gather's end, ready: the block's). See [Note: fp8 landing]"""
+        copy_stream = self.copy_stream
+        finishing = self._dequant_stream if gather is None else gather[0]
+        assert finishing is not None
         with self._enqueue:
             k = self._turn
             self._turn ^= 1
@@ -101,15 +108,18 @@ class CudaTransfer:
             with torch.cuda.stream(copy_stream):
                 for task in tasks_for(k):
                     task.target.copy_(task.source, non_blocking=True)
-            landed = self.mark(copy_stream)
             self._landed[k].record(copy_stream)
-            dequant_stream.wait_event(self._landed[k])
-            self.wait_writable(dequant_stream, slot)
-            with torch.cuda.stream(dequant_stream):
+            finishing.wait_event(self._landed[k])
+            if gather is not None:
+                with torch.cuda.stream(finishing):
+                    gather[1](k)
+            landed = self.mark(copy_stream if gather is None else finishing)
+            self.wait_writable(finishing, slot)
+            with torch.cuda.stream(finishing):
                 finish(k)
-            self._drained[k].record(dequant_stream)
-            slot.ready.record(dequant_stream)
-            ready = self.mark(dequant_stream)
+            self._drained[k].record(finishing)
+            slot.ready.record(finishing)
+            ready = self.mark(finishing)
         return start, landed, ready
 
     def compute_stream(self) -> torch.cuda.Stream:
@@ -179,11 +189,17 @@ class SyncTransfer:
         self.landings = ()
 
     def land_into(
-        self, slot: DeviceSlot, tasks_for: Callable[[int], Sequence[CopyTask]], finish: Callable[[int], None]
+        self,
+        slot: DeviceSlot,
+        tasks_for: Callable[[int], Sequence[CopyTask]],
+        finish: Callable[[int], None],
+        gather: tuple[None, Callable[[int], None]] | None = None,
     ) -> tuple[float, float, float]:
         start = time.perf_counter()
         for task in tasks_for(0):
             task.run()
+        if gather is not None:
+            gather[1](0)
         landed = time.perf_counter()
         finish(0)
         return start, landed, time.perf_counter()
