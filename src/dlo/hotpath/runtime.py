@@ -12,6 +12,7 @@ import torch
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import MappedSource, PackedSource, ShardSource, restored_image
+from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
@@ -19,7 +20,6 @@ from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
 from dlo.observe.ledger import TransferLedger
-from dlo.host.fp8_codec import dequantize_into
 from dlo.planning.block_layout import view_placement
 from dlo.planning.slot_planner import Load, SlotPlanner
 from dlo.planning.wire_layout import landing_views, wire_targets
