@@ -5,6 +5,28 @@ import torch
 
 from dlo.models.tiny import TINY_MODELS
 
+# Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
+# server, a 211 MB checkpoint) is set up once, not once per worker.
+ONE_WORKER_MODULES = {"tests/test_serve.py", "tests/test_page_sharing.py"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (dist "load"): tests go to the workers one by one, each module of
+    ONE_WORKER_MODULES as one unit (handed out first: xdist starts with the largest units).
+    xdist's own `--dist loadgroup` does not group here: xdist 3.8 writes the group into
+    `item._nodeid`, which pytest 9.2 no longer reads."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
 
 @pytest.fixture
 def tiny_pair():
