@@ -1,9 +1,21 @@
 import copy
+import os
 
 import pytest
 import torch
 
 from dlo.models.tiny import TINY_MODELS
+
+# Under xdist the workers share the cores: each gets its share for torch's intra-op threads (1
+# with `-n 2` on 2 cores), and so do the processes the tests start (OMP_NUM_THREADS is
+# inherited: a child and the test that checks its outputs bit for bit use the same threads).
+# More OpenMP threads than cores spin in barriers: tests/test_parity.py under `-n 2` on 2 shared
+# cores took 137 CPU seconds with 2 threads a worker, 40 with 1 (tests/test_compile.py found
+# the same for inductor's kernels).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 # Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
 # server, a 211 MB checkpoint) is set up once, not once per worker.
