@@ -1,9 +1,43 @@
 import copy
+import os
 
 import pytest
 import torch
 
 from dlo.models.tiny import TINY_MODELS
+
+# Under xdist the workers share the cores: each gets its share for torch's intra-op threads (1
+# with `-n 2` on 2 cores), and so do the processes the tests start (OMP_NUM_THREADS is
+# inherited: a child and the test that checks its outputs bit for bit use the same threads).
+# More OpenMP threads than cores spin in barriers: tests/test_parity.py under `-n 2` on 2 shared
+# cores took 137 CPU seconds with 2 threads a worker, 40 with 1 (tests/test_compile.py found
+# the same for inductor's kernels).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+# Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
+# server, a 211 MB checkpoint) is set up once, not once per worker.
+ONE_WORKER_MODULES = {"tests/test_serve.py", "tests/test_page_sharing.py"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (dist "load"): tests go to the workers one by one, each module of
+    ONE_WORKER_MODULES as one unit (handed out first: xdist starts with the largest units).
+    xdist's own `--dist loadgroup` does not group here: xdist 3.8 writes the group into
+    `item._nodeid`, which pytest 9.2 no longer reads."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
 
 
 @pytest.fixture

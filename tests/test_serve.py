@@ -29,9 +29,8 @@ REQUEST = {
     "max_sequence_length": FLUX["max_sequence_length"],
     "guidance_scale": FLUX["guidance_scale"],
 }
-SLOW_STEPS = 400  # a request that keeps the one replica busy well past TIMEOUT_S (about 9 s here)
-TIMEOUT_S = 5  # the server's --timeout-s: the slow request times out, the others (under load too) do not
-
+SLOW_STEPS = 400  # a request still in its denoising loop when the replica is killed (about 9 s here)
+TIMEOUT_S = 5  # the server's --timeout-s: ordinary requests (under load too) do not time out
 
 
 def _free_port() -> int:
@@ -51,7 +50,7 @@ def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
         return err.code, json.loads(err.read()), err.headers
 
 
-@pytest.fixture(scope="session")  # one server per test process (an xdist worker runs its own)
+@pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
 def server(tiny_flux_dir, tmp_path_factory):
     port = _free_port()
     cache = tmp_path_factory.mktemp("serve-cache")
@@ -130,30 +129,41 @@ def test_bad_requests_are_400_naming_the_field(server, change, param):
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
 
 
-def _start_slow(base: str) -> tuple[threading.Thread, dict]:
-    """A slow request in a thread, returned once the server holds it."""
-    slow: dict = {}
+def _start(base: str, body: dict) -> tuple[threading.Thread, dict]:
+    """A request in a thread, returned once the server holds it (with one idle replica: once a
+    replica has it)."""
+    answer: dict = {}
 
     def call():
-        slow["answer"] = _call(f"{base}/v1/images/generations", {**REQUEST, "num_inference_steps": SLOW_STEPS})
+        answer["answer"] = _call(f"{base}/v1/images/generations", body)
 
     worker = threading.Thread(target=call)
     worker.start()
     deadline = time.monotonic() + 60
     while _call(f"{base}/health")[1]["pending"] == 0:
-        assert time.monotonic() < deadline, "the slow request never reached the server"
+        assert time.monotonic() < deadline, "the request never reached the server"
         time.sleep(0.05)
-    return worker, slow
+    return worker, answer
 
 
 def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_done(server):
     base, _ = server
-    worker, slow = _start_slow(base)
-    status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
-    assert status == 429 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]["message"]
-    worker.join(timeout=120)
-    assert slow["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in slow["answer"][1]["error"]["message"]
-    deadline = time.monotonic() + 120  # the replica finishes the slow job; its result is dropped
+    replica = _call(f"{base}/health")[1]["replica_pids"][0]
+    # The replica is stopped (SIGSTOP) while it holds the request: the request outlasts the
+    # timeout however fast the machine is, and nobody waits for a long job to finish.
+    os.kill(replica, signal.SIGSTOP)
+    try:
+        worker, held = _start(base, REQUEST)
+        status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
+        assert status == 429 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]["message"]
+        worker.join(timeout=120)
+        assert held["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in held["answer"][1]["error"]["message"]
+        # Timed out, but the replica still has the job: it keeps its place until done.
+        assert _call(f"{base}/health")[1]["pending"] == 1
+        assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 429
+    finally:
+        os.kill(replica, signal.SIGCONT)
+    deadline = time.monotonic() + 120  # the replica finishes the job; its result is dropped
     while _call(f"{base}/health")[1]["pending"]:
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -188,7 +198,7 @@ def test_models_lists_the_pipeline(server, tiny_flux_dir):
 def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(server):
     base, _ = server
     before = _call(f"{base}/health")[1]
-    worker, slow = _start_slow(base)
+    worker, slow = _start(base, {**REQUEST, "num_inference_steps": SLOW_STEPS})
     time.sleep(0.5)  # into the denoising loop
     os.kill(before["replica_pids"][0], signal.SIGKILL)
     worker.join(timeout=120)

@@ -286,8 +286,9 @@ class ReplicaPool:
                 self.metrics.streamed.labels(index).set(message.bytes_streamed)
                 if message.host_pss is not None:
                     self.metrics.pss.labels(index).set(message.host_pss)
-                _resolve(self._futures.pop(message.job_id, None), message)
             self._dispatch()
+            if isinstance(message, Done):  # after the gauges: a client that has its answer sees them current
+                _resolve(self._futures.pop(message.job_id, None), message)
 
     def _restart(self, dead: _Replica) -> None:
         dead.process.join(5)
