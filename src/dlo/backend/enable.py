@@ -267,8 +267,8 @@ def enable(
         # See [Note: fp8 landing]
         undo.callback(transfer.drop_landings)  # a failed enable() drops them with the exception
         transfer.allocate_landings(max((landing_bytes(b) for b in streamed), default=0))
-        prepare_dequantization(transfer.device, {(q.dtype, b.layout.placements[q.index].spec.dtype)
-                                                 for b in streamed for q in b.wire.quantized})
+        kinds = {(q.dtype, b.layout.placements[q.index].spec.dtype) for b in streamed for q in b.wire.quantized}
+        prepare_dequantization(transfer.device, kinds)
         stager = _stager(streamed, transfer, bound_plan, config, pin)
         if stager is not None:
             undo.callback(stager.close)
