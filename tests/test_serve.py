@@ -171,9 +171,7 @@ def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_do
     assert status == 200 and len(body["data"]) == 1
 
 
-def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
-    base, _ = server
-    assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+def _metrics(base: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
         text = response.read().decode()
     values = {}
@@ -181,6 +179,49 @@ def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
+    return values
+
+
+def test_a_client_that_hangs_up_stops_its_request_waiting(server):
+    """The client closes its connection while the (stopped) replica holds its job: the
+    server stops waiting at once (499 in /metrics, not a 504 after --timeout-s), and the
+    job's result is dropped when the replica finishes it."""
+    base, _ = server
+    replica = _call(f"{base}/health")[1]["replica_pids"][0]
+    before = _metrics(base)
+    host, port = base.removeprefix("http://").split(":")
+    payload = json.dumps(REQUEST).encode()
+    head = f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    os.kill(replica, signal.SIGSTOP)
+    try:
+        client = socket.create_connection((host, int(port)))
+        client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 60
+        while _call(f"{base}/health")[1]["pending"] == 0:
+            assert time.monotonic() < deadline, "the request never reached the server"
+            time.sleep(0.05)
+        client.close()
+        deadline = time.monotonic() + 60
+        while _metrics(base).get('dlo_serve_requests_total{status="499"}', 0) == before.get(
+            'dlo_serve_requests_total{status="499"}', 0
+        ):
+            assert time.monotonic() < deadline, "the server never noticed the client left"
+            time.sleep(0.05)
+        after = _metrics(base)
+        assert after.get('dlo_serve_requests_total{status="504"}', 0) == before.get('dlo_serve_requests_total{status="504"}', 0)
+    finally:
+        os.kill(replica, signal.SIGCONT)
+    deadline = time.monotonic() + 120  # the replica finishes the job; its result is dropped
+    while _call(f"{base}/health")[1]["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+
+
+def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
+    base, _ = server
+    assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+    values = _metrics(base)
     assert values['dlo_serve_requests_total{status="200"}'] >= 1
     assert values["dlo_serve_steps_total"] >= REQUEST["num_inference_steps"]
     assert values['dlo_serve_replica_bytes_streamed{replica="0"}'] > 0

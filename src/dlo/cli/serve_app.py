@@ -4,6 +4,7 @@ processes (serve_replica.py) that take jobs from one bounded queue.
 A request is validated before it is queued (a 400 JSON error naming the field); the server
 holds at most `replicas + max_queue` requests, beyond that a request gets 429 with
 Retry-After; a request waits at most `timeout_s` (504; the job itself still runs to its end).
+A client that hangs up stops waiting too: its job is dropped if still queued (logged as 499).
 A replica that dies fails only the request it was running (500, saying so) and is restarted.
 """
 
@@ -24,7 +25,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
 from typing import Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
@@ -235,7 +236,8 @@ class ReplicaPool:
         return job.job_id, future
 
     def forget(self, job_id: int) -> None:
-        """The request gave up (timed out): drop its job if no replica took it yet."""
+        """The request gave up (timed out, or its client left): drop its job if no replica
+        took it yet."""
         with self._lock:
             if any(job.job_id == job_id for job in self._queue):
                 self._queue = deque(job for job in self._queue if job.job_id != job_id)
@@ -338,6 +340,14 @@ def _resolve(future: Future[Done] | None, done: Done) -> None:
         future.set_result(done)
 
 
+async def _hung_up(connection: Request) -> None:
+    """Returns once the client closed its connection. The request's body was read: the
+    server's next message for it is the disconnect (`is_disconnected()` only polls, and
+    through the counting middleware it never sees one)."""
+    while (await connection.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error(status: int, param: str | None, message: str, headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error"}}
     if param is not None:
@@ -373,7 +383,7 @@ def make_app(
         return response
 
     @app.post("/v1/images/generations")
-    async def generations(request: ImageRequest):
+    async def generations(request: ImageRequest, connection: Request):
         received = time.perf_counter()
         try:
             kwargs = pipeline_kwargs(request, rules, limits, parameters)
@@ -383,11 +393,17 @@ def make_app(
             job_id, future = pool.submit(kwargs, request.seed, request.n)
         except QueueFull:
             return _error(429, None, "the queue is full; retry later", headers={"Retry-After": "1"})
-        try:
-            done = await asyncio.wait_for(asyncio.wrap_future(future), timeout=limits.timeout_s)
-        except asyncio.TimeoutError:
+        result = asyncio.ensure_future(asyncio.wrap_future(future))
+        hung_up = asyncio.ensure_future(_hung_up(connection))
+        finished, _ = await asyncio.wait({result, hung_up}, timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        hung_up.cancel()
+        if result not in finished:
+            result.cancel()  # the replica's answer, if it comes, is dropped
             pool.forget(job_id)  # still queued: dropped; already running: it runs to its end
+            if hung_up in finished:  # nobody reads this answer: it counts in /metrics
+                return _error(499, None, "the client closed the connection")
             return _error(504, None, f"no result in {limits.timeout_s:g} s")
+        done = result.result()
         if done.error:
             return _error(500, None, f"the replica failed on this request: {done.error}")
         data = [{"b64_json": base64.b64encode(png).decode("ascii")} for png in done.images]
