@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from dlo.config import OffloadConfig, Topology
+from dlo.errors import ConfigError
 from dlo.host.cache.consume import load_through_cache
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
-from dlo.errors import ConfigError
 from dlo.host.preflight import FLOAT8, CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
