@@ -106,17 +106,18 @@ def run_demo(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     leading = 0 if config.resident_layers == AUTO else config.resident_layers
+    # With float8 the resident model gets the same weights, dequantized on the device; the
+    # unquantized copy (for the error) waits on the CPU, out of the resident run's peak.
+    unquantized = copy.deepcopy(reference) if config.stream_dtype is not None else None
     reference = reference.to(device)
-    unquantized = None
-    if config.stream_dtype is not None:  # the resident model gets the float8 weights, dequantized here
-        unquantized = copy.deepcopy(reference)
-        dlo.quantize_resident(reference, config)
+    dlo.quantize_resident(reference, config)
     compile_resident_like_streamed(reference, compile_how, leading)
     resident = denoise(reference, entry, steps, dtype, device)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
     fp8_error = None
     if unquantized is not None:
+        unquantized = unquantized.to(device)
         compile_resident_like_streamed(unquantized, compile_how, leading)
         baseline = denoise(unquantized, entry, steps, dtype, device)
         fp8_error = QuantizationError.between(resident.outputs[-1], baseline.outputs[-1])
