@@ -2,6 +2,7 @@
 host weight cache, requests over real HTTP (urllib), images compared with the plain pipeline."""
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -50,16 +51,16 @@ def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
         return err.code, json.loads(err.read()), err.headers
 
 
-@pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
-def server(tiny_flux_dir, tmp_path_factory):
+@contextlib.contextmanager
+def _running_server(tiny_flux_dir, cache, log_dir, max_queue: int, timeout_s: float):
+    """A `dlo serve` process with one replica; yields its base URL once /health says 200."""
     port = _free_port()
-    cache = tmp_path_factory.mktemp("serve-cache")
     argv = [
         sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(port),
-        "--max-queue", "0", "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s", str(TIMEOUT_S),
-        "--cache-dir", str(cache), "--cache-allow-any-filesystem",
+        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s",
+        str(timeout_s), "--cache-dir", str(cache), "--cache-allow-any-filesystem",
     ]
-    log = open(tmp_path_factory.mktemp("serve-log") / "serve.log", "w+")
+    log = open(log_dir / "serve.log", "w+")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -73,10 +74,17 @@ def server(tiny_flux_dir, tmp_path_factory):
         log.seek(0)
         process.kill()
         pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
-    yield base, cache
+    yield base
     os.killpg(process.pid, signal.SIGINT)  # uvicorn shuts down; the replicas are stopped
     assert process.wait(timeout=60) == 0
     log.close()
+
+
+@pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
+def server(tiny_flux_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("serve-cache")
+    with _running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), 0, TIMEOUT_S) as base:
+        yield base, cache
 
 
 def _image(item: dict) -> np.ndarray:
@@ -182,6 +190,23 @@ def _metrics(base: str) -> dict[str, float]:
     return values
 
 
+def _send_raw(base: str, body: dict) -> socket.socket:
+    """POST `body` over a socket of its own, left open: the caller hangs up by closing it."""
+    host, port = base.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    client = socket.create_connection((host, int(port)))
+    client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return client
+
+
+def _wait_for_pending(base: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while _call(f"{base}/health")[1]["pending"] != count:
+        assert time.monotonic() < deadline, f"pending never became {count}"
+        time.sleep(0.05)
+
+
 def test_a_client_that_hangs_up_stops_its_request_waiting(server):
     """The client closes its connection while the (stopped) replica holds its job: the
     server stops waiting at once (499 in /metrics, not a 504 after --timeout-s), and the
@@ -189,17 +214,10 @@ def test_a_client_that_hangs_up_stops_its_request_waiting(server):
     base, _ = server
     replica = _call(f"{base}/health")[1]["replica_pids"][0]
     before = _metrics(base)
-    host, port = base.removeprefix("http://").split(":")
-    payload = json.dumps(REQUEST).encode()
-    head = f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     os.kill(replica, signal.SIGSTOP)
     try:
-        client = socket.create_connection((host, int(port)))
-        client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        deadline = time.monotonic() + 60
-        while _call(f"{base}/health")[1]["pending"] == 0:
-            assert time.monotonic() < deadline, "the request never reached the server"
-            time.sleep(0.05)
+        client = _send_raw(base, REQUEST)
+        _wait_for_pending(base, 1)
         client.close()
         deadline = time.monotonic() + 60
         while _metrics(base).get('dlo_serve_requests_total{status="499"}', 0) == before.get(
@@ -216,6 +234,29 @@ def test_a_client_that_hangs_up_stops_its_request_waiting(server):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+
+
+def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(server, tiny_flux_dir, tmp_path):
+    """A second server, with a queue place, on the first one's cache (a warm start): the
+    replica (stopped) holds one request, a second waits in the queue, its client hangs up,
+    and the queue is empty again while the first request is still held."""
+    _, cache = server
+    with _running_server(tiny_flux_dir, cache, tmp_path, max_queue=1, timeout_s=120) as base:
+        replica = _call(f"{base}/health")[1]["replica_pids"][0]
+        os.kill(replica, signal.SIGSTOP)
+        try:
+            worker, held = _start(base, REQUEST)
+            client = _send_raw(base, REQUEST)
+            _wait_for_pending(base, 2)
+            assert _metrics(base)["dlo_serve_queue_depth"] == 1
+            client.close()
+            _wait_for_pending(base, 1)
+            values = _metrics(base)
+            assert values["dlo_serve_queue_depth"] == 0 and values['dlo_serve_requests_total{status="499"}'] == 1
+        finally:
+            os.kill(replica, signal.SIGCONT)
+        worker.join(timeout=120)
+        assert held["answer"][0] == 200
 
 
 def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
