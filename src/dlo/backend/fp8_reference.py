@@ -33,7 +33,7 @@ def quantize_resident(module: nn.Module, config: OffloadConfig, plan: OffloadPla
                 if id(weight) not in chosen:
                     continue
                 data = torch.empty(weight.shape, dtype=fp8.dtype)
-                scale = torch.empty((weight.shape[0] if fp8.per_channel else 1, 1), dtype=torch.float32)
+                scale = torch.empty(fp8.scale_shape(weight.shape[0]), dtype=torch.float32)
                 quantize_into(weight, data, scale, f"{ref.name}.{owned.name}")
                 weight.data = dequantized(data.to(weight.device), scale.to(weight.device), weight.dtype)
                 changed += 1

@@ -17,6 +17,7 @@ from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
 
+
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2."""
 

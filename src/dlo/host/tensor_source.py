@@ -126,7 +126,7 @@ class QuantizedSource:
 
     @property
     def scale_shape(self) -> tuple[int, int]:
-        return (self.shape[0], 1) if self.format.per_channel else (1, 1)
+        return self.format.scale_shape(self.shape[0])
 
     def adapters(self, checkpoint: Checkpoint) -> tuple[str, ...]:
         """The float8 bytes are used as saved; scales not stored as fp32 are cast."""

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.planning.block_layout import BlockLayout, TensorPlacement, TensorSpec, align_up, view_placement
+from dlo.planning.block_layout import (
+    BlockLayout,
+    TensorPlacement,
+    TensorSpec,
+    align_up,
+    plan_block_layout,
+    view_placement,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,10 @@ class Fp8Format:
 
     dtype: torch.dtype
     per_channel: bool
+
+    def scale_shape(self, rows: int) -> tuple[int, int]:
+        """Of the scales of a weight with `rows` output rows: (rows, 1), or (1, 1)."""
+        return (rows, 1) if self.per_channel else (1, 1)
 
 
 @dataclass(frozen=True)
@@ -80,19 +91,10 @@ def plan_wire_layout(
     of a block whose tensors with a format (2-D weights) stream as float8."""
     plain = [i for i, fmt in enumerate(formats) if fmt is None]
     weights = [i for i, fmt in enumerate(formats) if fmt is not None]
-    offsets: dict[int, int] = {}
-    offset = 0
-
-    def place(indices: list[int]) -> None:
-        nonlocal offset
-        for i in indices:
-            offsets[i] = offset
-            offset = align_up(offset + specs[i].nbytes)
-
-    place(plain)
-    plain_bytes = offset
-    place(weights)
-    layout = BlockLayout(tuple(TensorPlacement(spec, offsets[i]) for i, spec in enumerate(specs)), offset)
+    ordered = plan_block_layout([specs[i] for i in plain + weights])  # plain tensors first
+    offsets = {i: placement.offset for i, placement in zip(plain + weights, ordered.placements)}
+    plain_bytes = ordered.placements[len(plain)].offset if weights else ordered.nbytes
+    layout = BlockLayout(tuple(TensorPlacement(spec, offsets[i]) for i, spec in enumerate(specs)), ordered.nbytes)
     quantized = []
     landing = 0
     for i in weights:
@@ -105,7 +107,7 @@ def plan_wire_layout(
             dtype=fmt.dtype,
             data_offset=landing,
             scale_offset=align_up(landing + rows * columns * fmt.dtype.itemsize),
-            scale_shape=(rows, 1) if fmt.per_channel else (1, 1),
+            scale_shape=fmt.scale_shape(rows),
         )
         landing = align_up(placement.scale_offset + placement.scale_bytes)
         quantized.append(placement)

@@ -45,12 +45,6 @@ def scale_name(weight_name: str) -> str:
     return f"{weight_name[: -len('weight')]}{SCALE_SUFFIX}"
 
 
-def scale_shape(shape: tuple[int, ...], config: OffloadConfig) -> tuple[int, int]:
-    format_ = fp8_format(config)
-    assert format_ is not None
-    return (shape[0], 1) if format_.per_channel else (1, 1)
-
-
 def quantize_entry(tensors: Mapping[str, torch.Tensor], names: list[str], config: OffloadConfig) -> dict[str, torch.Tensor]:
     """The entry's tensors: `tensors` with each of `names` as float8 data plus its scales."""
     format_ = fp8_format(config)
@@ -59,7 +53,7 @@ def quantize_entry(tensors: Mapping[str, torch.Tensor], names: list[str], config
     for name in names:
         weight = tensors[name]
         data = torch.empty(weight.shape, dtype=format_.dtype)
-        scale = torch.empty(scale_shape(tuple(weight.shape), config), dtype=torch.float32)
+        scale = torch.empty(format_.scale_shape(weight.shape[0]), dtype=torch.float32)
         quantize_into(weight, data, scale, name)
         entry[name] = data
         entry[scale_name(name)] = scale
@@ -78,7 +72,7 @@ def expected_entry(
     for name in names:
         shape = entry[name][0]
         entry[name] = (shape, format_.dtype)
-        entry[scale_name(name)] = (list(scale_shape(tuple(shape), config)), torch.float32)
+        entry[scale_name(name)] = (list(format_.scale_shape(shape[0])), torch.float32)
     return entry
 
 
