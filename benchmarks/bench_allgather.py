@@ -15,6 +15,10 @@ that every peak belongs to one variant:
               1/G of each block in pinned host memory, copies its shard over its link and
               the group rebuilds the block with an NCCL all-gather.
 
+With --stream-dtype fp8 every dlo variant streams scaled float8 blocks (issue 18: in all-gather
+mode the ranks shard and gather the float8 bytes) and the resident variant runs
+dlo.quantize_resident's weights, the model both must equal bit for bit.
+
 Per variant and rank: --warmup untimed forwards, then --iters timed ones, each started
 together on all ranks (a barrier, then the device synchronized) and ended by synchronizing
 the device. The wave's time per forward is the slowest rank's median. Reported:
@@ -177,11 +181,16 @@ def digest(tensor: torch.Tensor) -> str:
 # ------------------------------------------------------------------------- one variant
 
 
-def open_variant(variant: str, model: nn.Module, device: torch.device, num_slots: int) -> dlo.OffloadHandle | None:
+def open_variant(variant: str, model: nn.Module, device: torch.device, args: argparse.Namespace) -> dlo.OffloadHandle | None:
+    config = dlo.OffloadConfig(
+        use_allgather=variant == "all-gather", num_slots=args.num_slots, stream_dtype=args.stream_dtype,
+        fp8_scale=args.fp8_scale,
+    )
     if variant == "resident":
         model.to(device)
+        dlo.quantize_resident(model, config)  # with --stream-dtype: the weights the dlo variants stream
         return None
-    return dlo.enable(model, device, dlo.OffloadConfig(use_allgather=variant == "all-gather", num_slots=num_slots))
+    return dlo.enable(model, device, config)
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,7 @@ def measure(shape: Shape, variant: str, ranks: Ranks, args: argparse.Namespace) 
     if ranks.is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     align(ranks)
-    handle = open_variant(variant, model, device, args.num_slots)
+    handle = open_variant(variant, model, device, args)
     try:
         outputs: list[torch.Tensor] = []
         seconds: list[float] = []
@@ -498,7 +507,8 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "environment": env,
                 "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp,
-                             "num_slots": args.num_slots},
+                             "num_slots": args.num_slots, "stream_dtype": args.stream_dtype,
+                             "fp8_scale": args.fp8_scale},
                 "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
                 "verdicts": verdicts(rows, ranks.world),
                 "table": markdown_table(rows),
@@ -648,6 +658,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights (all ranks); rank r's inputs use seed + 1 + 1000 r (default: 0)")
     parser.add_argument("--num-slots", type=int, default=2, help="OffloadConfig.num_slots of the dlo variants (default: 2)")
+    parser.add_argument("--stream-dtype", default=None,
+                        help="OffloadConfig.stream_dtype of every variant, e.g. fp8; the resident one gets "
+                        "dlo.quantize_resident's weights (default: none, bf16 streamed)")
+    parser.add_argument("--fp8-scale", default="per_channel", help="OffloadConfig.fp8_scale (default: per_channel)")
     parser.add_argument("--sp", action="store_true",
                         help="sequence parallelism: diffusers' enable_parallelism(ContextParallelConfig(ulysses_degree="
                         "world)) on every variant, one prompt split over the ranks; all-gather runs over the SP group")
