@@ -35,7 +35,22 @@ def entry_dtypes(tmp_path):
     return found
 
 
-def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_path, caplog):
+def record_landings(patch):
+    """The sources of each float8 load's copies (one list per load)."""
+    from dlo.hotpath.transfer import SyncTransfer
+
+    loads = []
+    land = SyncTransfer.land_into
+
+    def record(self, slot, tasks_for, finish):
+        loads.append([task.source for task in tasks_for(0)])
+        return land(self, slot, tasks_for, finish)
+
+    patch.setattr(SyncTransfer, "land_into", record)
+    return loads
+
+
+def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_path, caplog, monkeypatch):
     directory = tmp_path / "wan"
     model = TINY_MODELS["wan"].build(seed=2)
     model.save_pretrained(directory)
@@ -47,9 +62,17 @@ def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_pa
             loaded, plan = dlo.load_transformer(directory, config)
         assert any("warm start" in r.getMessage() for r in caplog.records) == warm
         caplog.clear()
-        with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
-            got = outputs(loaded)
-            stats = handle.stats()
+        with monkeypatch.context() as patch:
+            loads = record_landings(patch)
+            with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
+                got = outputs(loaded)
+                stats = handle.stats()
+                copies = [len(sources) for sources in loads]
+                mapped = all(handle._checkpoint.holds(source) for sources in loads for source in sources)
+                loads.clear()  # views of the mapping must not outlive it
+        # Each load is one copy out of the entry's pages: the entry holds the block's float8
+        # image as it lands. See [Note: one copy per block]
+        assert mapped and len(copies) == stats.copies and set(copies) == {1}
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
         assert stats.host_bytes == 0 and stats.host_bytes_by_dtype["float8_e4m3fn"] > 0
     (dtypes,) = entry_dtypes(tmp_path).values()

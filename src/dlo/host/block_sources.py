@@ -11,7 +11,7 @@ import torch
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.fp8_codec import dequantized
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import CopyTask, MappedTensor
+from dlo.host.tensor_source import CopyTask, MappedTensor, coalesced
 from dlo.planning.block_layout import BlockLayout, view_placement
 from dlo.planning.wire_layout import WireLayout, landing_views, wire_targets
 
@@ -76,7 +76,8 @@ class MappedSource:
         self, targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]], whole: bool = False
     ) -> list[CopyTask]:
         """Tasks that fill `targets` (see `wire_targets`); large tensors are split in chunks
-        for several host threads unless `whole` (one copy per tensor: direct device copies)."""
+        for several host threads unless `whole`: direct device copies, as few as the mapping's
+        layout allows (See [Note: one copy per block])."""
         tasks: list[CopyTask] = []
         for source, target in zip(self.sources, targets):
             if isinstance(source, torch.Tensor):
@@ -85,7 +86,7 @@ class MappedSource:
                 tasks.extend(source.pieces(self.checkpoint, target))
             else:
                 tasks.extend(source.copy_tasks(self.checkpoint, target))
-        return tasks
+        return coalesced(tasks) if whole else tasks
 
     def pack(self, layout: BlockLayout, wire: WireLayout, buffer: torch.Tensor) -> None:
         """The block's wire image into the host `buffer` (this thread, one copy at a time)."""

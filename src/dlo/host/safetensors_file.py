@@ -1,4 +1,5 @@
-"""Read-only, validated, memory-mapped safetensors files.
+"""Read-only, validated, memory-mapped safetensors files, and writing one with each tensor at
+a chosen offset.
 
 The header is untrusted input. It is parsed the way safetensors' own Rust core validates it:
 a size cap, checked sizes, every tensor's byte count equal to numel x itemsize, offsets
@@ -40,6 +41,11 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+
+
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+PAD_PREFIX = ".pad."  # a writer's padding tensors: no state-dict key starts with a dot
+DATA_ALIGNMENT = 4096  # where write_file starts the data section: a page
 
 
 class CheckpointErrorKind(enum.Enum):
@@ -220,3 +226,38 @@ class SafetensorsFile:
             self._map.close()
         except BufferError:  # a buffer export by someone else (e.g. a memoryview) still holds it
             pass
+
+
+def write_file(handle: BinaryIO, placed: list[tuple[str, torch.Tensor, int]], metadata: dict[str, str]) -> dict[str, int]:
+    """Write a safetensors file whose data section holds each (name, tensor, offset) at that
+    byte offset (in increasing order, not overlapping), into the empty file `handle`.
+
+    safetensors' own writer chooses the order itself (by dtype, then name); this one is for
+    files laid out like something else, e.g. a cache entry laid out like the streamed blocks.
+    The format allows no holes, so each gap holds a uint8 padding tensor (named PAD_PREFIX
+    and a number); the header is padded with spaces so that the data section starts at a
+    multiple of DATA_ALIGNMENT. Any safetensors reader reads the file. Returns the padding
+    tensors' names and sizes."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    pads: dict[str, int] = {}
+    cursor = 0
+    for name, tensor, offset in placed:
+        if offset < cursor:
+            raise ValueError(f"{name!r} at byte {offset} overlaps the tensor before it (which ends at {cursor})")
+        if offset > cursor:
+            pad = f"{PAD_PREFIX}{len(pads)}"
+            pads[pad] = offset - cursor
+            header[pad] = {"dtype": "U8", "shape": [offset - cursor], "data_offsets": [cursor, offset]}
+        cursor = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, cursor]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+    text += b" " * (data_start - 8 - len(text))
+    handle.write(struct.pack("<Q", len(text)) + text)
+    for name, tensor, offset in placed:
+        if tensor.numel():
+            handle.seek(data_start + offset)
+            handle.write(memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+    handle.truncate(data_start + cursor)  # the padding reads as zeros
+    handle.flush()
+    return pads

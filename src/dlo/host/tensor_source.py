@@ -15,6 +15,7 @@ import torch
 
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.fp8_codec import dequantized
+from dlo.planning.block_layout import ALIGNMENT
 from dlo.planning.wire_layout import Fp8Format
 
 # Copies are split into pieces of about this size so several threads share a large tensor.
@@ -67,6 +68,64 @@ def run_batch(batch: list[CopyTask]) -> None:
 
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def coalesced(tasks: Iterable[CopyTask]) -> list[CopyTask]:
+    """`tasks` with each run of copies that lie at the same distances in their source's and
+    their target's memory merged into one copy of the whole range (the gaps between them,
+    under ALIGNMENT bytes, are copied too). See [Note: one copy per block]. Casts and
+    non-contiguous tensors stay as they are."""
+    kept: list[CopyTask] = []
+    runs: list[_Run] = []
+    for task in sorted(tasks, key=lambda t: t.source.data_ptr()):
+        if task.source.dtype != task.target.dtype or not (task.source.is_contiguous() and task.target.is_contiguous()):
+            kept.append(task)
+            continue
+        run = _Run(task.source, *_placed(task.source), task.target, *_placed(task.target), task.source.nbytes)
+        if not (runs and runs[-1].absorb(run)):
+            runs.append(run)
+    return kept + [run.task() for run in runs]
+
+
+@dataclass
+class _Run:
+    """Bytes [source_at, source_at + nbytes) of the source's storage to the same length at
+    target_at in the target's."""
+
+    source: torch.Tensor
+    source_storage: int
+    source_at: int
+    target: torch.Tensor
+    target_storage: int
+    target_at: int
+    nbytes: int
+
+    def absorb(self, other: _Run) -> bool:
+        """Extend this run to the end of `other` if it follows at the same distance in both."""
+        gap = other.source_at - (self.source_at + self.nbytes)
+        if (
+            (other.source_storage, other.target_storage) != (self.source_storage, self.target_storage)
+            or not 0 <= gap < ALIGNMENT
+            or other.target_at - (self.target_at + self.nbytes) != gap
+        ):
+            return False
+        self.nbytes = other.source_at + other.nbytes - self.source_at
+        return True
+
+    def task(self) -> CopyTask:
+        return CopyTask(_span(self.target, self.target_at, self.nbytes), _span(self.source, self.source_at, self.nbytes))
+
+
+def _placed(tensor: torch.Tensor) -> tuple[int, int]:
+    """(its storage's address, its byte offset in that storage)."""
+    storage = tensor.untyped_storage().data_ptr()
+    return storage, tensor.data_ptr() - storage
+
+
+def _span(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of `tensor`'s storage from `start`, as a view of `tensor` (an ordinary
+    tensor even in inference mode, like every view of one)."""
+    return tensor.reshape(-1).view(torch.uint8).as_strided((nbytes,), (1,), start)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from torch import nn
 from dlo.config import OffloadConfig, Topology
 from dlo.config.offload_config import CacheVerify
 from dlo.host.cache.collect import collect_tensors
+from dlo.host.cache.entry_layout import block_images
 from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.fp8_entry import entry_source, expected_entry, quantize_entry, quantized_names, stream_identity
 from dlo.host.cache.identity import build_identity, content_digest, load_identity, without_content
@@ -27,6 +28,7 @@ from dlo.host.checkpoint import Checkpoint, read_model_config
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import checkpoint_float_dtype, model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import Fallback
+from dlo.host.safetensors_file import PAD_PREFIX
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.planning.offload_plan import discover
 from dlo.planning.tensor_walk import OwnedTensor, owned_tensors
@@ -115,7 +117,8 @@ def _publish_and_map(
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
     try:
-        entry = store.publish(key, published, identity, config.cache_lock_timeout_s, verify=verify)
+        images = block_images(model, config)  # See [Note: one copy per block]
+        entry = store.publish(key, published, identity, config.cache_lock_timeout_s, verify=verify, images=images)
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
@@ -178,7 +181,7 @@ def _entry_mismatch(entry: Entry, load: Mapping, expected: Mapping[str, tuple[li
     if found != load:
         fields = sorted(f for f in set(found) | set(load) if found.get(f) != load.get(f))
         return f"the entry was published by another load ({', '.join(fields)} differ)"
-    index = entry.manifest["tensors"]
+    index = {name: meta for name, meta in entry.manifest["tensors"].items() if not name.startswith(PAD_PREFIX)}
     if set(index) != set(expected):
         return f"the entry holds {len(index)} tensors, this load {len(expected)} (names differ)"
     for name, (shape, dtype) in expected.items():

@@ -37,7 +37,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -45,8 +45,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dlo.config.offload_config import CacheVerify
@@ -59,7 +57,8 @@ from dlo.host.cache.stamps import Stamps, file_stamp
 from dlo.host.cache.trust import DIR_MODE, FILE_MODE, SAFE_OPEN, private_dir_reason, stat_reason
 from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.safetensors_file import CheckpointError
+from dlo.host.safetensors_file import CheckpointError, write_file
+from dlo.planning.block_layout import align_up
 
 logger = logging.getLogger(__name__)
 
@@ -405,8 +404,11 @@ class EntryStore:
         lock_timeout_s: float = 600.0,
         shard_bytes: int = 2 * 2**30,
         verify: CacheVerify = CacheVerify.FULL,
+        images: Sequence[Mapping[str, int]] = (),
     ) -> Entry:
         """The valid entry for `key`, mapped, publishing `tensors` first if there is none.
+        `images`: groups of tensors to store at these byte offsets from a 512-aligned start
+        (See [Note: one copy per block]); every other tensor is a group of its own.
         See [Note: publication]. Raises CacheUnavailable (lock_timeout, lock_failed,
         insufficient_disk, invalid_configuration, cache_operation_failed) and leaves no
         partial entry."""
@@ -419,8 +421,8 @@ class EntryStore:
             if isinstance(found, Entry):
                 return found
             try:
-                return self._write(key, tensors, identity, shard_bytes)
-            except (OSError, SafetensorError) as err:
+                return self._write(key, tensors, identity, shard_bytes, images)
+            except OSError as err:
                 raise CacheUnavailable(failure_code(err), f"publishing {key}: {err}") from err
 
     def _remove_stale_temps(self, key: str) -> None:
@@ -430,7 +432,9 @@ class EntryStore:
             if leftover.key == key:
                 shutil.rmtree(leftover.path, ignore_errors=True)
 
-    def _write(self, key: str, tensors: dict[str, torch.Tensor], identity: dict, shard_bytes: int) -> Entry:
+    def _write(
+        self, key: str, tensors: dict[str, torch.Tensor], identity: dict, shard_bytes: int, images: Sequence[Mapping[str, int]]
+    ) -> Entry:
         tmp = self._dir(".tmp", create=True)
         v1 = self._dir("v1", create=True)
         self._remove_stale_temps(key)
@@ -447,7 +451,7 @@ class EntryStore:
             with ExitStack() as stack:
                 temp_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
                 stack.callback(os.close, temp_fd)
-                files, index, handles = self._write_shards(temp, temp_fd, tensors, shard_bytes, stack)
+                files, index, handles = self._write_shards(temp, temp_fd, tensors, _groups(tensors, images), shard_bytes, stack)
                 for name, digest in zip(files, file_digests(list(handles.values()), self.hash_threads)):
                     files[name]["sha256_chunked"] = digest
                 manifest = {
@@ -483,25 +487,28 @@ class EntryStore:
         self._record_stamps(key, stamps)  # hashed as written
         return entry
 
-    def _write_shards(self, temp: Path, temp_fd: int, tensors, shard_bytes: int, stack: ExitStack):
+    def _write_shards(self, temp: Path, temp_fd: int, tensors, groups: list[dict[str, int]], shard_bytes: int, stack: ExitStack):
         """Write, chmod and fsync the shards; (files, tensor index, read handles by name)."""
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        shards = _split(sorted(tensors), tensors, shard_bytes)
+        shards = _split(groups, tensors, shard_bytes)
         files, index, handles = {}, {}, {}
         progress = tqdm(total=total, unit="B", unit_scale=True, desc="dlo: publishing", disable=None, leave=False)
         with progress:
-            for i, names in enumerate(shards, start=1):
+            for i, placed in enumerate(shards, start=1):
                 name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n].contiguous() for n in names}, str(temp / name), metadata={"format": "pt"})
-                handles[name] = stack.enter_context(_open_read(name, temp_fd))
-                os.fchmod(handles[name].fileno(), FILE_MODE)  # whatever the umask
-                os.fsync(handles[name].fileno())
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN, FILE_MODE, dir_fd=temp_fd)
+                with open(fd, "wb") as handle:
+                    pads = write_file(handle, [(n, tensors[n], offset) for n, offset in placed], {"format": "pt"})
+                    os.fchmod(fd, FILE_MODE)  # whatever the umask
+                    os.fsync(fd)
+                handles[name] = stack.enter_context(_open_read(name, temp_fd))  # what is hashed and mapped
                 files[name] = {"size": os.fstat(handles[name].fileno()).st_size}
-                for n in names:
+                for n, _ in placed:
                     t = tensors[n]
                     nbytes = t.numel() * t.element_size()
                     index[n] = {"file": name, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": nbytes}
-                progress.update(sum(index[n]["nbytes"] for n in names))
+                index.update({n: {"file": name, "dtype": str(torch.uint8), "shape": [b], "nbytes": b} for n, b in pads.items()})
+                progress.update(sum(index[n]["nbytes"] for n, _ in placed))
         return files, index, handles
 
 
@@ -539,14 +546,25 @@ def _tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _split(names: list[str], tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
+def _groups(tensors: Mapping[str, torch.Tensor], images: Sequence[Mapping[str, int]]) -> list[dict[str, int]]:
+    """The entry's groups: each image (names the entry holds), then every other tensor alone."""
+    groups = [{name: offset for name, offset in image.items() if name in tensors} for image in images]
+    grouped = {name for group in groups for name in group}
+    if len(grouped) != sum(len(group) for group in groups):
+        raise ValueError("a tensor is in two images")
+    return [group for group in groups if group] + [{name: 0} for name in sorted(tensors) if name not in grouped]
+
+
+def _split(groups: list[dict[str, int]], tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[tuple[str, int]]]:
+    """Groups into shards of about `shard_bytes` (a group is never split), each group at the
+    next 512-aligned offset of its shard: (name, offset in the data section), by offset."""
+    shards: list[list[tuple[str, int]]] = [[]]
     size = 0
-    for name in names:
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
+    for group in groups:
+        extent = max(offset + tensors[n].numel() * tensors[n].element_size() for n, offset in group.items())
+        if shards[-1] and size + extent > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
-        size += nbytes
+        shards[-1].extend(sorted(((n, size + offset) for n, offset in group.items()), key=lambda placed: placed[1]))
+        size = align_up(size + extent)
     return shards

@@ -12,7 +12,8 @@ from dlo.host.cache.identity import digest_of, is_key
 from dlo.host.checkpoint import is_plain_file_name
 from dlo.host.safetensors_file import DTYPES
 
-SCHEMA = "dlo-host-weight-cache/3"  # 2: chunked file digests; 3: the load identity, owner-only modes
+SCHEMA = "dlo-host-weight-cache/4"  # 2: chunked file digests; 3: the load identity, owner-only modes;
+# 4: blocks laid out as their wire images (See [Note: one copy per block])
 MANIFEST = "manifest.json"
 MANIFEST_SIZE_CAP = 64 * 2**20
 DTYPE_NAMES = {str(dtype) for dtype in DTYPES.values()}

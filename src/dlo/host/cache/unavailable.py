@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import errno
 
-from safetensors import SafetensorError
-
 from dlo.errors import DloError
 
 
@@ -19,12 +17,6 @@ class CacheUnavailable(DloError):
         self.reason = reason
 
 
-def failure_code(err: OSError | SafetensorError) -> str:
-    """insufficient_disk for a full filesystem, else cache_operation_failed. safetensors'
-    writer reports I/O errors as SafetensorError, whose text carries the OS error as Rust
-    prints it ("... (os error 28)"), not an errno."""
-    if isinstance(err, OSError):
-        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
-    else:
-        full = any(f"(os error {code})" in str(err) for code in (errno.ENOSPC, errno.EDQUOT))
-    return "insufficient_disk" if full else "cache_operation_failed"
+def failure_code(err: OSError) -> str:
+    """insufficient_disk for a full filesystem, else cache_operation_failed."""
+    return "insufficient_disk" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "cache_operation_failed"

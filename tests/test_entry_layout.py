@@ -1,0 +1,130 @@
+"""Cache entries laid out like the streamed blocks, and copies merged where the layout allows:
+See [Note: one copy per block]. (The registered loads' copy counts are checked in
+test_cache_registration.py and test_fp8_cache.py.)"""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dlo
+from dlo.host.safetensors_file import DATA_ALIGNMENT, PAD_PREFIX, write_file
+from dlo.host.tensor_source import CopyTask, coalesced
+from dlo.models.tiny import TINY_MODELS
+from dlo.planning.block_layout import ALIGNMENT
+
+pytest.importorskip("diffusers")
+
+
+def run_all(tasks):
+    for task in tasks:
+        task.run()
+
+
+def placed_tasks(source, target, spans):
+    """Copies of float32 views [offset, offset + n) (bytes) of two flat uint8 buffers."""
+    return [
+        CopyTask(target[t : t + n].view(torch.float32), source[s : s + n].view(torch.float32)) for s, t, n in spans
+    ]
+
+
+def test_copies_at_equal_distances_merge_into_one_with_the_same_result():
+    source = torch.randint(0, 255, (8192,), dtype=torch.uint8)
+    spans = [(0, 1024, 64), (512, 1536, 128), (1024, 2048, 4)]  # gaps of 448 and 384 bytes in both
+    merged_target, single_target = torch.zeros(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    merged = coalesced(placed_tasks(source, merged_target, spans))
+    assert len(merged) == 1 and merged[0].source.numel() == 1024 + 4
+    run_all(merged)
+    run_all(placed_tasks(source, single_target, spans))
+    for s, t, n in spans:
+        assert torch.equal(merged_target[t : t + n], single_target[t : t + n])
+        assert torch.equal(merged_target[t : t + n], source[s : s + n])
+
+
+@pytest.mark.parametrize(
+    "spans, copies",
+    [
+        ([(0, 0, 64), (64 + ALIGNMENT, 64 + ALIGNMENT, 64)], 2),  # a gap of ALIGNMENT bytes: its own copy
+        ([(0, 0, 64), (512, 1024, 64)], 2),  # different distances in source and target
+        ([(512, 512, 64), (0, 0, 64)], 1),  # any order: sorted by source address
+    ],
+)
+def test_copies_merge_only_at_equal_small_gaps(spans, copies):
+    source, target = torch.arange(4096, dtype=torch.int32).view(torch.uint8), torch.zeros(16384, dtype=torch.uint8)
+    merged = coalesced(placed_tasks(source, target, spans))
+    assert len(merged) == copies
+    run_all(merged)
+    assert all(torch.equal(target[t : t + n], source[s : s + n]) for s, t, n in spans)
+
+
+def test_casts_strided_views_and_other_buffers_stay_separate_copies():
+    source, other = torch.ones(1024, dtype=torch.uint8), torch.ones(1024, dtype=torch.uint8)
+    target = torch.zeros(2048, dtype=torch.uint8)
+    cast = CopyTask(target[64:68].view(torch.float16), source[64:72].view(torch.float32))
+    strided = CopyTask(target[128:136].view(torch.float32), source[128:144].view(torch.float32)[::2])
+    tasks = [
+        CopyTask(target[0:64], source[0:64]),
+        cast,
+        strided,
+        CopyTask(target[256:320], other[256:320]),  # the right distance, but another source buffer
+    ]
+    merged = coalesced(tasks)
+    assert len(merged) == 4 and any(task is cast for task in merged) and any(task is strided for task in merged)
+
+
+def test_merged_copies_made_in_inference_mode_run_outside_it():
+    source, target = torch.ones(1024, dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    with torch.inference_mode():
+        merged = coalesced(placed_tasks(source, target, [(0, 0, 64), (512, 512, 64)]))
+    run_all(merged)  # an inference tensor would refuse the in-place copy here
+    assert int(target.sum()) == 64 * 2 + (512 - 64)
+
+
+def header_of(path):
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    return 8 + length, json.loads(data[8 : 8 + length])
+
+
+def test_write_file_puts_each_tensor_at_its_offset_in_a_file_safetensors_reads(tmp_path):
+    a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.full((5,), 7.0)
+    path = tmp_path / "placed.safetensors"
+    with open(path, "wb") as handle:
+        pads = write_file(handle, [("a", a, 0), ("b", b, 512)], {"format": "pt"})
+    data_start, header = header_of(path)
+    assert data_start % DATA_ALIGNMENT == 0
+    assert header["b"]["data_offsets"] == [512, 532] and pads == {f"{PAD_PREFIX}0": 512 - 12}
+    loaded = load_file(path)
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b) and set(loaded) == {"a", "b", *pads}
+
+
+def test_write_file_refuses_overlapping_offsets(tmp_path):
+    with open(tmp_path / "bad.safetensors", "wb") as handle, pytest.raises(ValueError, match="overlaps"):
+        write_file(handle, [("a", torch.ones(4), 0), ("b", torch.ones(4), 8)], {})
+
+
+def test_a_cache_entry_holds_the_models_tensors_with_each_block_laid_out_like_its_slot(tmp_path):
+    directory = tmp_path / "wan"
+    model = TINY_MODELS["wan"].build(seed=1)
+    model.save_pretrained(directory)
+    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"))
+    loaded, plan = dlo.load_transformer(directory, config)
+    assert plan is not None
+    (entry,) = (tmp_path / "cache" / "v1").iterdir()
+    stored = {}
+    offsets = {}
+    for path in entry.glob("*.safetensors"):
+        stored.update(load_file(path))  # safetensors' own reader
+        data_start, header = header_of(path)
+        offsets.update({name: data_start + meta["data_offsets"][0] for name, meta in header.items() if name != "__metadata__"})
+    expected = model.state_dict()
+    assert {name: value for name, value in stored.items() if not name.startswith(PAD_PREFIX)}.keys() == expected.keys()
+    assert all(torch.equal(stored[name], value) for name, value in expected.items())
+    # Block 1's tensors lie at their slot offsets from the block's first tensor, which is 512-aligned in the file.
+    with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
+        block = handle._runtime.blocks[1]
+        start = offsets[f"{block.name}.{block.layout.placements[0].spec.name}"]
+        assert start % ALIGNMENT == 0
+        assert all(offsets[f"{block.name}.{p.spec.name}"] - start == p.offset for p in block.layout.placements)
