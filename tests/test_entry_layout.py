@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 import dlo
+from dlo.host.cache.entry_store import Entry, EntryStore
+from dlo.host.cache.identity import digest_of
 from dlo.host.safetensors_file import DATA_ALIGNMENT, PAD_PREFIX, write_file
 from dlo.host.tensor_source import CopyTask, coalesced
 from dlo.models.tiny import TINY_MODELS
@@ -103,6 +105,26 @@ def test_write_file_puts_each_tensor_at_its_offset_in_a_file_safetensors_reads(t
 def test_write_file_refuses_overlapping_offsets(tmp_path):
     with open(tmp_path / "bad.safetensors", "wb") as handle, pytest.raises(ValueError, match="overlaps"):
         write_file(handle, [("a", torch.ones(4), 0), ("b", torch.ones(4), 8)], {})
+
+
+def test_images_keep_their_offsets_across_the_shards_of_an_entry(tmp_path):
+    """Several shards, each with padding: the entry reads back (padding names are unique across
+    its files) and every image keeps its offsets, starting 512-aligned."""
+    tensors = {name: torch.randn(100 + i) for i, name in enumerate("abcdef")}  # sizes that need padding
+    images = [{"a": 0, "b": 512}, {"c": 0, "d": 1024}]
+    identity = {"model": "images"}
+    store = EntryStore(tmp_path)
+    store.publish(digest_of(identity), tensors, identity, shard_bytes=1500, images=images)
+    entry = store.validate(digest_of(identity))
+    assert isinstance(entry, Entry) and len(entry.manifest["files"]) > 1
+    views = {name: entry.checkpoint.view(name) for name in tensors}
+    assert all(torch.equal(views[name], value) for name, value in tensors.items())
+    for image in images:
+        first, *rest = image
+        assert views[first].data_ptr() % ALIGNMENT == 0
+        assert all(views[name].data_ptr() - views[first].data_ptr() == image[name] for name in rest)
+    del views
+    entry.checkpoint.close()
 
 
 def test_a_cache_entry_holds_the_models_tensors_with_each_block_laid_out_like_its_slot(tmp_path):

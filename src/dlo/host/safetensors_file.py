@@ -228,14 +228,17 @@ class SafetensorsFile:
             pass
 
 
-def write_file(handle: BinaryIO, placed: list[tuple[str, torch.Tensor, int]], metadata: dict[str, str]) -> dict[str, int]:
+def write_file(
+    handle: BinaryIO, placed: list[tuple[str, torch.Tensor, int]], metadata: dict[str, str], pad_name: str = PAD_PREFIX
+) -> dict[str, int]:
     """Write a safetensors file whose data section holds each (name, tensor, offset) at that
     byte offset (in increasing order, not overlapping), into the empty file `handle`.
 
     safetensors' own writer chooses the order itself (by dtype, then name); this one is for
     files laid out like something else, e.g. a cache entry laid out like the streamed blocks.
-    The format allows no holes, so each gap holds a uint8 padding tensor (named PAD_PREFIX
-    and a number); the header is padded with spaces so that the data section starts at a
+    The format allows no holes, so each gap holds a uint8 padding tensor named `pad_name`
+    and a number (`pad_name` starts with PAD_PREFIX; the files of one checkpoint need
+    different ones: a name may be in one file only); the header is padded with spaces so that the data section starts at a
     multiple of DATA_ALIGNMENT. Any safetensors reader reads the file. Returns the padding
     tensors' names and sizes."""
     header: dict[str, object] = {"__metadata__": metadata}
@@ -245,7 +248,7 @@ def write_file(handle: BinaryIO, placed: list[tuple[str, torch.Tensor, int]], me
         if offset < cursor:
             raise ValueError(f"{name!r} at byte {offset} overlaps the tensor before it (which ends at {cursor})")
         if offset > cursor:
-            pad = f"{PAD_PREFIX}{len(pads)}"
+            pad = f"{pad_name}{len(pads)}"
             pads[pad] = offset - cursor
             header[pad] = {"dtype": "U8", "shape": [offset - cursor], "data_offsets": [cursor, offset]}
         cursor = offset + tensor.numel() * tensor.element_size()

@@ -57,7 +57,7 @@ from dlo.host.cache.stamps import Stamps, file_stamp
 from dlo.host.cache.trust import DIR_MODE, FILE_MODE, SAFE_OPEN, private_dir_reason, stat_reason
 from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.safetensors_file import CheckpointError, write_file
+from dlo.host.safetensors_file import PAD_PREFIX, CheckpointError, write_file
 from dlo.planning.block_layout import align_up
 
 logger = logging.getLogger(__name__)
@@ -498,7 +498,8 @@ class EntryStore:
                 name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN, FILE_MODE, dir_fd=temp_fd)
                 with open(fd, "wb") as handle:
-                    pads = write_file(handle, [(n, tensors[n], offset) for n, offset in placed], {"format": "pt"})
+                    placed_tensors = [(n, tensors[n], offset) for n, offset in placed]
+                    pads = write_file(handle, placed_tensors, {"format": "pt"}, pad_name=f"{PAD_PREFIX}{i}.")
                     os.fchmod(fd, FILE_MODE)  # whatever the umask
                     os.fsync(fd)
                 handles[name] = stack.enter_context(_open_read(name, temp_fd))  # what is hashed and mapped
