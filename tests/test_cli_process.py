@@ -177,11 +177,33 @@ def test_make_tiny_writes_a_pipeline_that_its_suggested_command_runs(tmp_path, m
     assert "exists and is not an empty directory" in capsys.readouterr().err
 
 
-def test_quiet_output_keeps_the_download_progress_bar(capsys):
-    from huggingface_hub.utils import are_progress_bars_disabled
+def test_quiet_output_hides_the_text_encoders_loading_bars_but_keeps_the_download_bar(tiny_flux_dir, tmp_path):
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
 
-    assert main(["inspect", "flux"]) == 0
-    assert not are_progress_bars_disabled()
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
+            "--width", "32", "--output", str(tmp_path / "x.png")]
+    try:
+        assert main(argv) == 0
+        assert not transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    finally:
+        transformers_logging.enable_progress_bar()
+        enable_progress_bars()
+
+
+def test_a_command_that_loads_no_pipeline_does_not_import_transformers(tmp_path):
+    """transformers takes seconds to import; only commands that load a pipeline's text encoders need it."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    script = (
+        "import sys\n"
+        "from dlo.cli.main import main\n"
+        f"assert main(['cache', 'ls', '--cache-dir', {str(root)!r}]) == 0\n"
+        "print(sorted(name for name in ('transformers', 'diffusers') if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_path):

@@ -22,10 +22,19 @@ def quiet_other_libraries(verbose: bool) -> None:
         os.environ.setdefault(variable, "error")
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"^(?!dlo(\.|$))")
+
+
+def quiet_loading_bars() -> None:
+    """Where quiet_other_libraries ran (in this process or a parent: its TRANSFORMERS_VERBOSITY
+    reaches spawned ranks and replicas), hide transformers' "Loading weights" bar of each text
+    encoder but keep the hub's download bars. It imports transformers (seconds): call it where
+    a pipeline loads, not for every command."""
+    if os.environ.get(_LIBRARIES["transformers"]) != "error":
+        return
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging
 
     downloads_shown = not are_progress_bars_disabled()
-    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per text encoder...
+    transformers_logging.disable_progress_bar()  # it also turns off the hub's download bars...
     if downloads_shown:
-        enable_progress_bars()  # ...but it also turns off the hub's download bars: keep those
+        enable_progress_bars()  # ...so turn those back on

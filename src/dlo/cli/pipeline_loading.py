@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from dlo.cli.library_noise import quiet_loading_bars
 from dlo.errors import ConfigError
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, SafetensorsFile
 
@@ -63,6 +64,7 @@ def _dtype_argument() -> str:
 def load_pipeline(model_dir: Path, cls: type, dtype: torch.dtype, **components: object):
     """`cls.from_pretrained(model_dir)` in `dtype`, with `components` already loaded; a failure of
     diffusers' loader is one ConfigError naming the directory (check_components ran first)."""
+    quiet_loading_bars()
     try:
         return cls.from_pretrained(model_dir, **{_dtype_argument(): dtype}, **components)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
