@@ -163,7 +163,7 @@ def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_do
     try:
         worker, held = _start(base, REQUEST)
         status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
-        assert status == 429 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]["message"]
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and "queue is full" in answer["error"]["message"]
         worker.join(timeout=120)
         assert held["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in held["answer"][1]["error"]["message"]
         # Timed out, but the replica still has the job: it keeps its place until done.
@@ -301,7 +301,7 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     import diffusers
 
     from dlo.cli.call_rules import read_call_rules
-    from dlo.cli.serve_app import ImageRequest, Limits, RequestError, pipeline_kwargs
+    from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, pipeline_kwargs
 
     rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
     limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
