@@ -2,17 +2,13 @@
 host weight cache, requests over real HTTP (urllib), images compared with the plain pipeline."""
 
 import base64
-import contextlib
 import io
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -21,6 +17,8 @@ import torch
 from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from serve_process import call as _call
+from serve_process import running_server
 
 FLUX = GENERATE_DEFAULTS["flux"]
 REQUEST = {
@@ -34,57 +32,17 @@ SLOW_STEPS = 400  # a request still in its denoising loop when the replica is ki
 TIMEOUT_S = 5  # the server's --timeout-s: ordinary requests (under load too) do not time out
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
-    """(status, JSON body, headers: case-insensitive) of a GET, or of a POST of `body`."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read()), err.headers
-
-
-@contextlib.contextmanager
-def _running_server(tiny_flux_dir, cache, log_dir, max_queue: int, timeout_s: float):
-    """A `dlo serve` process with one replica; yields its base URL once /health says 200."""
-    port = _free_port()
-    argv = [
-        sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(port),
-        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s",
-        str(timeout_s), "--cache-dir", str(cache), "--cache-allow-any-filesystem",
+def _flags(max_queue: int, timeout_s: float) -> list[str]:
+    return [
+        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s", str(timeout_s)
     ]
-    log = open(log_dir / "serve.log", "w+")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if _call(f"{base}/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        log.seek(0)
-        process.kill()
-        pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
-    yield base
-    os.killpg(process.pid, signal.SIGINT)  # uvicorn shuts down; the replicas are stopped
-    assert process.wait(timeout=60) == 0
-    log.close()
 
 
 @pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
 def server(tiny_flux_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("serve-cache")
-    with _running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), 0, TIMEOUT_S) as base:
-        yield base, cache
+    with running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), _flags(0, TIMEOUT_S)) as running:
+        yield running.base, cache
 
 
 def _image(item: dict) -> np.ndarray:
@@ -241,7 +199,7 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(server, tiny_fl
     replica (stopped) holds one request, a second waits in the queue, its client hangs up,
     and the queue is empty again while the first request is still held."""
     _, cache = server
-    with _running_server(tiny_flux_dir, cache, tmp_path, max_queue=1, timeout_s=120) as base:
+    with running_server(tiny_flux_dir, cache, tmp_path, _flags(max_queue=1, timeout_s=120)) as (base, _):
         replica = _call(f"{base}/health")[1]["replica_pids"][0]
         os.kill(replica, signal.SIGSTOP)
         try:
@@ -313,3 +271,56 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     assert pipeline_kwargs(ImageRequest(prompt="a"), rules, limits, frozenset(taken)) == {
         "prompt": "a", "num_inference_steps": 28
     }
+
+
+def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir):
+    import diffusers
+    import openai
+
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    answer = client.images.generate(
+        model=tiny_flux_dir.name, prompt="a red cube", size=REQUEST["size"], n=1, response_format="b64_json",
+        extra_body={"seed": 11, "num_inference_steps": 2, "max_sequence_length": FLUX["max_sequence_length"],
+                    "guidance_scale": FLUX["guidance_scale"]},
+    )
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir)
+    with torch.no_grad():  # ordinary allocations, as in test_images_equal_the_plain_pipeline_seed_by_seed
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    tensor.data = tensor.data.clone()
+    with torch.inference_mode():
+        expected = pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(11), **FLUX).images[0]
+    assert len(answer.data) == 1 and np.array_equal(_image({"b64_json": answer.data[0].b64_json}), np.asarray(expected))
+
+
+def test_sigterm_refuses_new_requests_finishes_held_ones_then_exits_0(server, tiny_flux_dir, tmp_path):
+    """A server of its own (a queue place, on the first one's cache): SIGTERM while the
+    (stopped) replica holds one request and another waits in the queue. New requests get 503
+    naming the drain, /health 503; both held requests get their images; the process exits 0."""
+    _, cache = server
+    with running_server(tiny_flux_dir, cache, tmp_path, _flags(max_queue=1, timeout_s=120)) as (base, process):
+        replica = _call(f"{base}/health")[1]["replica_pids"][0]
+        os.kill(replica, signal.SIGSTOP)
+        try:
+            held = [_start(base, REQUEST)]
+            queued: dict = {}
+            waiting = threading.Thread(target=lambda: queued.update(answer=_call(f"{base}/v1/images/generations", REQUEST)))
+            waiting.start()
+            _wait_for_pending(base, 2)
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (answer := _call(f"{base}/v1/images/generations", REQUEST))[0] != 503:
+                assert answer[0] == 429 and time.monotonic() < deadline  # full until the signal is handled
+                time.sleep(0.05)
+            assert "draining" in answer[1]["error"]["message"]
+            assert _call(f"{base}/health")[0] == 503
+            assert process.poll() is None  # it waits for the requests it holds
+        finally:
+            os.kill(replica, signal.SIGCONT)
+        (worker, first), = held
+        worker.join(timeout=120)
+        waiting.join(timeout=120)
+        assert first["answer"][0] == 200 and queued["answer"][0] == 200
+        assert process.wait(timeout=60) == 0

@@ -1,0 +1,244 @@
+"""`dlo serve` of a video pipeline as a real process on 127.0.0.1: a tiny Wan pipeline, two
+replicas through the host weight cache, the /v1/videos jobs over real HTTP, videos compared
+frame by frame with the plain pipeline."""
+
+import io
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from serve_process import call, fetch, running_server
+
+WAN = GENERATE_DEFAULTS["wan"]
+VIDEO = {
+    "prompt": "a red cube",
+    "size": f"{WAN['width']}x{WAN['height']}",
+    "num_frames": WAN["num_frames"],
+    "num_inference_steps": 2,
+    "max_sequence_length": WAN["max_sequence_length"],
+    "guidance_scale": WAN["guidance_scale"],
+    "format": "webp",  # lossless: the frames compare exactly
+}
+ENDLESS_STEPS = 100_000  # a job that only a cancel ends within the test's deadlines
+MAX_QUEUE = 2
+
+
+@pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
+def server(tiny_wan_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("serve-video-cache")
+    flags = ["--replicas", "2", "--max-queue", str(MAX_QUEUE), "--max-steps", str(ENDLESS_STEPS)]
+    with running_server(tiny_wan_dir, cache, tmp_path_factory.mktemp("serve-video-log"), flags) as running:
+        yield running.base, cache
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_wan_dir):
+    """seed -> the plain pipeline's frames (uint8, as the server writes them) for VIDEO."""
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_wan_dir)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():  # ordinary allocations, as dlo's copies are (see test_generate.plain_pipeline)
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    tensor.data = tensor.data.clone()
+    frames = {}
+
+    def of(seed: int) -> np.ndarray:
+        if seed not in frames:
+            with torch.inference_mode():
+                video = pipe(
+                    "a red cube", num_inference_steps=VIDEO["num_inference_steps"],
+                    generator=torch.Generator().manual_seed(seed), **WAN,
+                ).frames[0]
+            frames[seed] = (np.clip(video, 0.0, 1.0) * 255).round().astype(np.uint8)
+        return frames[seed]
+
+    return of
+
+
+def _webp_frames(data: bytes) -> np.ndarray:
+    image = Image.open(io.BytesIO(data))
+    frames = []
+    for index in range(image.n_frames):
+        image.seek(index)
+        frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
+
+
+def _wait_for(base: str, video_id: str, done, what: str) -> dict:
+    """Polls the job until `done(job)`; returns it."""
+    deadline = time.monotonic() + 120
+    while not done(job := call(f"{base}/v1/videos/{video_id}")[1]):
+        assert time.monotonic() < deadline, f"the job never {what}: {job}"
+        time.sleep(0.05)
+    return job
+
+
+def _idle(base: str) -> None:
+    deadline = time.monotonic() + 60
+    while call(f"{base}/health")[1]["pending"]:
+        assert time.monotonic() < deadline, "the server still holds a job"
+        time.sleep(0.05)
+
+
+def _metric(base: str, name: str) -> float:
+    status, text, _ = fetch(f"{base}/metrics")
+    values = dict(line.rsplit(" ", 1) for line in text.decode().splitlines() if line and not line.startswith("#"))
+    return float(values[name])
+
+
+def _stopped(pids):
+    """Context: the replicas are stopped (SIGSTOP) inside, so the jobs they hold wait there."""
+    class Stopped:
+        def __enter__(self):
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+    return Stopped()
+
+
+def test_retry_after_grows_with_the_observed_job_time(server):
+    """Retry-After = max(1, ceil(mean of the last 8 job times x (queued + 1) / replicas)).
+    On a fresh server no job has finished: 1. The 2 jobs the replicas took then, stopped for
+    HOLD_S seconds, each take at least HOLD_S: once the 4 jobs are done the mean is >= 2 x HOLD_S
+    / 4, and a full queue (2 queued) gives Retry-After >= ceil(HOLD_S / 2 x 3 / 2) = 3."""
+    base, _ = server
+    assert _metric(base, "dlo_serve_steps_total") == 0, "this test needs the module's server fresh: run it first"
+    pids = call(f"{base}/health")[1]["replica_pids"]
+    HOLD_S = 3
+    headers = []
+    for hold_s in (HOLD_S, 0):
+        with _stopped(pids):
+            jobs = [call(f"{base}/v1/videos", {**VIDEO, "seed": k}) for k in range(2 + MAX_QUEUE)]
+            assert [status for status, _, _ in jobs] == [200] * 4
+            status, answer, refused = call(f"{base}/v1/videos", VIDEO)
+            assert status == 429 and "queue is full" in answer["error"]["message"]
+            headers.append(int(refused["Retry-After"]))
+            time.sleep(hold_s)  # the running jobs last at least this long
+        _idle(base)
+    assert headers[0] == 1 and headers[1] >= 3
+
+
+def test_a_video_job_runs_to_completion_and_equals_the_plain_pipeline(server, reference):
+    base, _ = server
+    status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": 7})
+    assert status == 200 and job["status"] in ("queued", "running") and job["steps_total"] == 2
+    seen = []
+    job = _wait_for(base, job["id"], lambda j: seen.append(j["steps_done"]) or j["status"] == "completed", "completed")
+    assert seen == sorted(seen) and job["steps_done"] == 2 and job["progress"] == 100 and job["error"] is None
+    status, content, headers = fetch(f"{base}/v1/videos/{job['id']}/content")
+    assert status == 200 and headers["content-type"] == "image/webp"
+    frames = _webp_frames(content)
+    assert frames.shape == (WAN["num_frames"], WAN["height"], WAN["width"], 3)
+    assert np.array_equal(frames, reference(7))
+    # Delete: the job and its file are gone.
+    status, answer, _ = call(f"{base}/v1/videos/{job['id']}", method="DELETE")
+    assert status == 200 and answer["deleted"] is True
+    assert call(f"{base}/v1/videos/{job['id']}")[0] == 404
+    assert fetch(f"{base}/v1/videos/{job['id']}/content")[0] == 404
+
+
+def test_without_a_format_the_video_is_an_mp4_of_the_frames_asked(server, tmp_path):
+    import imageio
+
+    base, _ = server
+    body = {k: v for k, v in VIDEO.items() if k != "format"}
+    status, job, _ = call(f"{base}/v1/videos", body)
+    job = _wait_for(base, job["id"], lambda j: j["status"] == "completed", "completed")
+    status, content, headers = fetch(f"{base}/v1/videos/{job['id']}/content")
+    assert status == 200 and headers["content-type"] == "video/mp4" and job["format"] == "mp4"
+    path = tmp_path / "video.mp4"
+    path.write_bytes(content)
+    with imageio.get_reader(path) as reader:
+        frames = [frame for frame in reader]
+    assert len(frames) == WAN["num_frames"] and frames[0].shape == (WAN["height"], WAN["width"], 3)
+
+
+def test_cancelling_a_running_job_frees_its_replica(server, reference):
+    """The job would run ENDLESS_STEPS steps: only the cancel ends it within the deadlines."""
+    base, _ = server
+    status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "num_inference_steps": ENDLESS_STEPS})
+    assert status == 200
+    _wait_for(base, job["id"], lambda j: j["status"] == "running" and j["steps_done"] >= 2, "made progress")
+    status, cancelled, _ = call(f"{base}/v1/videos/{job['id']}", method="DELETE")
+    assert status == 200 and cancelled["status"] == "cancelled"
+    _idle(base)  # the replica stopped between two steps
+    assert _metric(base, "dlo_serve_busy_replicas") == 0
+    assert call(f"{base}/v1/videos/{job['id']}")[1]["status"] == "cancelled"
+    assert fetch(f"{base}/v1/videos/{job['id']}/content")[0] == 409
+    status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": 3})
+    job = _wait_for(base, job["id"], lambda j: j["status"] == "completed", "completed")
+    assert np.array_equal(_webp_frames(fetch(f"{base}/v1/videos/{job['id']}/content")[1]), reference(3))
+
+
+def test_cancelling_a_queued_job_drops_it(server):
+    base, _ = server
+    pids = call(f"{base}/health")[1]["replica_pids"]
+    with _stopped(pids):
+        ids = [call(f"{base}/v1/videos", VIDEO)[1]["id"] for _ in range(3)]  # 2 running, 1 queued
+        assert _metric(base, "dlo_serve_queue_depth") == 1
+        assert call(f"{base}/v1/videos/{ids[2]}", method="DELETE")[1]["status"] == "cancelled"
+        assert _metric(base, "dlo_serve_queue_depth") == 0
+    for video_id in ids[:2]:
+        _wait_for(base, video_id, lambda j: j["status"] == "completed", "completed")
+    assert call(f"{base}/v1/videos/{ids[2]}")[1]["status"] == "cancelled"
+
+
+def test_sixteen_clients_on_two_replicas_all_get_their_video(server, reference):
+    """16 threads post at once while the replicas are stopped: 4 fit (2 replicas + a queue of
+    2), 12 get 429. Then every client retries until accepted, polls and fetches: each video
+    equals the plain pipeline's for its seed."""
+    base, _ = server
+    pids = call(f"{base}/health")[1]["replica_pids"]
+    clients = 16
+    first_round = threading.Barrier(clients + 1)
+    statuses, videos = [None] * clients, [None] * clients
+
+    def client(k: int) -> None:
+        status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": k % 4})
+        statuses[k] = status
+        first_round.wait(timeout=60)
+        for _ in range(600):  # bounded: a lost request fails the test, never hangs it
+            if status == 200:
+                break
+            time.sleep(0.1)
+            status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": k % 4})
+        job = _wait_for(base, job["id"], lambda j: j["status"] in ("completed", "failed"), "finished")
+        videos[k] = _webp_frames(fetch(f"{base}/v1/videos/{job['id']}/content")[1])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    with _stopped(pids):
+        for thread in threads:
+            thread.start()
+        first_round.wait(timeout=60)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert sorted(statuses) == [200] * 4 + [429] * 12
+    for k, frames in enumerate(videos):
+        assert frames is not None and np.array_equal(frames, reference(k % 4)), f"client {k}"
+
+
+def test_video_requests_are_checked_before_they_are_queued(server):
+    base, _ = server
+    for change, param in [
+        (dict(num_frames=6), "num_frames"), (dict(fps=0), "fps"), (dict(format="gif"), "format"),
+        (dict(size="30x32"), "size"), (dict(num_inference_steps=ENDLESS_STEPS + 1), "num_inference_steps"),
+    ]:
+        status, answer, _ = call(f"{base}/v1/videos", {**VIDEO, **change})
+        assert status == 400 and answer["error"]["param"] == param, change
+    status, answer, _ = call(f"{base}/v1/images/generations", {"prompt": "a red cube"})
+    assert status == 400 and "WanPipeline makes videos, not images: use POST /v1/videos" in answer["error"]["message"]
+    assert call(f"{base}/v1/videos/video_nonexistent")[0] == 404
