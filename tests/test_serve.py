@@ -324,3 +324,33 @@ def test_sigterm_refuses_new_requests_finishes_held_ones_then_exits_0(server, ti
         waiting.join(timeout=120)
         assert first["answer"][0] == 200 and queued["answer"][0] == 200
         assert process.wait(timeout=60) == 0
+
+
+def test_devices_are_assigned_round_robin():
+    from dlo.cli.serve_devices import round_robin
+
+    assert round_robin([0, 1], 5) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert round_robin([2, 0, 1], 2) == ["cuda:2", "cuda:0"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "cuda_devices", "message"),
+    [
+        (["--devices", "0,1"], 0, "--devices 0,1: this torch sees no CUDA device; leave --devices out"),
+        (["--devices", "0,2"], 2, "--devices 0,2: there are 2 CUDA device(s), indices 0 to 1"),
+        (["--devices", "0,x"], 2, "--devices '0,x': give CUDA device indices separated by commas"),
+        (["--devices", "0", "--device", "cpu"], 2, "--devices 0 with --device cpu: give one of them"),
+    ],
+    ids=["no-cuda", "index-too-high", "not-indices", "with-device"],
+)
+def test_devices_that_cannot_be_honoured_are_refused_before_anything_loads(
+    flags, cuda_devices, message, monkeypatch, capsys, tmp_path
+):
+    """The model directory does not exist: the refusal names --devices, so it came first."""
+    from dlo.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    assert main(["serve", str(tmp_path / "missing"), "--replicas", "3", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
