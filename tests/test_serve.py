@@ -315,7 +315,7 @@ def test_sigterm_refuses_new_requests_finishes_held_ones_then_exits_0(server, ti
                 assert answer[0] == 429 and time.monotonic() < deadline  # full until the signal is handled
                 time.sleep(0.05)
             assert "draining" in answer[1]["error"]["message"]
-            assert _call(f"{base}/health")[0] == 503
+            assert _call(f"{base}/health")[0] == 503 and _call(f"{base}/v1/models")[0] == 200  # GETs still work
             assert process.poll() is None  # it waits for the requests it holds
         finally:
             os.kill(replica, signal.SIGCONT)

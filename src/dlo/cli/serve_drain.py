@@ -3,7 +3,7 @@
 SIGTERM (what an orchestrator sends before it stops a server): `draining` is set, so the app
 answers new jobs 503 while the jobs already held (running, queued, video jobs too) run to their
 end; then the server stops as on Ctrl-C, and `dlo serve` exits 0. A second SIGTERM, or Ctrl-C,
-is uvicorn's own: stop accepting, wait for the HTTP requests in flight only.
+stops at once, uvicorn's way: stop accepting, wait for the HTTP requests in flight only.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ class DrainingServer(uvicorn.Server):
         self._draining = draining
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and not self._draining.is_set():
-            # Not uvicorn's: it would record the signal and raise it again once stopped.
+        # SIGTERM is not handed to uvicorn: it would raise it again once stopped, killing this
+        # process before it stops the replicas.
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif self._draining.is_set():  # the second: stop now
+            self.should_exit = True
+        else:
             self._draining.set()
             threading.Thread(target=self._exit_when_idle, name="dlo-serve-drain", daemon=True).start()
-        else:
-            super().handle_exit(sig, frame)
 
     def _exit_when_idle(self) -> None:
         while self._pool.pending:
