@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from plain_pipeline import plain_pipeline
 from serve_process import call as _call
 from serve_process import running_server
 
@@ -34,7 +35,8 @@ TIMEOUT_S = 5  # the server's --timeout-s: ordinary requests (under load too) do
 
 def _flags(max_queue: int, timeout_s: float) -> list[str]:
     return [
-        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s", str(timeout_s)
+        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS),
+        "--timeout-s", str(timeout_s),
     ]
 
 
@@ -50,17 +52,10 @@ def _image(item: dict) -> np.ndarray:
 
 
 def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
-    import diffusers
-
     base, cache = server
     status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "n": 2, "seed": 5})
     assert status == 200 and len(body["data"]) == 2
-    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir)
-    with torch.no_grad():  # ordinary allocations, as dlo's copies are (see test_generate.plain_pipeline)
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    tensor.data = tensor.data.clone()
+    pipe = plain_pipeline(tiny_flux_dir)
     for k, item in enumerate(body["data"]):
         with torch.inference_mode():
             expected = pipe(
@@ -274,7 +269,6 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
 
 
 def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir):
-    import diffusers
     import openai
 
     base, _ = server
@@ -284,14 +278,10 @@ def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir)
         extra_body={"seed": 11, "num_inference_steps": 2, "max_sequence_length": FLUX["max_sequence_length"],
                     "guidance_scale": FLUX["guidance_scale"]},
     )
-    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir)
-    with torch.no_grad():  # ordinary allocations, as in test_images_equal_the_plain_pipeline_seed_by_seed
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    tensor.data = tensor.data.clone()
     with torch.inference_mode():
-        expected = pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(11), **FLUX).images[0]
+        expected = plain_pipeline(tiny_flux_dir)(
+            "a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(11), **FLUX
+        ).images[0]
     assert len(answer.data) == 1 and np.array_equal(_image({"b64_json": answer.data[0].b64_json}), np.asarray(expected))
 
 
@@ -306,7 +296,9 @@ def test_sigterm_refuses_new_requests_finishes_held_ones_then_exits_0(server, ti
         try:
             held = [_start(base, REQUEST)]
             queued: dict = {}
-            waiting = threading.Thread(target=lambda: queued.update(answer=_call(f"{base}/v1/images/generations", REQUEST)))
+            waiting = threading.Thread(
+                target=lambda: queued.update(answer=_call(f"{base}/v1/images/generations", REQUEST))
+            )
             waiting.start()
             _wait_for_pending(base, 2)
             process.send_signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from plain_pipeline import plain_pipeline
 from serve_process import call, fetch, running_server
 
 WAN = {**GENERATE_DEFAULTS["wan"], "guidance_scale": 1.0}  # 1: one transformer pass a step, no guidance
@@ -41,15 +42,8 @@ def server(tiny_wan_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_wan_dir):
     """seed -> the plain pipeline's frames (uint8, as the server writes them) for VIDEO."""
-    import diffusers
-
-    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_wan_dir)
+    pipe = plain_pipeline(tiny_wan_dir)
     pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():  # ordinary allocations, as dlo's copies are (see test_generate.plain_pipeline)
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    tensor.data = tensor.data.clone()
     frames = {}
 
     def of(seed: int) -> np.ndarray:

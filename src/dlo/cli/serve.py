@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         draining = threading.Event()
         videos = VideoJobs(pool, model_dir.name, args.keep_videos, args.keep_videos_s)
         app = make_app(pool, videos, rules, limits, parameters, model_dir.name, draining)
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), pool, draining)
+        http_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        server = DrainingServer(http_config, pool, draining)
         try:
             server.run()
         except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has stopped: it was handled

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dlo.cli.call_rules import CallRules
 from dlo.cli.media_output import has_mp4_encoder
 from dlo.cli.serve_pool import QueueFull, ReplicaPool
-from dlo.cli.serve_replica import VideoFile
+from dlo.cli.serve_replica import VideoFile, VideoFormat
 from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, VideoRequest, pipeline_kwargs
 from dlo.cli.serve_videos import VideoJobs, VideoShape, VideoStatus
 
@@ -62,7 +62,7 @@ def make_app(
 ) -> FastAPI:
     """`parameters`: the names the pipeline's __call__ takes; `draining`: set on SIGTERM."""
     app = FastAPI(title="dlo serve")
-    video_format = "mp4" if has_mp4_encoder() else "webp"  # a video request without `format`
+    video_format = "mp4" if has_mp4_encoder() else "webp"  # for a video request without `format`
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, err: RequestValidationError) -> JSONResponse:
@@ -127,7 +127,7 @@ def make_app(
         shape = VideoShape(
             width=kwargs.get("width", width), height=kwargs.get("height", height),
             num_frames=kwargs.get("num_frames", frames), seed=request.seed,
-            file=VideoFile(request.format or video_format, request.fps),
+            file=VideoFile(VideoFormat(request.format or video_format), request.fps),
         )
         try:
             return videos.submit(kwargs, shape)

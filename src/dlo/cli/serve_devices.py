@@ -27,7 +27,9 @@ def replica_devices(devices: str | None, device: str, replicas: int) -> list[str
     if not indices or min(indices) < 0:
         raise ConfigError(f"--devices {devices!r}: give CUDA device indices separated by commas, e.g. 0,1")
     if not torch.cuda.is_available():
-        raise ConfigError(f"--devices {devices}: this torch sees no CUDA device; leave --devices out to serve on --device cpu")
+        raise ConfigError(
+            f"--devices {devices}: this torch sees no CUDA device; leave --devices out to serve on --device cpu"
+        )
     count = torch.cuda.device_count()
     if max(indices) >= count:
         raise ConfigError(f"--devices {devices}: there are {count} CUDA device(s), indices 0 to {count - 1}")

@@ -84,8 +84,8 @@ class _Replica:
 
 
 class ReplicaPool:
-    """One replica process per spec (replica i on `specs[i]`'s device), each on a pipe of its own. Jobs wait in one FIFO here and go
-    to whichever replica is idle. One thread reads every pipe: a result resolves its job's
+    """One replica process per spec (replica i on `specs[i]`'s device), each on a pipe of its
+    own. Jobs wait in one FIFO here and go to whichever replica is idle. One thread reads every pipe: a result resolves its job's
     future; a replica that died (its pipe closed) fails only the job it was running, with an
     error that says so, and is started again (given up after `_FAILED_STARTS` restarts in a
     row that never became ready). A future is resolved only if nobody cancelled it."""

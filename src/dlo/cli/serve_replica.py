@@ -11,6 +11,7 @@ shared queue's lock would block every other replica for good.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import io
 import signal
@@ -31,11 +32,16 @@ class ReplicaSpec:
     config: Any  # dlo.OffloadConfig
 
 
+class VideoFormat(enum.Enum):
+    MP4 = "mp4"  # H.264 through imageio-ffmpeg: lossy
+    WEBP = "webp"  # animated, lossless: the frames as generated
+
+
 @dataclass(frozen=True)
 class VideoFile:
-    """How a video job's frames are written: `format` is "mp4" (H.264) or "webp" (animated, lossless)."""
+    """How a video job's frames are written."""
 
-    format: str
+    format: VideoFormat
     fps: int
 
 
@@ -187,6 +193,6 @@ def _video_file(frames, video: VideoFile) -> bytes:
     from dlo.cli.media_output import write_video
 
     with tempfile.TemporaryDirectory(prefix="dlo-serve-") as directory:
-        path = Path(directory) / f"video.{video.format}"
+        path = Path(directory) / f"video.{video.format.value}"
         write_video(frames, path, video.fps)
         return path.read_bytes()

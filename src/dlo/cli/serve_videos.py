@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass
 
 from dlo.cli.serve_pool import QueueFull, ReplicaPool
-from dlo.cli.serve_replica import Done, VideoFile
+from dlo.cli.serve_replica import Done, VideoFile, VideoFormat
 
-MEDIA_TYPES = {"mp4": "video/mp4", "webp": "image/webp"}
+MEDIA_TYPES = {VideoFormat.MP4: "video/mp4", VideoFormat.WEBP: "image/webp"}
 
 
 class VideoStatus(enum.Enum):
@@ -165,7 +165,7 @@ class VideoJobs:
             "size": f"{shape.width}x{shape.height}",
             "num_frames": shape.num_frames,
             "fps": shape.file.fps,
-            "format": shape.file.format,
+            "format": shape.file.format.value,
             "seed": shape.seed,
             "error": {"message": video.error} if video.error else None,
         }
