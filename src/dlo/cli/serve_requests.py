@@ -25,7 +25,7 @@ class _PipelineFields(BaseModel):
     model: str | None = None  # one model per server: accepted, not checked
     size: str | None = None  # "WxH"; unset or "auto": the pipeline's default
     negative_prompt: str | None = None
-    seed: int = Field(default=0, ge=0, le=2**63 - 1 - 1024)  # image k uses seed + k
+    seed: int = Field(default=0, ge=0, le=2**63 - 1 - 1024)  # image k of an image request uses seed + k
     num_inference_steps: int = Field(default=28, ge=1)
     guidance_scale: float | None = None
     max_sequence_length: int | None = Field(default=None, ge=1)
