@@ -285,39 +285,6 @@ def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir)
     assert len(answer.data) == 1 and np.array_equal(_image({"b64_json": answer.data[0].b64_json}), np.asarray(expected))
 
 
-def test_sigterm_refuses_new_requests_finishes_held_ones_then_exits_0(server, tiny_flux_dir, tmp_path):
-    """A server of its own (a queue place, on the first one's cache): SIGTERM while the
-    (stopped) replica holds one request and another waits in the queue. New requests get 503
-    naming the drain, /health 503; both held requests get their images; the process exits 0."""
-    _, cache = server
-    with running_server(tiny_flux_dir, cache, tmp_path, _flags(max_queue=1, timeout_s=120)) as (base, process):
-        replica = _call(f"{base}/health")[1]["replica_pids"][0]
-        os.kill(replica, signal.SIGSTOP)
-        try:
-            held = [_start(base, REQUEST)]
-            queued: dict = {}
-            waiting = threading.Thread(
-                target=lambda: queued.update(answer=_call(f"{base}/v1/images/generations", REQUEST))
-            )
-            waiting.start()
-            _wait_for_pending(base, 2)
-            process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while (answer := _call(f"{base}/v1/images/generations", REQUEST))[0] != 503:
-                assert answer[0] == 429 and time.monotonic() < deadline  # full until the signal is handled
-                time.sleep(0.05)
-            assert "draining" in answer[1]["error"]["message"]
-            assert _call(f"{base}/health")[0] == 503 and _call(f"{base}/v1/models")[0] == 200  # GETs still work
-            assert process.poll() is None  # it waits for the requests it holds
-        finally:
-            os.kill(replica, signal.SIGCONT)
-        (worker, first), = held
-        worker.join(timeout=120)
-        waiting.join(timeout=120)
-        assert first["answer"][0] == 200 and queued["answer"][0] == 200
-        assert process.wait(timeout=60) == 0
-
-
 def test_devices_are_assigned_round_robin():
     from dlo.cli.serve_devices import round_robin
 

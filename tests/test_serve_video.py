@@ -2,6 +2,7 @@
 replicas through the host weight cache, the /v1/videos jobs over real HTTP, videos compared
 frame by frame with the plain pipeline."""
 
+import inspect
 import io
 import os
 import signal
@@ -36,7 +37,7 @@ def server(tiny_wan_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("serve-video-cache")
     flags = ["--replicas", "2", "--max-queue", str(MAX_QUEUE), "--max-steps", str(ENDLESS_STEPS)]
     with running_server(tiny_wan_dir, cache, tmp_path_factory.mktemp("serve-video-log"), flags) as running:
-        yield running.base, cache
+        yield running  # its last test drains it: it has exited by the teardown
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_retry_after_grows_with_the_observed_job_time(server):
     On a fresh server no job has finished: 1. The 2 jobs the replicas took then, stopped for
     HOLD_S seconds, each take at least HOLD_S: once the 4 jobs are done the mean is >= 2 x HOLD_S
     / 4, and a full queue (2 queued) gives Retry-After >= ceil(HOLD_S / 2 x 3 / 2) = 3."""
-    base, _ = server
+    base = server.base
     assert _metric(base, "dlo_serve_steps_total") == 0, "this test needs the module's server fresh: run it first"
     pids = call(f"{base}/health")[1]["replica_pids"]
     HOLD_S = 3
@@ -127,7 +128,7 @@ def test_retry_after_grows_with_the_observed_job_time(server):
 
 
 def test_a_video_job_runs_to_completion_and_equals_the_plain_pipeline(server, reference):
-    base, _ = server
+    base = server.base
     status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": 7})
     assert status == 200 and job["status"] in ("queued", "running") and job["steps_total"] == 2
     seen = []
@@ -148,7 +149,7 @@ def test_a_video_job_runs_to_completion_and_equals_the_plain_pipeline(server, re
 def test_without_a_format_the_video_is_an_mp4_of_the_frames_asked(server, tmp_path):
     import imageio
 
-    base, _ = server
+    base = server.base
     body = {k: v for k, v in VIDEO.items() if k != "format"}
     status, job, _ = call(f"{base}/v1/videos", body)
     job = _wait_for(base, job["id"], lambda j: j["status"] == "completed", "completed")
@@ -163,7 +164,7 @@ def test_without_a_format_the_video_is_an_mp4_of_the_frames_asked(server, tmp_pa
 
 def test_cancelling_a_running_job_frees_its_replica(server, reference):
     """The job would run ENDLESS_STEPS steps: only the cancel ends it within the deadlines."""
-    base, _ = server
+    base = server.base
     status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "num_inference_steps": ENDLESS_STEPS})
     assert status == 200
     _wait_for(base, job["id"], lambda j: j["status"] == "running" and j["steps_done"] >= 2, "made progress")
@@ -179,7 +180,7 @@ def test_cancelling_a_running_job_frees_its_replica(server, reference):
 
 
 def test_cancelling_a_queued_job_drops_it(server):
-    base, _ = server
+    base = server.base
     pids = call(f"{base}/health")[1]["replica_pids"]
     with _stopped(pids):
         ids = [call(f"{base}/v1/videos", VIDEO)[1]["id"] for _ in range(3)]  # 2 running, 1 queued
@@ -195,7 +196,7 @@ def test_sixteen_clients_on_two_replicas_all_get_their_video(server, reference):
     """16 threads post at once while the replicas are stopped: 4 fit (2 replicas + a queue of
     2), 12 get 429. Then every client retries until accepted, polls and fetches: each video
     equals the plain pipeline's for its seed."""
-    base, _ = server
+    base = server.base
     pids = call(f"{base}/health")[1]["replica_pids"]
     clients = 16
     first_round = threading.Barrier(clients + 1)
@@ -226,7 +227,7 @@ def test_sixteen_clients_on_two_replicas_all_get_their_video(server, reference):
 
 
 def test_video_requests_are_checked_before_they_are_queued(server):
-    base, _ = server
+    base = server.base
     for change, param in [
         (dict(num_frames=6), "num_frames"), (dict(fps=0), "fps"), (dict(format="gif"), "format"),
         (dict(size="30x32"), "size"), (dict(num_inference_steps=ENDLESS_STEPS + 1), "num_inference_steps"),
@@ -236,3 +237,75 @@ def test_video_requests_are_checked_before_they_are_queued(server):
     status, answer, _ = call(f"{base}/v1/images/generations", {"prompt": "a red cube"})
     assert status == 400 and "WanPipeline makes videos, not images: use POST /v1/videos" in answer["error"]["message"]
     assert call(f"{base}/v1/videos/video_nonexistent")[0] == 404
+
+
+class _FakePool:
+    """The pool's side of VideoJobs: jobs whose futures the test resolves."""
+
+    def __init__(self):
+        self.futures = []
+
+    def submit(self, kwargs, seed, n, video, on_progress):
+        from concurrent.futures import Future
+
+        self.futures.append(Future())
+        return len(self.futures) - 1, self.futures[-1]
+
+    def cancel(self, job_id):
+        pass
+
+
+def test_at_most_keep_finished_video_jobs_stay_the_oldest_finished_goes_first():
+    from dlo.cli.serve_replica import Done, VideoFile, VideoFormat
+    from dlo.cli.serve_videos import VideoJobs, VideoShape
+
+    pool = _FakePool()
+    jobs = VideoJobs(pool, "tiny", keep=2, keep_s=3600)
+    shape = VideoShape(32, 32, 5, 0, VideoFile(VideoFormat.WEBP, 16))
+    ids = [jobs.submit({"num_inference_steps": 2}, shape)["id"] for _ in range(4)]
+    for job_id in (2, 0, 1):  # finishing order: the third job, then the first, then the second
+        pool.futures[job_id].set_result(Done(job_id, files=(b"video %d" % job_id,)))
+    assert jobs.get(ids[2]) is None  # finished first: gone once 3 are finished
+    assert [jobs.get(i)["status"] for i in (ids[0], ids[1], ids[3])] == ["completed", "completed", "queued"]
+    assert jobs.content(ids[1])[1] == b"video 1"
+    assert jobs.delete(ids[0]) == {"id": ids[0], "object": "video.deleted", "deleted": True}
+    assert jobs.get(ids[0]) is None
+
+
+def test_a_video_request_to_an_image_pipeline_is_refused_naming_the_endpoint(tiny_flux_dir):
+    import diffusers
+
+    from dlo.cli.call_rules import read_call_rules
+    from dlo.cli.serve_requests import Limits, RequestError, VideoRequest, pipeline_kwargs
+
+    rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
+    limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
+    parameters = frozenset(inspect.signature(diffusers.FluxPipeline.__call__).parameters)
+    with pytest.raises(RequestError, match="FluxPipeline makes images, not videos: use POST /v1/images/generations"):
+        pipeline_kwargs(VideoRequest(prompt="a red cube"), rules, limits, parameters)
+
+
+def test_sigterm_drains_the_held_jobs_then_exits_0(server):
+    """The module's last test: it stops the module's server. Both replicas stopped, 3 jobs
+    held (2 running, 1 queued), then SIGTERM: POSTs get 503 naming the drain, /health 503.
+    Replica 0 resumes: its job and the queued one complete and can be fetched, while the
+    server waits for replica 1's; that one resumes too, and the server exits 0 by itself."""
+    base, process = server
+    pids = call(f"{base}/health")[1]["replica_pids"]
+    with _stopped(pids[1:]):
+        with _stopped(pids[:1]):
+            ids = [call(f"{base}/v1/videos", {**VIDEO, "seed": k})[1]["id"] for k in range(3)]
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (answer := call(f"{base}/v1/videos", VIDEO))[0] != 503:
+                assert answer[0] == 429 and time.monotonic() < deadline  # full until the signal is handled
+                time.sleep(0.05)
+            assert "draining" in answer[1]["error"]["message"]
+            assert call(f"{base}/health")[0] == 503
+        deadline = time.monotonic() + 120
+        while (done := [i for i in ids if call(f"{base}/v1/videos/{i}")[1]["status"] == "completed"]) != ids[::2]:
+            assert len(done) < 2 and time.monotonic() < deadline, done
+            time.sleep(0.1)
+        assert fetch(f"{base}/v1/videos/{ids[0]}/content")[0] == 200
+        assert process.poll() is None  # replica 1 still holds a job
+    assert process.wait(timeout=60) == 0
