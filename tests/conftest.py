@@ -19,7 +19,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
 
 # Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
 # server, a 211 MB checkpoint) is set up once, not once per worker.
-ONE_WORKER_MODULES = {"tests/test_serve.py", "tests/test_page_sharing.py"}
+ONE_WORKER_MODULES = {"tests/test_serve.py", "tests/test_serve_video.py", "tests/test_page_sharing.py"}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -12,6 +12,7 @@ from dlo.cli.main import main
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
 
 diffusers = pytest.importorskip("diffusers")
+from plain_pipeline import plain_pipeline  # noqa: E402  (needs diffusers)
 
 
 def flags(name):
@@ -19,18 +20,6 @@ def flags(name):
     out = ["--steps", "2", "--height", str(d["height"]), "--width", str(d["width"])]
     out += ["--max-sequence-length", str(d["max_sequence_length"]), "--guidance", str(d["guidance_scale"])]
     return out + (["--frames", str(d["num_frames"])] if "num_frames" in d else [])
-
-
-def plain_pipeline(directory):
-    """The pipeline without dlo, every tensor an ordinary allocation (diffusers' own loading
-    can leave mmap'd views at odd offsets, which changes CPU kernels' last bits)."""
-    pipe = diffusers.DiffusionPipeline.from_pretrained(directory)
-    with torch.no_grad():
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    tensor.data = tensor.data.clone()
-    return pipe
 
 
 def reference_call(pipe, name, seed=0):

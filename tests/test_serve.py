@@ -2,17 +2,13 @@
 host weight cache, requests over real HTTP (urllib), images compared with the plain pipeline."""
 
 import base64
-import contextlib
 import io
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -21,6 +17,9 @@ import torch
 from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from plain_pipeline import plain_pipeline
+from serve_process import call as _call
+from serve_process import running_server
 
 FLUX = GENERATE_DEFAULTS["flux"]
 REQUEST = {
@@ -34,57 +33,18 @@ SLOW_STEPS = 400  # a request still in its denoising loop when the replica is ki
 TIMEOUT_S = 5  # the server's --timeout-s: ordinary requests (under load too) do not time out
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _call(url: str, body: dict | None = None) -> tuple[int, dict, object]:
-    """(status, JSON body, headers: case-insensitive) of a GET, or of a POST of `body`."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read()), err.headers
-
-
-@contextlib.contextmanager
-def _running_server(tiny_flux_dir, cache, log_dir, max_queue: int, timeout_s: float):
-    """A `dlo serve` process with one replica; yields its base URL once /health says 200."""
-    port = _free_port()
-    argv = [
-        sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(port),
-        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS), "--timeout-s",
-        str(timeout_s), "--cache-dir", str(cache), "--cache-allow-any-filesystem",
+def _flags(max_queue: int, timeout_s: float) -> list[str]:
+    return [
+        "--max-queue", str(max_queue), "--max-images", "2", "--max-steps", str(SLOW_STEPS),
+        "--timeout-s", str(timeout_s),
     ]
-    log = open(log_dir / "serve.log", "w+")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if _call(f"{base}/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        log.seek(0)
-        process.kill()
-        pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
-    yield base
-    os.killpg(process.pid, signal.SIGINT)  # uvicorn shuts down; the replicas are stopped
-    assert process.wait(timeout=60) == 0
-    log.close()
 
 
 @pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
 def server(tiny_flux_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("serve-cache")
-    with _running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), 0, TIMEOUT_S) as base:
-        yield base, cache
+    with running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), _flags(0, TIMEOUT_S)) as running:
+        yield running.base, cache
 
 
 def _image(item: dict) -> np.ndarray:
@@ -92,17 +52,10 @@ def _image(item: dict) -> np.ndarray:
 
 
 def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
-    import diffusers
-
     base, cache = server
     status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "n": 2, "seed": 5})
     assert status == 200 and len(body["data"]) == 2
-    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir)
-    with torch.no_grad():  # ordinary allocations, as dlo's copies are (see test_generate.plain_pipeline)
-        for module in pipe.components.values():
-            if isinstance(module, torch.nn.Module):
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    tensor.data = tensor.data.clone()
+    pipe = plain_pipeline(tiny_flux_dir)
     for k, item in enumerate(body["data"]):
         with torch.inference_mode():
             expected = pipe(
@@ -163,7 +116,7 @@ def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_do
     try:
         worker, held = _start(base, REQUEST)
         status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
-        assert status == 429 and headers.get("Retry-After") == "1" and "queue is full" in answer["error"]["message"]
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and "queue is full" in answer["error"]["message"]
         worker.join(timeout=120)
         assert held["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in held["answer"][1]["error"]["message"]
         # Timed out, but the replica still has the job: it keeps its place until done.
@@ -241,7 +194,7 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(server, tiny_fl
     replica (stopped) holds one request, a second waits in the queue, its client hangs up,
     and the queue is empty again while the first request is still held."""
     _, cache = server
-    with _running_server(tiny_flux_dir, cache, tmp_path, max_queue=1, timeout_s=120) as base:
+    with running_server(tiny_flux_dir, cache, tmp_path, _flags(max_queue=1, timeout_s=120)) as (base, _):
         replica = _call(f"{base}/health")[1]["replica_pids"][0]
         os.kill(replica, signal.SIGSTOP)
         try:
@@ -301,7 +254,7 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     import diffusers
 
     from dlo.cli.call_rules import read_call_rules
-    from dlo.cli.serve_app import ImageRequest, Limits, RequestError, pipeline_kwargs
+    from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, pipeline_kwargs
 
     rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
     limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
@@ -313,3 +266,50 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     assert pipeline_kwargs(ImageRequest(prompt="a"), rules, limits, frozenset(taken)) == {
         "prompt": "a", "num_inference_steps": 28
     }
+
+
+def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir):
+    import openai
+
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    answer = client.images.generate(
+        model=tiny_flux_dir.name, prompt="a red cube", size=REQUEST["size"], n=1, response_format="b64_json",
+        extra_body={"seed": 11, "num_inference_steps": 2, "max_sequence_length": FLUX["max_sequence_length"],
+                    "guidance_scale": FLUX["guidance_scale"]},
+    )
+    with torch.inference_mode():
+        expected = plain_pipeline(tiny_flux_dir)(
+            "a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(11), **FLUX
+        ).images[0]
+    assert len(answer.data) == 1 and np.array_equal(_image({"b64_json": answer.data[0].b64_json}), np.asarray(expected))
+
+
+def test_devices_are_assigned_round_robin():
+    from dlo.cli.serve_devices import round_robin
+
+    assert round_robin([0, 1], 5) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert round_robin([2, 0, 1], 2) == ["cuda:2", "cuda:0"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "cuda_devices", "message"),
+    [
+        (["--devices", "0,1"], 0, "--devices 0,1: this torch sees no CUDA device; leave --devices out"),
+        (["--devices", "0,2"], 2, "--devices 0,2: there are 2 CUDA device(s), indices 0 to 1"),
+        (["--devices", "0,x"], 2, "--devices '0,x': give CUDA device indices separated by commas"),
+        (["--devices", "0", "--device", "cpu"], 2, "--devices 0 with --device cpu: give one of them"),
+    ],
+    ids=["no-cuda", "index-too-high", "not-indices", "with-device"],
+)
+def test_devices_that_cannot_be_honoured_are_refused_before_anything_loads(
+    flags, cuda_devices, message, monkeypatch, capsys, tmp_path
+):
+    """The model directory does not exist: the refusal names --devices, so it came first."""
+    from dlo.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    assert main(["serve", str(tmp_path / "missing"), "--replicas", "3", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

@@ -125,14 +125,19 @@ def _add_generate(commands) -> None:
 def _add_serve(commands) -> None:
     parser = commands.add_parser(
         "serve",
-        help="serve a diffusers image pipeline over HTTP (OpenAI images API), its transformer streamed",
+        help="serve a diffusers image or video pipeline over HTTP (OpenAI-style API), its transformer streamed",
         description="Start REPLICAS worker processes, each holding the pipeline with its transformer streamed "
         "by dlo (through the host weight cache by default: one copy of the blocks per node), and serve "
-        "POST /v1/images/generations, GET /v1/models and GET /health. Requests are checked before they are "
-        "queued; a full queue answers 429.",
+        "POST /v1/images/generations (image pipelines) or the /v1/videos jobs (video pipelines), GET /v1/models, "
+        "GET /health and GET /metrics. Requests are checked before they are queued; a full queue answers 429. "
+        "SIGTERM drains: new requests get 503, the ones held finish, then the server exits.",
     )
-    parser.add_argument("model_dir", metavar="MODEL", help="a diffusers image pipeline directory, or a cached hub id")
+    parser.add_argument("model_dir", metavar="MODEL", help="a diffusers pipeline directory, or a cached hub id")
     parser.add_argument("--replicas", type=positive_int, default=1, help="worker processes (default: 1)")
+    parser.add_argument(
+        "--devices", metavar="I,J,...",
+        help="CUDA device indices; replica k streams to the (k mod count)-th listed (default: every replica on --device)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
     parser.add_argument(
@@ -147,6 +152,14 @@ def _add_serve(commands) -> None:
     parser.add_argument(
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
         help=f"refuse a size whose transformer sequence is over N tokens (default: {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--keep-videos", type=positive_int, default=16, metavar="N",
+        help="finished video jobs kept (with their files) for GET; beyond, the oldest goes (default: 16)",
+    )
+    parser.add_argument(
+        "--keep-videos-s", type=float, default=3600.0, metavar="S",
+        help="seconds a finished video job is kept (default: 3600)",
     )
     add_device_flags(parser)
     _add_verbose(parser)

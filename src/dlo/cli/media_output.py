@@ -13,7 +13,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
 
 
-def _has_mp4_encoder() -> bool:
+def has_mp4_encoder() -> bool:
     try:
         import imageio_ffmpeg
 
@@ -30,7 +30,7 @@ def check_output_kind(path: Path, video: bool) -> None:
     kind = "a video" if video else "an image"
     if suffix not in allowed:
         raise ConfigError(f"--output {path}: this pipeline makes {kind}; write one of {', '.join(allowed)}")
-    if suffix == ".mp4" and not _has_mp4_encoder():
+    if suffix == ".mp4" and not has_mp4_encoder():
         raise ConfigError(
             f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
         )
@@ -69,8 +69,11 @@ def write_video(frames, path: Path, fps: int) -> None:
             with imageio.get_writer(partial, fps=fps, codec="libx264", macro_block_size=1) as writer:
                 for image in images:
                     writer.append_data(np.asarray(image))
-        else:  # animated GIF / WebP through Pillow
-            images[0].save(partial, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+        else:  # animated GIF / WebP through Pillow; WebP lossless: the frames as generated
+            lossless = {"lossless": True} if path.suffix.lower() == ".webp" else {}
+            images[0].save(
+                partial, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0, **lossless
+            )
 
 
 def _uint8(array):

@@ -3,14 +3,19 @@
 It loads the pipeline the way `dlo generate` does (the transformer through `dlo.load_transformer`,
 so with the host weight cache every replica of a node maps the one published entry), sends
 `Ready`, then runs the jobs the server sends on its own pipe, one at a time, answering each with
-`Done`, until it receives None. A pipe per replica, not a queue shared by all: a replica killed
-while holding a shared queue's lock would block every other replica for good.
+`Done`, until it receives None. While a job runs it sends `Progress` after each denoising step
+and, between steps, reads a `Cancel` of that job (it then stops at once and answers `Done` with
+`cancelled`). A pipe per replica, not a queue shared by all: a replica killed while holding a
+shared queue's lock would block every other replica for good.
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 import io
 import signal
+import tempfile
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,14 +32,40 @@ class ReplicaSpec:
     config: Any  # dlo.OffloadConfig
 
 
+class VideoFormat(enum.Enum):
+    MP4 = "mp4"  # H.264 through imageio-ffmpeg: lossy
+    WEBP = "webp"  # animated, lossless: the frames as generated
+
+
+@dataclass(frozen=True)
+class VideoFile:
+    """How a video job's frames are written."""
+
+    format: VideoFormat
+    fps: int
+
+
 @dataclass(frozen=True)
 class Job:
-    """Pipeline keyword arguments without the generator; image k uses seed + k."""
+    """Pipeline keyword arguments without the generator; image k uses seed + k. `video`: the
+    pipeline makes videos (n is 1) and its frames are written so."""
 
     job_id: int
     kwargs: dict[str, Any]
     seed: int
     n: int
+    video: VideoFile | None = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    job_id: int
+    steps: int  # denoising steps done; 0: the replica has started the job
 
 
 @dataclass(frozen=True)
@@ -45,8 +76,9 @@ class Ready:
 @dataclass(frozen=True)
 class Done:
     job_id: int
-    images: tuple[bytes, ...] = ()  # PNG bytes
+    files: tuple[bytes, ...] = ()  # one PNG per image, or the one video file
     error: str = ""  # the one-line text of what failed
+    cancelled: bool = False  # stopped between two steps by a Cancel
     steps: int = 0  # denoising steps run
     bytes_streamed: int = 0  # by dlo since the replica started, every streamed component
     host_pss: int | None = None  # the replica's Pss (smaps_rollup) after the job
@@ -61,9 +93,10 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
         conn.send(Ready(f"{type(err).__name__}: {err}"))
         return
     conn.send(Ready())
+    inbox = _Inbox(conn)
     try:
-        while (job := conn.recv()) is not None:
-            done = _run(pipe, job)
+        while (job := inbox.next_job()) is not None:
+            done = _run(pipe, job, inbox)
             stats = handle.stats()  # synchronizes the device: the job is over anyway
             memory = next(iter(stats.values())).host_memory if stats else None
             conn.send(
@@ -77,6 +110,36 @@ def replica_main(spec: ReplicaSpec, conn) -> None:
         pass
     finally:
         handle.disable()
+
+
+class _Cancelled(Exception):
+    """Raised between two denoising steps of a cancelled job: the pipeline call unwinds there."""
+
+
+class _Inbox:
+    """The server's messages on this replica's pipe: a Job when the replica is idle; while a
+    job runs, a Cancel (of that job, or a stale one of a job already over) or None (stop after
+    this job). Read between jobs, and between the steps of a job without blocking."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self._stopping = False
+
+    def next_job(self) -> Job | None:
+        while not self._stopping:
+            message = self.conn.recv()
+            if message is None or isinstance(message, Job):
+                return message
+        return None
+
+    def cancels(self, job_id: int) -> bool:
+        while self.conn.poll():
+            message = self.conn.recv()
+            if message is None:
+                self._stopping = True
+            elif message.job_id == job_id:
+                return True
+        return False
 
 
 def _load(spec: ReplicaSpec):
@@ -93,17 +156,43 @@ def _load(spec: ReplicaSpec):
     return pipe, handle
 
 
-def _run(pipe, job: Job) -> Done:
+def _run(pipe, job: Job, inbox: _Inbox) -> Done:
+    inbox.conn.send(Progress(job.job_id, 0))
+    kwargs = dict(job.kwargs)
+    if "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters:
+
+        def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
+            if inbox.cancels(job.job_id):
+                raise _Cancelled
+            inbox.conn.send(Progress(job.job_id, step + 1))
+            return {}
+
+        kwargs["callback_on_step_end"] = step_end
     try:
-        images = []
+        files = []
         for k in range(job.n):  # image k of a request is seed + k: the same as n requests of one image
             generator = torch.Generator(device="cpu").manual_seed(job.seed + k)
             with torch.inference_mode():
-                image = pipe(**job.kwargs, generator=generator).images[0]
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            images.append(buffer.getvalue())
-        return Done(job.job_id, tuple(images), steps=job.n * job.kwargs.get("num_inference_steps", 0))
+                result = pipe(**kwargs, generator=generator)
+            files.append(_video_file(result.frames[0], job.video) if job.video else _png(result.images[0]))
+        return Done(job.job_id, tuple(files), steps=job.n * job.kwargs.get("num_inference_steps", 0))
+    except _Cancelled:
+        return Done(job.job_id, cancelled=True)
     except Exception as err:  # the request fails, the replica serves the next one
         last = traceback.format_exception_only(type(err), err)[-1].strip()
         return Done(job.job_id, error=last)
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _video_file(frames, video: VideoFile) -> bytes:
+    from dlo.cli.media_output import write_video
+
+    with tempfile.TemporaryDirectory(prefix="dlo-serve-") as directory:
+        path = Path(directory) / f"video.{video.format.value}"
+        write_video(frames, path, video.fps)
+        return path.read_bytes()

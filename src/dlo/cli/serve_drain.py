@@ -1,0 +1,40 @@
+"""`dlo serve`'s uvicorn server, which drains on SIGTERM.
+
+SIGTERM (what an orchestrator sends before it stops a server): `draining` is set, so the app
+answers new jobs 503 while the jobs already held (running, queued, video jobs too) run to their
+end; then the server stops as on Ctrl-C, and `dlo serve` exits 0. A second SIGTERM, or Ctrl-C,
+stops at once, uvicorn's way: stop accepting, wait for the HTTP requests in flight only.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import uvicorn
+
+from dlo.cli.serve_pool import ReplicaPool
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, pool: ReplicaPool, draining: threading.Event) -> None:
+        super().__init__(config)
+        self._pool = pool
+        self._draining = draining
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # SIGTERM is not handed to uvicorn: it would raise it again once stopped, killing this
+        # process before it stops the replicas.
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif self._draining.is_set():  # the second: stop now
+            self.should_exit = True
+        else:
+            self._draining.set()
+            threading.Thread(target=self._exit_when_idle, name="dlo-serve-drain", daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        while self._pool.pending:
+            time.sleep(0.1)
+        self.should_exit = True  # read by uvicorn's main loop

@@ -1,0 +1,80 @@
+"""A `dlo serve` process on 127.0.0.1 for the serve tests, and calls to it over real HTTP."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import NamedTuple
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def call(url: str, body: dict | None = None, method: str | None = None) -> tuple[int, dict, object]:
+    """(status, JSON body, headers: case-insensitive) of a GET (or `method`), or of a POST of `body`."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
+
+
+def fetch(url: str) -> tuple[int, bytes, object]:
+    """(status, body bytes, headers) of a GET."""
+    try:
+        with urllib.request.urlopen(url, timeout=120) as response:
+            return response.status, response.read(), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), err.headers
+
+
+class Server(NamedTuple):
+    base: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+
+
+@contextlib.contextmanager
+def running_server(pipeline_dir, cache, log_dir, flags: list[str]):
+    """A `dlo serve` process (on the CPU, through the host weight cache in `cache`, with
+    `flags`); yields it once /health says 200, and stops it with Ctrl-C (exit status 0) unless
+    it has exited already."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "dlo.cli.main", "serve", str(pipeline_dir), "--device", "cpu", "--port", str(port),
+        "--cache-dir", str(cache), "--cache-allow-any-filesystem", *flags,
+    ]
+    log = open(log_dir / "serve.log", "w+")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if call(f"{base}/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    else:
+        log.seek(0)
+        process.kill()
+        pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
+    try:
+        yield Server(base, process)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)  # uvicorn shuts down; the replicas are stopped
+        assert process.wait(timeout=60) == 0
+        log.close()
