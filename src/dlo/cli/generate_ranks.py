@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlo.cli.generate import GenerateJob, generate, render_stats, write_output
+from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
 from dlo.cli.library_noise import quiet_other_libraries
 from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
