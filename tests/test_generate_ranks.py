@@ -117,12 +117,13 @@ def sd3_dir(tmp_path):
         ("flux", ["--nproc", "2", "--parallel", "dp", "--device", "cpu:0"], "--device cpu:0: with --nproc each rank takes its own device"),
         ("flux", ["--nproc", "4", "--parallel", "sp"], "Ulysses over 4 ranks (--ulysses, default --nproc): FluxTransformer2DModel has 2 attention heads"),
         ("flux", ["--nproc", "2", "--parallel", "sp", "--max-sequence-length", "31"], "--max-sequence-length 31: FluxTransformer2DModel splits the text tokens across the 2 ranks too; use a multiple of 2"),
-        ("wan", ["--nproc", "3", "--parallel", "sp", "--ring", "3"], "--height/--width/--frames 32x32x5: 8 transformer tokens do not split evenly across 3 ranks"),
+        ("wan", ["--nproc", "2", "--parallel", "sp", "--ring", "2"], "--ring 2: ring attention merges partial results by their log-sum-exp"),
         ("sd3", ["--nproc", "2", "--parallel", "sp"], "--parallel sp: SD3Transformer2DModel (transformer) has no context-parallel plan"),
     ],
 )
 def test_parallel_rules_are_refused_in_one_line_before_loading(model, given, message, tiny_flux_dir, tiny_wan_dir, sd3_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dlo, "load_transformer", None)  # refused before any weight loads
+    monkeypatch.delenv("DIFFUSERS_ATTN_BACKEND", raising=False)
     directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir, "sd3": sd3_dir}[model]
     sizes = flags(model) if model != "sd3" else []
     suffix = ".gif" if model == "wan" else ".png"
@@ -130,3 +131,12 @@ def test_parallel_rules_are_refused_in_one_line_before_loading(model, given, mes
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("dlo: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_sequence_the_ranks_cannot_split_evenly_is_refused_naming_the_size(tiny_wan_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(dlo, "load_transformer", None)
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "_native_cudnn")  # one ring attention can use: the size is refused
+    argv = ["generate", str(tiny_wan_dir), "--prompt", "x", "--device", "cpu", *flags("wan"), "--nproc", "3",
+            "--parallel", "sp", "--ring", "3", "--output", str(tmp_path / "a.gif")]
+    assert main(argv) == 2
+    assert "--height/--width/--frames 32x32x5: 8 transformer tokens do not split evenly across 3 ranks" in capsys.readouterr().err

@@ -146,7 +146,8 @@ def _add_generate_ranks(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ring", type=positive_int, metavar="N",
-        help="--parallel sp: ring attention over N ranks; with --ulysses, ulysses x ring must equal --nproc",
+        help="--parallel sp: ring attention over N ranks; with --ulysses, ulysses x ring must equal --nproc. Needs "
+        "an attention backend with log-sum-exp (DIFFUSERS_ATTN_BACKEND=_native_cudnn, flash...)",
     )
 
 

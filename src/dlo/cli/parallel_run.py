@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,11 +82,20 @@ def _splits_text(cp_plan: dict) -> bool:
 
 def check_sequence_split(run: ParallelRun, model_dir: Path, index: dict, rules: CallRules, request: CallRequest) -> None:
     """Refuse, naming the flag to change, an SP run diffusers' context parallelism cannot split:
-    a transformer without a context-parallel plan, heads Ulysses cannot divide, or a sequence
-    (image tokens, and text tokens where the plan splits them) not a multiple of the ranks."""
+    ring attention on an attention backend without log-sum-exp, a transformer without a
+    context-parallel plan, heads Ulysses cannot divide, or a sequence (image tokens, and text
+    tokens where the plan splits them) not a multiple of the ranks."""
     if run.mode is not Parallel.SP:
         return
     import diffusers
+
+    backend = os.environ.get("DIFFUSERS_ATTN_BACKEND", "native")
+    if run.ring_degree > 1 and backend == "native":
+        raise ConfigError(
+            f"--ring {run.ring_degree}: ring attention merges partial results by their log-sum-exp, which diffusers' "
+            "default attention backend (native, torch SDPA) does not return; set DIFFUSERS_ATTN_BACKEND (e.g. "
+            "_native_cudnn or flash on cuda) or use --ulysses"
+        )
 
     for name in STREAMED_COMPONENTS:
         if not index.get(name) or index[name][1] is None:
