@@ -117,8 +117,8 @@ def _add_generate(commands) -> None:
     )
     parser.add_argument(
         "--output", required=True,
-        help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos); with --parallel dp each rank r "
-        "writes out.rankR.png",
+        help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos); with --parallel dp rank r writes "
+        "out.rankR.png (for out.png)",
     )
     _add_generate_ranks(parser)
     add_device_flags(parser)

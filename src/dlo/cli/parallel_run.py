@@ -30,7 +30,7 @@ class Parallel(enum.Enum):
 
 @dataclass(frozen=True)
 class ParallelRun:
-    """How many ranks and how they split the work; `Parallel` None is one process."""
+    """How many ranks and how they split the work; `mode` None: one process."""
 
     nproc: int = 1
     mode: Parallel | None = None
@@ -96,7 +96,6 @@ def check_sequence_split(run: ParallelRun, model_dir: Path, index: dict, rules: 
             "default attention backend (native, torch SDPA) does not return; set DIFFUSERS_ATTN_BACKEND (e.g. "
             "_native_cudnn or flash on cuda) or use --ulysses"
         )
-
     for name in STREAMED_COMPONENTS:
         if not index.get(name) or index[name][1] is None:
             continue

@@ -103,7 +103,10 @@ def _collect(ranks: list, results) -> dict[int, dict]:
             dead = [r for r, p in enumerate(ranks) if r not in reports and p.exitcode is not None]
             if not dead:
                 continue
-            rank, report = dead[0], dict(error=f"ended with status {ranks[dead[0]].exitcode} without reporting")
+            try:  # a rank that reported flushed its report into the pipe before it exited: look again
+                rank, report = results.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                rank, report = dead[0], dict(error=f"ended with status {ranks[dead[0]].exitcode} without reporting")
         reports[rank] = report
         if "error" in report:
             break
