@@ -140,3 +140,17 @@ def test_a_sequence_the_ranks_cannot_split_evenly_is_refused_naming_the_size(tin
             "--parallel", "sp", "--ring", "3", "--output", str(tmp_path / "a.gif")]
     assert main(argv) == 2
     assert "--height/--width/--frames 32x32x5: 8 transformer tokens do not split evenly across 3 ranks" in capsys.readouterr().err
+
+
+def test_the_first_failed_rank_ends_the_others(forked_ranks):
+    import launched_ranks
+
+    reports = rank_launch.launch_ranks(launched_ranks.one_rank_fails, None, 2, "cpu", timeout_s=60)
+    assert list(reports) == [1] and "RuntimeError: rank 1 broke" in reports[1]["error"]  # rank 0 was ended, not awaited
+
+
+def test_a_rank_that_dies_without_a_word_is_reported(forked_ranks):
+    import launched_ranks
+
+    reports = rank_launch.launch_ranks(launched_ranks.one_rank_dies, None, 2, "cpu", timeout_s=60)
+    assert reports[1] == {"error": "ended with status 3 without reporting"} and reports[0] == {"ok": True}
