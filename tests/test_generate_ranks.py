@@ -54,8 +54,13 @@ def diffusers_sequence_parallel(directory, name, seed, tmp_path):
 
 
 def decoded(path):
+    """Every frame of an image file, as RGB arrays (one for a PNG)."""
+    frames = []
     with Image.open(path) as image:
-        return np.stack([np.asarray(image.seek(i) or image.convert("RGB")) for i in range(getattr(image, "n_frames", 1))])
+        for index in range(getattr(image, "n_frames", 1)):
+            image.seek(index)
+            frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
 
 
 @pytest.mark.parametrize(("name", "suffix"), [("flux", ".png"), ("wan", ".gif")])
@@ -69,6 +74,8 @@ def test_sequence_parallel_generate_writes_what_diffusers_context_parallelism_ma
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "sequence parallel across 2 ranks (ulysses 2 x ring 1)" in printed and printed.count("shards") == 2
+    # The transformer's sequence really was split (Ulysses' output equals an unsplit run's here)
+    assert "rank 0 (1/2 of the sequence)" in printed and "rank 1 (1/2 of the sequence)" in printed
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [out.name]  # rank 0 writes, alone
     expected = diffusers_sequence_parallel(directory, name, 3, tmp_path)
     if name == "flux":  # PNG: the pixels themselves

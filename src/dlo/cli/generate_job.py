@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import dlo
+from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
 from dlo.cli.media_output import write_image, write_video
@@ -56,6 +57,7 @@ class Generated:
     stats: dict[str, dlo.OffloadStats]
     seconds: float
     placement: dict[str, str]
+    sequence_ranks: int  # ranks the transformer's sequence was split across (diffusers' SP group)
 
 
 def generate(
@@ -67,6 +69,7 @@ def generate(
     pipe.set_progress_bar_config(disable=not progress)
     if parallel.mode is Parallel.SP:
         enable_context_parallel(pipe, parallel, device)  # first: dlo then gathers over its SP group
+    sp_group = diffusers_sp_group(pipe.transformer)
     compile_model(pipe.transformer, job.compile)
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}) as handle:
         started = time.perf_counter()
@@ -75,7 +78,8 @@ def generate(
         seconds = time.perf_counter() - started
         stats = handle.stats()
     media = result.frames[0] if job.video else result.images[0]
-    return Generated(media, stats, seconds, handle.placement)
+    sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
+    return Generated(media, stats, seconds, handle.placement, sequence_ranks)
 
 
 def write_output(job: GenerateJob, media: object, path: Path) -> None:
