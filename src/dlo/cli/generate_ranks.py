@@ -3,7 +3,10 @@ parallel_run for what differs between them), and the parent's report."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+from tqdm import tqdm
 
 from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
 from dlo.cli.library_noise import quiet_other_libraries
@@ -18,6 +21,10 @@ _TIMEOUT_S = 1800
 def _rank(place: RankPlace, payload: tuple) -> dict:
     job, parallel, seed, output, verbose = payload
     quiet_other_libraries(verbose)  # a fresh interpreter: the parent's settings are not inherited
+    # Progress bars (diffusers', transformers') lock with a multiprocessing RLock by default: a
+    # named semaphore that the parent's resource tracker reports as leaked on the terminal when
+    # the parent ends this rank (Ctrl-C). Only this process writes its bars: a thread lock does.
+    tqdm.set_lock(threading.RLock())
     seed = parallel.seed(seed, place.rank)
     generated = generate(job, place.device, seed, parallel, progress=place.rank == 0)
     path = parallel.output(output, place.rank)

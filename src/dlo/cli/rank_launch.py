@@ -51,17 +51,9 @@ def check_rank_devices(device_type: str, nproc: int) -> None:
         raise ConfigError(f"--nproc {nproc} on cuda needs {nproc} GPUs, {torch.cuda.device_count()} visible")
 
 
-def _end_rank(signum: int, frame: object) -> None:
-    """The parent ends the ranks with SIGTERM: unwind, so that the `with` blocks and the
-    interpreter's exit run (multiprocessing locks a rank made, e.g. tqdm's, are released with
-    their resource tracker, which otherwise reports them leaked on the terminal)."""
-    raise SystemExit(128 + signum)
-
-
 def _rank_main(
     target: RankTarget, rank: int, world: int, device_type: str, rendezvous: str, timeout_s: float, payload: object, results
 ) -> None:
-    signal.signal(signal.SIGTERM, _end_rank)
     try:
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(
@@ -71,8 +63,6 @@ def _rank_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         results.put((rank, target(RankPlace(rank, world, device), payload)))
-    except SystemExit:
-        raise
     except BaseException as err:
         results.put((rank, dict(error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
     finally:
