@@ -55,8 +55,9 @@ def test_ctrl_c_during_generate_prints_one_line_exits_130_and_leaves_no_file(tin
 
 
 def test_ctrl_c_across_two_ranks_ends_every_rank_in_one_line(tiny_flux_dir, tmp_path):
-    """`dlo generate --nproc 2` (the launcher `dlo demo --nproc` shares): the ranks are ended,
-    unwinding (no leaked-lock report from their progress bars' locks), nothing is left behind."""
+    """`dlo generate --nproc 2` (the launcher `dlo demo --nproc` shares): the ranks are ended
+    (no leaked-lock report from their progress bars' locks), the last line is the parent's
+    alone, nothing is left behind."""
     scratch, out = tmp_path / "tmp", tmp_path / "out"
     scratch.mkdir()
     out.mkdir()

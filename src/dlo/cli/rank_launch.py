@@ -123,18 +123,22 @@ def launch_ranks(target: RankTarget, payload: object, nproc: int, device_type: s
             for r in range(nproc)
         ]
         _start(ranks)
+        interrupted = False
         try:
             reports = _collect(ranks, results)
             if len(reports) < nproc:  # one failed: its peers may wait on it in a collective
                 _terminate(ranks)
-        except BaseException:  # Ctrl-C (the ranks ignore it) or a rank that died: end the rest now
+        except BaseException as err:  # Ctrl-C (the ranks ignore it): end them now
             _terminate(ranks)
+            interrupted = isinstance(err, KeyboardInterrupt)
             raise
         finally:
             for process in ranks:
                 process.join(timeout=30)
                 if process.is_alive():
                     process.kill()
+            if interrupted:  # a rank ended mid-line (a progress bar): the caller's last word gets its own
+                print(file=sys.stderr)
     return reports
 
 
