@@ -23,11 +23,15 @@ PRELOAD = [
     "safetensors.torch",
     "diffusers.models.transformers.transformer_wan",
     "diffusers.models.transformers.transformer_flux",
+    "diffusers.pipelines.flux.pipeline_flux",
+    "diffusers.pipelines.wan.pipeline_wan",
     "dlo",
     "dlo.models.tiny",
     "allgather_ranks",
     "cache_writers",
     "failed_enables",
+    "sequence_parallel_ranks",
+    "dlo.cli.generate_ranks",
 ]
 
 

@@ -108,6 +108,17 @@ def tokens(rules: CallRules, height: int, width: int, frames: int) -> int:
     return (height // rules.spatial_multiple) * (width // rules.spatial_multiple) * latent_frames
 
 
+def requested_size(rules: CallRules, request: CallRequest) -> tuple[int, int, int]:
+    """(height, width, frames) of a call: the request's, the pipeline's defaults where unset."""
+    given = (request.height, request.width, request.num_frames)
+    return tuple(g if g is not None else default for g, default in zip(given, rules.default_size))
+
+
+def size_text(rules: CallRules, height: int, width: int, frames: int) -> str:
+    """`HxW`, or `HxWxF` for a video pipeline."""
+    return f"{height}x{width}" + (f"x{frames}" if rules.temporal_multiple else "")
+
+
 def validate_call(rules: CallRules, request: CallRequest, max_tokens: int, dtype_bytes: int) -> CallRequest:
     """`request` if `rules` allow it, else the first `CallRuleError` (height, width, frames,
     sequence length, then the size limit with an estimate of the memory it would take)."""
@@ -127,18 +138,14 @@ def validate_call(rules: CallRules, request: CallRequest, max_tokens: int, dtype
         most = rules.max_sequence_length
         if length < 1 or (most is not None and length > most):
             raise CallRuleError("max_sequence_length", length, f"{rules.pipeline} takes 1 to {most}" if most else "at least 1")
-    height, width, frame_count = (
-        given if given is not None else fallback
-        for given, fallback in zip((request.height, request.width, frames), rules.default_size)
-    )
+    height, width, frame_count = requested_size(rules, request)
     sequence = tokens(rules, height, width, frame_count)
     if sequence > max_tokens:
         # The VAE decoder's last stage holds `vae_channels` values per output pixel (in the
         # run's dtype), and the decoded result 3 float32 values per pixel: a lower bound.
         estimate = height * width * frame_count * (rules.vae_channels * dtype_bytes + 3 * 4)
-        size = f"{height}x{width}" + (f"x{frame_count}" if rules.temporal_multiple else "")
         raise CallRuleError(
-            "size", size,
+            "size", size_text(rules, height, width, frame_count),
             f"{sequence} transformer tokens, over the limit of {max_tokens} (max_tokens); the VAE alone would need "
             f"at least {_gib(estimate)}: ask for a smaller size or raise the limit",
         )

@@ -25,15 +25,22 @@ def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """One flag per OffloadConfig field, or per field named in `only`."""
+def add_config_flags(
+    parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, defaults: dict[str, str] | None = None
+) -> None:
+    """One flag per OffloadConfig field, or per field named in `only`. `defaults`: boolean
+    fields whose flag defaults to None here, the command deciding (the text says how, in the help)."""
     group = parser.add_argument_group("offload options (dlo.OffloadConfig fields)")
+    defaults = defaults or {}
     for spec in dataclasses.fields(OffloadConfig):
         if only is not None and spec.name not in only:
             continue
         flags = ["--" + spec.name.replace("_", "-"), *spec.metadata.get("aliases", ())]
-        help_text = f"{spec.metadata['help']} (default: {'unset' if spec.default is None else spec.default})"
-        if spec.type in (bool, "bool"):
+        shown = defaults.get(spec.name, "unset" if spec.default is None else spec.default)
+        help_text = f"{spec.metadata['help']} (default: {shown})"
+        if spec.name in defaults:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif spec.type in (bool, "bool"):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
         elif spec.type == "tuple[str, ...]":  # one item per use of the flag: items may hold commas
             group.add_argument(*flags, action="append", metavar=spec.name.upper(), help=help_text)
@@ -57,9 +64,10 @@ _FLAG_TYPES = {
 }
 
 
-def config_from_flags(args: argparse.Namespace) -> OffloadConfig:
-    """The config the flags give; fields without a flag on this command keep their defaults."""
+def config_from_flags(args: argparse.Namespace, **decided: object) -> OffloadConfig:
+    """The config the flags give; fields without a flag on this command keep their defaults,
+    those in `decided` (see add_config_flags' `defaults`) take its values."""
     fields = dataclasses.fields(OffloadConfig)
-    given = {spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)}
+    given = {spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)} | decided
     unused = {spec.name for spec in fields if spec.type == "tuple[str, ...]" and given.get(spec.name) is None}
     return OffloadConfig(**{name: value for name, value in given.items() if name not in unused})  # defaults

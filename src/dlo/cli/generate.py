@@ -1,25 +1,24 @@
-"""`dlo generate`: run a diffusers pipeline directory end to end with its transformer streamed."""
+"""`dlo generate`: every check before loading, then the call in this process or in `--nproc` ranks."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import time
 from pathlib import Path
 
 import torch
 
-import dlo
 from dlo.backend.pipeline import STREAMED_COMPONENTS
-from dlo.cli.call_rules import CallRequest, CallRuleError, read_call_rules, validate_call
-from dlo.cli.compile_flag import compile_model
+from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.format import human_bytes, table
-from dlo.cli.media_output import check_output_kind, write_image, write_video
+from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
+from dlo.cli.generate_ranks import run_ranks
+from dlo.cli.media_output import check_output_kind
 from dlo.cli.model_source import resolve_model
 from dlo.cli.model_target import build_on_meta, check_resident_layers
 from dlo.cli.output_path import check_writable
-from dlo.cli.pipeline_loading import check_components, load_pipeline
+from dlo.cli.parallel_run import check_sequence_split, parallel_run_from_flags
+from dlo.cli.pipeline_loading import check_components
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
 
@@ -57,18 +56,19 @@ def pipeline_class(model_dir: Path) -> tuple[type, dict]:
     return cls, index
 
 
-def checked_request(model_dir: Path, cls: type, args: argparse.Namespace, dtype: torch.dtype) -> CallRequest:
-    """The sizes asked for, checked against the pipeline's configs (see call_rules)."""
+def checked_request(rules: CallRules, args: argparse.Namespace, dtype: torch.dtype) -> CallRequest:
+    """The sizes asked for, checked against the pipeline's rules (see call_rules)."""
     request = CallRequest(args.height, args.width, args.frames, args.max_sequence_length)
     try:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        return validate_call(read_call_rules(model_dir, cls), request, args.max_tokens, dtype_bytes)
+        return validate_call(rules, request, args.max_tokens, dtype_bytes)
     except CallRuleError as err:
         raise ConfigError(f"{FLAG_OF_ARGUMENT[err.field]} {err.value}: {err.allowed}") from None
 
 
 def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> dict:
-    """The pipeline's own arguments for what the user asked, where its __call__ takes them."""
+    """The pipeline's own arguments for what the user asked, where its __call__ takes them
+    (the generator aside: each process seeds its own)."""
     accepted = inspect.signature(cls.__call__).parameters
     wanted = {
         "prompt": args.prompt,
@@ -79,7 +79,6 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
         "num_frames": request.num_frames,
         "guidance_scale": args.guidance,
         "max_sequence_length": request.max_sequence_length,
-        "generator": torch.Generator(device="cpu").manual_seed(args.seed),
     }
     given = {k: v for k, v in wanted.items() if v is not None}
     unsupported = [k for k in given if k not in accepted]
@@ -88,53 +87,36 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     return given
 
 
-def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device) -> str:
-    rows = []
-    for name, s in stats.items():
-        rows.append(
-            [
-                name,
-                f"{s.streamed_blocks} (+{s.resident_blocks})",
-                human_bytes(s.bytes_streamed / max(steps, 1)),
-                f"{s.h2d_gbps:.1f} GB/s",
-                f"{s.exposed_copy_s / max(steps, 1) * 1e3:.1f} ms",
-                human_bytes(s.peak_device_bytes),
-                f"{s.backing} (registered)" if s.registered_bytes else s.backing,
-            ]
-        )
-    header = ["component", "blocks (+resident)", "streamed/step", "H2D", "exposed/step", "peak device", "host copy"]
-    return f"{steps} steps in {seconds:.2f} s ({seconds / max(steps, 1):.3f} s/step) on {device}\n\n" + table(header, rows)
-
-
 def run(args: argparse.Namespace) -> int:
     # Every check reads flags, configs and headers only; weights load after the last one.
+    parallel = parallel_run_from_flags(args)
     output = Path(args.output).expanduser()
-    check_writable(output, "--output")  # before a hub id's download too
+    for path in parallel.outputs(output):
+        check_writable(path, "--output")  # before a hub id's download too
     model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
     cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
     check_output_kind(output, video)
     device, dtype = device_and_dtype(args)
-    config = config_from_flags(args)
-    kwargs = call_kwargs(cls, args, checked_request(model_dir, cls, args, dtype))
+    if parallel.mode is not None and ":" in args.device:
+        raise ConfigError(
+            f"--device {args.device}: with --nproc each rank takes its own device (rank r: cuda:r); pass --device "
+            f"{device.type}"
+        )
+    use_allgather = args.use_allgather if args.use_allgather is not None else parallel.mode is not None
+    config = config_from_flags(args, use_allgather=use_allgather)
+    rules = read_call_rules(model_dir, cls)
+    request = checked_request(rules, args, dtype)
+    check_sequence_split(parallel, model_dir, index, rules, request)
+    kwargs = call_kwargs(cls, args, request)
     check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
-
-    transformer, plan = dlo.load_transformer(model_dir / "transformer", config, torch_dtype=dtype)
-    pipe = load_pipeline(model_dir, cls, dtype, transformer=transformer)
-    compile_model(pipe.transformer, args.compile)
-    with dlo.enable_pipeline(pipe, device, config, plans={"transformer": plan}) as handle:
-        started = time.perf_counter()
-        with torch.inference_mode():
-            result = pipe(**kwargs)
-        seconds = time.perf_counter() - started
-        stats = handle.stats()
-        placement = handle.placement
-    if video:
-        write_video(result.frames[0], output, args.fps)
-    else:
-        write_image(result.images[0], output)
-    print(render_stats(stats, args.steps, seconds, device))
-    print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in placement.items()))
+    job = GenerateJob(model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps)
+    if parallel.mode is not None:
+        return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
+    generated = generate(job, device, args.seed)
+    write_output(job, generated.media, output)
+    print(render_stats(generated.stats, args.steps, generated.seconds, device))
+    print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in generated.placement.items()))
     print(f"wrote {output}")
     return 0

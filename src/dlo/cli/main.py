@@ -13,6 +13,7 @@ from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
 from dlo.cli.library_noise import quiet_other_libraries
+from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
@@ -114,12 +115,40 @@ def _add_generate(commands) -> None:
         "--offline", action="store_true",
         help="use only models already in the Hugging Face cache, never download (also: HF_HUB_OFFLINE=1)",
     )
-    parser.add_argument("--output", required=True, help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos)")
+    parser.add_argument(
+        "--output", required=True,
+        help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos); with --parallel dp rank r writes "
+        "out.rankR.png (for out.png)",
+    )
+    _add_generate_ranks(parser)
     add_device_flags(parser)
     _add_verbose(parser)
-    add_config_flags(parser)
+    add_config_flags(parser, defaults={"use_allgather": "on with --nproc, else off"})
     add_compile_flag(parser)
     parser.set_defaults(run=generate.run)
+
+
+def _add_generate_ranks(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("several ranks (one GPU each on cuda, Gloo processes on cpu)")
+    group.add_argument(
+        "--nproc", type=positive_int, default=1, metavar="N",
+        help="spawn N ranks (NCCL with one GPU each on cuda, Gloo on cpu); needs --parallel. The blocks are "
+        "all-gathered across them (each holds 1/N) unless --no-use-allgather",
+    )
+    group.add_argument(
+        "--parallel", choices=[p.value for p in Parallel],
+        help="dp: each rank generates with seed + rank and writes its own output; sp: one output, every rank "
+        "runs the call on its slice of the sequence (diffusers' context parallelism), rank 0 writes",
+    )
+    group.add_argument(
+        "--ulysses", type=positive_int, metavar="N",
+        help="--parallel sp: Ulysses attention over N ranks (default: over all --nproc, without --ring)",
+    )
+    group.add_argument(
+        "--ring", type=positive_int, metavar="N",
+        help="--parallel sp: ring attention over N ranks; with --ulysses, ulysses x ring must equal --nproc. Needs "
+        "an attention backend with log-sum-exp (DIFFUSERS_ATTN_BACKEND=_native_cudnn, flash...)",
+    )
 
 
 def _add_serve(commands) -> None:
