@@ -123,8 +123,7 @@ def _placed(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _span(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-    """`nbytes` bytes of `tensor`'s storage from `start`, as a view of `tensor` (an ordinary
-    tensor even in inference mode, like every view of one)."""
+    """`nbytes` bytes of `tensor`'s storage from `start`, as a view of `tensor`."""
     return tensor.reshape(-1).view(torch.uint8).as_strided((nbytes,), (1,), start)
 
 
