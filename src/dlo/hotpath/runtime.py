@@ -37,8 +37,9 @@ class StreamingRuntime:
         direct: bool = False,
     ) -> None:
         """`stager`: packs mapped blocks into pinned staging buffers. `direct`: the mapping is
-        registered, so mapped blocks are copied tensor by tensor straight into the slot (or,
-        with float8 weights, the landing buffer: See [Note: fp8 landing])."""
+        registered, so mapped blocks are copied straight into the slot (or, with float8
+        weights, the landing buffer: See [Note: fp8 landing]), as few copies as the mapping's
+        layout allows (See [Note: one copy per block])."""
         self.blocks = tuple(blocks)
         # Per landing buffer, each float8 block's (data, scale) views and, for a mapped block,
         # its copies into that buffer: made once, like the slot views.
@@ -90,7 +91,7 @@ class StreamingRuntime:
             ]
             for slot in self.slots
         ]
-        # Registered mapping: each (slot, block)'s per-tensor copies, made once like the views.
+        # Registered mapping: each (slot, block)'s copies, made once like the views.
         self._direct = (
             [
                 [
