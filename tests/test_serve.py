@@ -107,6 +107,15 @@ def _start(base: str, body: dict) -> tuple[threading.Thread, dict]:
     return worker, answer
 
 
+def _resume_and_wait_idle(base, replica):
+    """SIGCONT the stopped replica and wait until it finished its job (whose result is dropped)."""
+    os.kill(replica, signal.SIGCONT)
+    deadline = time.monotonic() + 120
+    while _call(f"{base}/health")[1]["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
 def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_done(server):
     base, _ = server
     replica = _call(f"{base}/health")[1]["replica_pids"][0]
@@ -123,11 +132,7 @@ def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_do
         assert _call(f"{base}/health")[1]["pending"] == 1
         assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 429
     finally:
-        os.kill(replica, signal.SIGCONT)
-    deadline = time.monotonic() + 120  # the replica finishes the job; its result is dropped
-    while _call(f"{base}/health")[1]["pending"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+        _resume_and_wait_idle(base, replica)
     status, body, _ = _call(f"{base}/v1/images/generations", REQUEST)
     assert status == 200 and len(body["data"]) == 1
 
@@ -181,11 +186,7 @@ def test_a_client_that_hangs_up_stops_its_request_waiting(server):
         after = _metrics(base)
         assert after.get('dlo_serve_requests_total{status="504"}', 0) == before.get('dlo_serve_requests_total{status="504"}', 0)
     finally:
-        os.kill(replica, signal.SIGCONT)
-    deadline = time.monotonic() + 120  # the replica finishes the job; its result is dropped
-    while _call(f"{base}/health")[1]["pending"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+        _resume_and_wait_idle(base, replica)
     assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
 
 
