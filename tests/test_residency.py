@@ -220,6 +220,29 @@ def test_any_resident_set_is_bit_identical_before_and_after_it_changes(tiny_pair
     assert stats.resident_blocks == 0
 
 
+@pytest.mark.parametrize("when", ["enable", "replace_slots"])
+def test_slots_made_under_inference_mode_take_copies_in_later_no_grad_calls(tiny_pair, when):
+    """A CUDA load copies into the slots and the views made of them with torch's `copy_`,
+    which refuses inference tensors outside inference mode: made in a call under
+    inference_mode (enable() there, or automatic residency replacing the slots in a hook),
+    they must still take copies in a later call under no_grad."""
+    reference, streamed, entry = tiny_pair("wan")
+    expected = outputs(reference, entry, calls=1)
+    with torch.inference_mode():
+        handle = dlo.enable(streamed, "cpu")
+        runtime = handle._runtime
+        if when == "replace_slots":
+            runtime.replace_slots(3, runtime.blocks[0].layout.nbytes)
+    with handle, torch.no_grad():
+        for slot, views in zip(runtime.slots, runtime._views):
+            slot.buffer.copy_(torch.full_like(slot.buffer, 7))
+            for view in filter(None, views):
+                for tensor in view:
+                    tensor.copy_(torch.zeros_like(tensor))
+        got = streamed(**entry.inputs(0, torch.float32, "cpu"))[0]
+    assert torch.equal(expected[0], got)
+
+
 def test_a_budget_below_what_streaming_needs_is_refused_before_anything_moves(tiny_pair):
     _, streamed, _ = tiny_pair("flux")
     before = {name: p.data_ptr() for name, p in streamed.named_parameters()}

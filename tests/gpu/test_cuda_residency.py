@@ -58,3 +58,22 @@ def test_auto_residency_is_bit_identical_and_within_the_budget_on_cuda(name):
     assert stats.peak_device_bytes <= residency.budget_bytes
     if name == "wan":
         assert 1 <= len(residency.resident) < len(summary.blocks)
+
+
+@pytest.mark.parametrize("when", ["enable", "replace_slots"])
+def test_slots_made_under_inference_mode_serve_later_no_grad_calls_on_cuda(when):
+    """The copy stream's `copy_` into a slot refuses an inference tensor outside inference
+    mode: slots made under it (enable() there, or replaced by automatic residency inside a
+    call) must still load blocks in a later call under no_grad."""
+    entry = TINY_MODELS["wan"]
+    reference = entry.build(seed=0, dtype=torch.bfloat16)
+    streamed = copy.deepcopy(reference)
+    expected = outputs(reference.cuda(), entry, [1])
+    with torch.inference_mode():
+        handle = dlo.enable(streamed, "cuda")
+        if when == "replace_slots":
+            runtime = handle._runtime
+            runtime.replace_slots(3, runtime.blocks[0].layout.nbytes)
+    with handle, torch.no_grad():
+        got = streamed(**entry.inputs(1, torch.bfloat16, "cuda"))[0]
+    assert torch.equal(expected[0], got)

@@ -19,8 +19,11 @@ def _driver():  # the CUDA runtime; tests substitute a fake driver here
     return torch.cuda.cudart()
 
 
+@torch.inference_mode(False)
 def aligned_empty(nbytes: int, device: torch.device, alignment: int = ALIGNMENT) -> torch.Tensor:
-    """A flat uint8 tensor of `nbytes` whose first byte sits at a multiple of `alignment`."""
+    """A flat uint8 tensor of `nbytes` whose first byte sits at a multiple of `alignment`.
+    Never an inference tensor, even when allocated during a call under inference mode (e.g.
+    automatic residency): later calls may run under no_grad and copy into it."""
     # See [Note: 512-byte alignment]
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
     skip = (-raw.data_ptr()) % alignment

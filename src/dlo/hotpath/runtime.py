@@ -26,6 +26,10 @@ from dlo.planning.wire_layout import landing_views, wire_targets
 
 
 class StreamingRuntime:
+    # Views of slots and landing buffers, and the copies into them, are made once and used by
+    # every later call. Made under inference mode they would be inference tensors that a call
+    # under no_grad cannot copy into, so they are always made outside it.
+    @torch.inference_mode(False)
     def __init__(
         self,
         blocks: Sequence[StreamedBlock],
@@ -211,6 +215,7 @@ class StreamingRuntime:
         block.point_at(block.placeholders)
         return memory.numel()
 
+    @torch.inference_mode(False)  # See StreamingRuntime.__init__
     def replace_slots(self, count: int, nbytes: int) -> None:
         """Stream through `count` new slots of `nbytes` each (0: every block is to be
         promoted before the next call). Between calls: the old slots are dropped after the
