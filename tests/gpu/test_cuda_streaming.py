@@ -130,6 +130,40 @@ def test_slot_reuse_never_races_with_compute():
         assert handle.stats().copies == 6 * 5 + 1
 
 
+class _Alternating(nn.Module):
+    """Blocks of two sizes in turn, so every load changes a slot's size class: the slot's
+    buffer goes back to the allocator and a new one is taken each time, while the previous
+    block's kernels still run and the activations take whatever memory was freed."""
+
+    def __init__(self, depth=8, width=2048):
+        super().__init__()
+        inner = [width * (4 if i % 2 == 0 else 1) for i in range(depth)]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, n), nn.GELU(), nn.Linear(n, width)) for n in inner
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            for _ in range(4):
+                x = block(x) / 8
+        return x
+
+
+def test_slots_changing_size_class_at_every_block_never_race_with_compute():
+    torch.manual_seed(0)
+    reference = _Alternating().half()
+    streamed = copy.deepcopy(reference)
+    reference.cuda()
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.half)
+    with torch.inference_mode():
+        expected = reference(x)
+    with dlo.enable(streamed, "cuda") as handle, torch.inference_mode():
+        for _ in range(5):
+            assert torch.equal(streamed(x), expected)
+        sizes = {slot.buffer.numel() for slot in handle._runtime.slots}
+    assert len(sizes) == 2  # at the end, one slot of each class: the buffers did change
+
+
 class _FailingDriver:
     """The real CUDA runtime, except that the third cudaHostRegister is refused."""
 

@@ -181,11 +181,18 @@ class AutoResidency:
         costs = _per_class(sizes, measured, [runtime.blocks[i].wire.nbytes for i in streamed])
         between_s = max(0.0, call_s - sum(measured) - exposed_s)
         peak = self._peak_bytes()
-        slots_now = sum(slot.buffer.numel() for slot in runtime.slots)
+        # The slots at the peak's moment. Without an allocator the peak is dlo's own count, the
+        # slots at their capacity; a device's measured peak may fall where each slot held the
+        # smallest streamed block (a slot follows its block's size class: See [Note: slots per
+        # size class]), and assuming so never underestimates the rest of the process.
+        if self._device_limit is None:
+            slots_at_peak = runtime.slot_bytes
+        else:
+            slots_at_peak = len(runtime.slots) * min((runtime.blocks[i].slot_bytes for i in streamed), default=0)
         budget = self.budget_bytes
         if self._device_limit is not None:  # memory taken since enable() outside the allocator
             budget = min(budget, self._device_limit())
-        available = int(budget * (1 - HEADROOM)) - (peak - slots_now)
+        available = int(budget * (1 - HEADROOM)) - (peak - slots_at_peak)
         # No copies measured (every block fit in the slots): the link rate does not matter.
         bytes_per_s = copied / load_s if copied and load_s > 0 else float("inf")
         local = {i: n for n, i in enumerate(streamed)}
@@ -199,7 +206,7 @@ class AutoResidency:
             candidates=[local[i] for i in streamed if i in self._candidates],
         )
         measured_report = dict(
-            activation_bytes=max(0, peak - slots_now - self._weight_bytes - _promoted_bytes(runtime)),
+            activation_bytes=max(0, peak - slots_at_peak - self._weight_bytes - _promoted_bytes(runtime)),
             link_gbps=bytes_per_s / 1e9 if copied else None,
             block_compute_s=tuple(measured),
         )
@@ -257,7 +264,7 @@ class AutoResidency:
 
 
 def _slot_shape(runtime: StreamingRuntime) -> tuple[int, int]:
-    return len(runtime.slots), runtime.slots[0].buffer.numel() if runtime.slots else 0
+    return len(runtime.slots), runtime.slot_capacity
 
 
 def _per_class(sizes: list[int], measured: list[float], link_bytes: list[int]) -> list[BlockCost]:

@@ -219,11 +219,3 @@ def landing_bytes(block: StreamedBlock) -> int:
     if isinstance(block.source, ShardSource):
         return block.source.shard_bytes * block.source.size
     return block.wire.nbytes
-
-
-def slot_bytes(block: StreamedBlock) -> int:
-    """All-gather mode gathers an unquantized block straight into its slot (all the padded
-    shards); a float8 block is gathered into a landing buffer and dequantized into the slot."""
-    if isinstance(block.source, ShardSource) and not block.wire.quantized:
-        return block.source.shard_bytes * block.source.size
-    return block.layout.nbytes

@@ -26,7 +26,6 @@ from dlo.backend.block_binding import (
     quantizes_privately,
     refuse_shared,
     shard_block,
-    slot_bytes,
 )
 from dlo.backend.device import resolve_device
 from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
@@ -262,7 +261,7 @@ def enable(
             streamed = _bind_blocks(blocks, bound_plan, gather_group, pin, device, fp8_format(config), undo)
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         transfer = make_transfer(device)
-        slot_size = max((slot_bytes(b) for b in streamed), default=0)
+        slot_size = max((b.slot_bytes for b in streamed), default=0)
         slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
         # See [Note: fp8 landing]
         undo.callback(transfer.drop_landings)  # a failed enable() drops them with the exception
@@ -343,6 +342,5 @@ def _cuda_limit(device: torch.device) -> int:
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
     landing = sum(buffer.numel() for buffer in runtime.transfer.landings)
-    slots = sum(s.buffer.numel() for s in runtime.slots)
-    return weight_bytes + landing + slots + sum(m.numel() for m in runtime.promoted.values())
+    return weight_bytes + landing + runtime.slot_bytes + sum(m.numel() for m in runtime.promoted.values())
 

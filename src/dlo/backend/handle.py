@@ -170,7 +170,7 @@ class OffloadHandle:
         ledger = runtime.ledger
         ledger.settle()
         registered = self._registration.registration
-        slot_bytes = sum(slot.buffer.numel() for slot in runtime.slots)
+        slot_bytes = runtime.slot_bytes
         landing_bytes = sum(buffer.numel() for buffer in runtime.transfer.landings)
         device_weight_bytes = (
             self._device_weight_bytes + slot_bytes + landing_bytes + sum(m.numel() for m in runtime.promoted.values())

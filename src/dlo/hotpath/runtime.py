@@ -25,6 +25,23 @@ from dlo.planning.slot_planner import Load, SlotPlanner
 from dlo.planning.wire_layout import landing_views, wire_targets
 
 
+# [Note: slots per size class]
+# Models with blocks of two sizes (Flux: double blocks of 679 MB, single blocks of 283 MB at
+# 12B) would otherwise hold every slot at the larger size through the smaller blocks' phase,
+# whose activations are the larger ones: the peak becomes large slots + large activations.
+# So a slot's buffer follows the size of the block loaded into it: when a block needs more
+# than the buffer holds, or less than `_SHRINK_BELOW` of it, the buffer goes back to the
+# caching allocator and one of the block's size is taken (never more than `slot_capacity`).
+# That is allocator traffic at size-class changes only (Flux: each slot twice a call), served
+# from the allocator's cache after the first call; blocks of one class reuse the buffer, and a
+# model of one block size never changes it. The old buffer is released on the compute
+# stream after it waited for the buffer's last write (`retire_slot`: a block loaded but never
+# run may still be landing), and the new one is written only after the compute stream's work
+# queued so far (`allocate_slot` records the slot free there), so memory the allocator hands
+# over between streams is never written and read at once.
+_SHRINK_BELOW = 0.8
+
+
 class StreamingRuntime:
     # Views of slots and landing buffers, and the copies into them, are made once and used by
     # every later call. Made under inference mode they would be inference tensors that a call
@@ -60,12 +77,11 @@ class StreamingRuntime:
             ]
             for landing in transfer.landings
         ]
-        self.slots = tuple(slots)
         self.transfer = transfer
         self.ledger = ledger
         self.stager = stager
         self.gather = gather
-        self.planner = SlotPlanner(len(self.blocks), len(self.slots), lockstep=gather is not None)
+        self.planner = SlotPlanner(len(self.blocks), len(slots), lockstep=gather is not None)
         # All-gather mode only. See [Note: lockstep schedule]
         self._calls = 0  # agreements issued
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
@@ -73,45 +89,68 @@ class StreamingRuntime:
         # Issued at the end of the previous call, with the next call's first loads: read when
         # the next call starts. None: issue it then.
         self._next_agreement: Agreement | None = None
-        self._plan_digest = plan_digest(len(self.slots), self.blocks)
+        self._plan_digest = plan_digest(len(slots), self.blocks)
         self.pack_s = 0.0
         self._direct_copies = direct
-        self._use_slots(self.slots)
+        self._use_slots(slots)
         self._staged: dict[int, list[tuple[str, int, Future[StagedCopy]]]] = {}
         self._compute_start: dict[int, Any] = {}
         self.promoted: dict[int, torch.Tensor] = {}  # block index -> its own device memory
 
     def _use_slots(self, slots: Sequence[DeviceSlot]) -> None:
-        self.slots = tuple(slots)
-        # Views of every block in every slot, made once: the hot path only assigns `.data`,
-        # and views made here are ordinary tensors even when calls run in inference mode.
-        # None: a block larger than the slots (resident, or demoted before replace_slots()).
-        self._views = [
-            [
-                tuple(view_placement(slot.buffer, p) for p in block.layout.placements)
-                if block.layout.nbytes <= slot.buffer.numel()
-                else None
-                for block in self.blocks
-            ]
-            for slot in self.slots
-        ]
+        self.slots = list(slots)
+        # What every slot is sized for, the largest streamed block; a slot's buffer is that or,
+        # between blocks of a smaller size class, smaller. See [Note: slots per size class]
+        self.slot_capacity = self.slots[0].buffer.numel() if self.slots else 0
+        # Views of every block in every slot, made once per buffer: the hot path only assigns
+        # `.data`. None: a block larger than the slot's buffer.
+        self._views = [self._views_in(slot) for slot in self.slots]
         # Registered mapping: each (slot, block)'s copies, made once like the views.
-        self._direct = (
-            [
-                [
-                    b.source.copy_tasks(wire_targets(b.layout, b.wire, slot.buffer, slot.buffer[:0]), whole=True)
-                    if isinstance(b.source, MappedSource)
-                    and not b.wire.quantized
-                    and b.layout.nbytes <= slot.buffer.numel()
-                    else []
-                    for b in self.blocks
-                ]
-                for slot in self.slots
-            ]
-            if self._direct_copies
-            else None
-        )
+        self._direct = [self._direct_copies_into(slot) for slot in self.slots] if self._direct_copies else None
         self._copy_end: list[Any] = [None] * len(self.slots)
+
+    def _views_in(self, slot: DeviceSlot) -> list[tuple[torch.Tensor, ...] | None]:
+        size = slot.buffer.numel()
+        return [
+            tuple(view_placement(slot.buffer, p) for p in b.layout.placements) if b.layout.nbytes <= size else None
+            for b in self.blocks
+        ]
+
+    def _direct_copies_into(self, slot: DeviceSlot) -> list[list[CopyTask]]:
+        size = slot.buffer.numel()
+        return [
+            b.source.copy_tasks(wire_targets(b.layout, b.wire, slot.buffer, slot.buffer[:0]), whole=True)
+            if isinstance(b.source, MappedSource) and not b.wire.quantized and b.layout.nbytes <= size
+            else []
+            for b in self.blocks
+        ]
+
+    @property
+    def slot_bytes(self) -> int:
+        """The most device memory the slots hold at once."""
+        return len(self.slots) * self.slot_capacity
+
+    @torch.inference_mode(False)  # See StreamingRuntime.__init__
+    def _fit_slot(self, slot_index: int, index: int) -> None:
+        """Give slot `slot_index` a buffer of block `index`'s size class before loading it.
+        See [Note: slots per size class]"""
+        need = self.blocks[index].slot_bytes
+        size = self.slots[slot_index].buffer.numel()
+        if need <= size and need >= _SHRINK_BELOW * size:
+            return
+        if need > self.slot_capacity:
+            raise StreamingError(f"streamed block {self.blocks[index].name!r} is larger than the slots")
+        self._finish_staged(slot_index)  # nothing queued may write the old buffer later
+        # Every reference to the old buffer goes before the new one is taken, so the two are
+        # never held at once. If taking it fails, the slot stays empty: its next load tries again.
+        self.slots[slot_index] = self.transfer.retire_slot(self.slots[slot_index])
+        self._views[slot_index] = [None] * len(self.blocks)
+        if self._direct is not None:
+            self._direct[slot_index] = [[] for _ in self.blocks]
+        self.slots[slot_index] = slot = self.transfer.allocate_slot(need)
+        self._views[slot_index] = self._views_in(slot)
+        if self._direct is not None:
+            self._direct[slot_index] = self._direct_copies_into(slot)
 
     def before_block(self, index: int) -> None:
         if torch.is_grad_enabled():
@@ -331,6 +370,7 @@ class StreamingRuntime:
             for index in remaining:
                 source = self.blocks[index].source
                 assert isinstance(source, ShardSource)
+                self._fit_slot(0, index)
                 if self.blocks[index].wire.quantized:  # gathered in a landing buffer, not dequantized
                     self.gather.load_landed(self.slots[0], source, lambda k: None)
                 else:
@@ -349,12 +389,11 @@ class StreamingRuntime:
 
     def _load(self, load: Load) -> None:
         block = self.blocks[load.block]
-        slot = self.slots[load.slot]
         nbytes = block.wire.nbytes
         source = block.source
         with torch.profiler.record_function(f"dlo::h2d ({block.name})"):
-            if block.wire.quantized and self._views[load.slot][load.block] is None:
-                raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+            self._fit_slot(load.slot, load.block)
+            slot = self.slots[load.slot]
             if isinstance(source, PackedSource):
                 start, end, ready = self._send(load.block, load.slot, source.host.tensor)
             elif isinstance(source, ShardSource):

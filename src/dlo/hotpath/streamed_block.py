@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import BlockSource
+from dlo.host.block_sources import BlockSource, ShardSource
 from dlo.planning.block_layout import BlockLayout
 from dlo.planning.wire_layout import WireLayout
 
@@ -36,6 +36,15 @@ class StreamedBlock:
     bindings: tuple[Binding, ...]  # every (owner, key) that holds one of them
     source: BlockSource
     placeholders: tuple[torch.Tensor, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        """The slot memory the block needs: its layout, or in all-gather mode, where an
+        unquantized block is gathered straight into its slot, all the padded shards (a float8
+        block is gathered into a landing buffer and dequantized into the slot)."""
+        if isinstance(self.source, ShardSource) and not self.wire.quantized:
+            return self.source.shard_bytes * self.source.size
+        return self.layout.nbytes
 
     def restore(self) -> None:
         """Give the block ordinary CPU tensors again (disable(), or a failed enable())."""

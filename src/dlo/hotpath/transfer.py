@@ -65,7 +65,18 @@ class CudaTransfer:
         # Slots are held until disable() or replace_slots(), which drop them only after
         # synchronizing the device: the caching allocator never gets their memory back while
         # a copy into them is in flight on the copy stream.
-        return DeviceSlot(aligned_empty(nbytes, self.device), torch.cuda.Event(), torch.cuda.Event())
+        slot = DeviceSlot(aligned_empty(nbytes, self.device), torch.cuda.Event(), torch.cuda.Event())
+        # The allocator may hand over memory that work queued on the compute stream still
+        # uses: the slot is written only after that work. See [Note: slots per size class]
+        slot.free.record(self.compute_stream())
+        return slot
+
+    def retire_slot(self, slot: DeviceSlot) -> DeviceSlot:
+        """`slot` without its buffer, which returns to the caching allocator (to the compute
+        stream, where it was allocated) once the caller drops it: the compute stream first
+        waits for the buffer's last write, pending if its block never ran."""
+        self.compute_stream().wait_event(slot.ready)
+        return DeviceSlot(torch.empty(0, dtype=torch.uint8, device=self.device), slot.ready, slot.free)
 
     def allocate_landings(self, nbytes: int) -> None:
         """Two device buffers of `nbytes` that blocks with float8 weights land in (none when
@@ -181,6 +192,9 @@ class SyncTransfer:
 
     def allocate_slot(self, nbytes: int) -> DeviceSlot:
         return DeviceSlot(aligned_empty(nbytes, self.device), None, None)
+
+    def retire_slot(self, slot: DeviceSlot) -> DeviceSlot:
+        return DeviceSlot(torch.empty(0, dtype=torch.uint8, device=self.device), None, None)
 
     def allocate_landings(self, nbytes: int) -> None:
         self.landings = (aligned_empty(nbytes, self.device),) if nbytes else ()
