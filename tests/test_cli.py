@@ -143,6 +143,15 @@ def test_help_lists_every_config_field(command, capsys):
             assert f"--no-{spec.name.replace('_', '-')}" in out
 
 
+@pytest.mark.parametrize(("command", "shown"), [("generate", "False"), ("serve", "True")])
+def test_help_shows_the_commands_own_default_of_the_host_weight_cache(command, shown, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"copies its shards out of it) (default: {shown}) --cache-dir" in text
+    assert "--fp8-skip FP8_SKIP" in text and "the flag once per pattern (default: none)" in text
+
+
 def test_demo_from_a_temporary_checkpoint(tmp_path, capsys):
     saved = tmp_path / "outputs.pt"
     argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--from-checkpoint", "--save-outputs", str(saved)]

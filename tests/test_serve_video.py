@@ -6,8 +6,10 @@ import inspect
 import io
 import os
 import signal
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +32,10 @@ VIDEO = {
 }
 ENDLESS_STEPS = 100_000  # a job that only a cancel ends within the test's deadlines
 MAX_QUEUE = 2
+# The tiny Wan transformer made wider: 12 blocks of 4_207_104 float32 parameters (16.8 MB), 201.9 MB
+# of blocks in all (tests/test_page_sharing.py counts them): far above a replica's private noise.
+WIDE = dict(num_attention_heads=8, attention_head_dim=64, ffn_dim=2048, num_layers=12)
+MB = 1e6
 
 
 @pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
@@ -38,6 +44,20 @@ def server(tiny_wan_dir, tmp_path_factory):
     flags = ["--replicas", "2", "--max-queue", str(MAX_QUEUE), "--max-steps", str(ENDLESS_STEPS)]
     with running_server(tiny_wan_dir, cache, tmp_path_factory.mktemp("serve-video-log"), flags) as running:
         yield running  # its last test drains it: it has exited by the teardown
+
+
+@pytest.fixture(scope="module")
+def wide_wan(tiny_wan_dir, tmp_path_factory) -> tuple[Path, int]:
+    """(the tiny Wan pipeline with its transformer made WIDE, the bytes of that transformer's blocks)."""
+    from diffusers import WanTransformer3DModel
+
+    directory = tmp_path_factory.mktemp("pipelines") / "wide-wan"
+    shutil.copytree(tiny_wan_dir, directory, ignore=shutil.ignore_patterns("transformer"))
+    torch.manual_seed(0)
+    config = WanTransformer3DModel.load_config(tiny_wan_dir / "transformer")
+    transformer = WanTransformer3DModel.from_config({**config, **WIDE})
+    transformer.save_pretrained(directory / "transformer")
+    return directory, sum(p.numel() * p.element_size() for p in transformer.blocks.parameters())
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +303,60 @@ def test_a_video_request_to_an_image_pipeline_is_refused_naming_the_endpoint(tin
     parameters = frozenset(inspect.signature(diffusers.FluxPipeline.__call__).parameters)
     with pytest.raises(RequestError, match="FluxPipeline makes images, not videos: use POST /v1/images/generations"):
         pipeline_kwargs(VideoRequest(prompt="a red cube"), rules, limits, parameters)
+
+
+def _mappings(pid: int) -> list[dict]:
+    """/proc/PID/smaps: each mapping's file ("path", "" if anonymous) and its sizes in bytes."""
+    mappings: list[dict] = []
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            mappings.append({"path": fields[5] if len(fields) > 5 else ""})
+        elif len(fields) == 3 and fields[2] == "kB":
+            mappings[-1][fields[0][:-1]] = int(fields[1]) * 1024
+    return mappings
+
+
+def _private_dirty(pid: int) -> int:
+    return sum(mapping["Private_Dirty"] for mapping in _mappings(pid))
+
+
+def test_two_replicas_map_one_copy_of_the_blocks_from_the_cache(server, wide_wan, tmp_path):
+    """A server of the WIDE pipeline, 2 replicas through the host weight cache, each runs a job.
+
+    Private_Dirty (what a process wrote itself: where a private copy of the blocks would be)
+    of each wide replica, over a baseline: the most of the module's server's replicas, which
+    run the same pipeline class, text encoder and VAE (same imports), with blocks of KBs:
+        extra = Private_Dirty(wide replica) - max Private_Dirty(tiny replica)
+    A replica that maps the blocks adds its 2 slots (2 x 16.8 MB), wider activations and
+    allocator noise: extra measured 40-50 MB. One that holds its own copy adds every block
+    as well (201.9 MB; extra measured 240-250 MB with --no-host-weight-cache
+    --no-checkpoint-mmap). The bound is half the blocks: extra < blocks / 2 (101 MB).
+    And per mapping (/proc/PID/smaps): the cache entry's file mapping of each replica holds
+    every block page as Shared_Clean, i.e. pages the other replica maps too: one copy, two
+    mappings (with --no-host-weight-cache no replica maps the cache, and this fails)."""
+    directory, block_bytes = wide_wan
+    baseline = max(_private_dirty(pid) for pid in call(f"{server.base}/health")[1]["replica_pids"])
+    cache = tmp_path / "cache"
+    with running_server(directory, cache, tmp_path, ["--replicas", "2", "--max-queue", "0"]) as (base, _):
+        pids = call(f"{base}/health")[1]["replica_pids"]
+        with _stopped(pids):  # both replicas idle at the 2 submits: one job each
+            ids = [call(f"{base}/v1/videos", {**VIDEO, "seed": k})[1]["id"] for k in range(2)]
+        for video_id in ids:
+            job = _wait_for(base, video_id, lambda j: j["status"] not in ("queued", "running"), "finished")
+            assert job["status"] == "completed"
+        entries = [str(entry) for entry in (cache / "v1").iterdir()] if (cache / "v1").is_dir() else []
+        for pid in pids:
+            extra = _private_dirty(pid) - baseline
+            assert extra < block_bytes / 2, (
+                f"replica {pid}: Private_Dirty {extra / MB:.1f} MB over the baseline; the blocks are "
+                f"{block_bytes / MB:.1f} MB: it holds a private copy"
+            )
+            shared = sum(m["Shared_Clean"] for m in _mappings(pid) if any(m["path"].startswith(e) for e in entries))
+            assert shared >= block_bytes, (
+                f"replica {pid}: {shared / MB:.1f} MB of the cache entry {entries} shared with the other replica; "
+                f"the blocks are {block_bytes / MB:.1f} MB"
+            )
 
 
 def test_sigterm_drains_the_held_jobs_then_exits_0(server):

@@ -36,8 +36,15 @@ def add_config_flags(
         if only is not None and spec.name not in only:
             continue
         flags = ["--" + spec.name.replace("_", "-"), *spec.metadata.get("aliases", ())]
-        shown = defaults.get(spec.name, "unset" if spec.default is None else spec.default)
-        help_text = f"{spec.metadata['help']} (default: {shown})"
+        if spec.name in defaults:
+            shown = defaults[spec.name]
+        elif spec.default is None:
+            shown = "unset"
+        elif spec.type == "tuple[str, ...]":  # appended to: the flag's own default is None
+            shown = "none"
+        else:  # filled in when the help is printed: a command's set_defaults (serve's cache) shows
+            shown = "%(default)s"
+        help_text = f"{spec.metadata['help'].replace('%', '%%')} (default: {shown})"
         if spec.name in defaults:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif spec.type in (bool, "bool"):
