@@ -195,14 +195,20 @@ class BlockGather:
 
     def unfinished(self) -> bool:
         """Whether a collective issued has not completed (the watch's thread asks)."""
-        return self.in_collective or (self._issued is not None and not self._issued.query())
+        if self.in_collective:
+            return True
+        if self._issued is None:
+            return False
+        with torch.cuda.device(self._transfer.device):  # the asking thread's device may be another
+            return not self._issued.query()
 
     def _gather(self, whole: torch.Tensor, own: torch.Tensor) -> None:
         if self.size == 1:
             whole.copy_(own)
             return
         assert self.watch is not None
-        self.watch.raise_if_lost()
+        if self.watch.lost is not None:
+            self.watch.raise_if_lost()
         if self._failed is not None:
             raise StreamingError(self._failed)
         self.in_collective = True
