@@ -156,11 +156,19 @@ def stopped_mid_wave(rank: int, world: int, grace_s: float | None = None, stderr
     if stderr is not None and rank == 0:
         os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     model = TINY_MODELS["wan"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+
+    def stop(*_: object) -> None:
+        if calls:
+            # Its watch first ends its beat: stopped inside a store operation, the process
+            # would hold the FileStore's lock and stall its peers' watches too.
+            watch = handle._runtime.gather.watch
+            watch.stop()
+            watch._thread.join()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
     if rank == world - 1:
-        model.blocks[1].register_forward_pre_hook(
-            lambda *_: os.kill(os.getpid(), signal.SIGSTOP) if calls else None, prepend=True
-        )
+        model.blocks[1].register_forward_pre_hook(stop, prepend=True)
     calls = []
     with torch.inference_mode():
         model(**TINY_MODELS["wan"].inputs(0))

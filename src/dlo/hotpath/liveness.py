@@ -98,6 +98,7 @@ class RankWatch:
         the verdict if there is one."""
         self._caller = threading.get_ident()
         if self._thread is None:
+            self._store.add(_key(self.rank), 1)  # beat once now: a rank that dies early still beat
             self._thread = threading.Thread(target=self._run, name=f"dlo-rank-watch-{self.role}", daemon=True)
             self._thread.start()
         self.raise_if_lost()
