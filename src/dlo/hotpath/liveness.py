@@ -15,25 +15,29 @@ So every rank of a group of two or more runs a RankWatch thread from its first c
 - Heartbeat: every `period_s` it adds 1 to its counter `dlo-alive/<rank>` in the process
   group's own store (nothing new to set up) and reads its peers' counters.
 - Verdict: a peer whose counter has not moved for T/2 (T for a peer never heard from: it may
-  still be loading) while this rank has a collective of dlo's unfinished is lost. T/2, so
-  that dlo acts before NCCL's watchdog, whose slow teardown the process could then be stuck
-  behind at exit. Only while a collective is unfinished: a peer that ends its job after a
-  finished call leaves nothing unfinished on the others, so it is never taken for dead.
+  still be loading) while this rank has a collective of dlo's unfinished is lost; a store
+  that stops answering for T/2 (its host rank is gone) is a loss too. T/2: to act before
+  NCCL's watchdog times out the stuck collective, whose 60 s sleep (holding its work list)
+  the process would otherwise wait for when it exits. That holds while the stuck collective
+  was queued less than T/2 before the death (a survivor runs at most a call ahead).
+  Only while a collective is unfinished: a peer that ends its job after a finished call
+  leaves nothing unfinished on the others, so it is never taken for dead.
 - Then: the message is kept, and every later collective of dlo and the next call's start
-  raise it; the group is aborted from a side thread (`ProcessGroup.abort()`: NCCL's
+  raise it. The group is aborted from a side thread (`ProcessGroup.abort()`: NCCL's
   communicator is torn down, its queued kernels end, so the stuck synchronize returns; a
-  pending Gloo operation is not ended by it, and fails at the group's timeout). If no dlo hook raised it within DELIVERY_GRACE_S, it is
-  raised in the thread that runs the calls, unless that thread is inside a collective of
-  dlo's (which raises it when it returns) (`PyThreadState_SetAsyncExc`: as soon as that
-  thread runs Python again). If it is still not delivered EXIT_GRACE_S later (the thread is
-  blocked in C), the watch writes the message to stderr and ends the process with status
-  1, as NCCL's own error handling would, later and without the rank.
-- The survivor's results after the abort are garbage: the StreamingError says the rank
-  cannot continue; the job must be restarted. The group is unusable afterwards.
-When a collective fails at once (Gloo), its error names the rank that stopped beating
-within PROBE_PERIODS heartbeat periods (`name_loss`). Cost on the hot path: one attribute
-test per collective, and on CUDA one event recorded after it (how the watch tells without a
-host wait whether a collective is unfinished).
+  pending Gloo operation is not ended by it and fails at the group's timeout). If no dlo
+  hook raised the verdict within DELIVERY_GRACE_S, it is raised in the thread that runs the
+  calls (`PyThreadState_SetAsyncExc`: as soon as that thread runs Python again), unless that
+  thread is inside a collective of dlo's, which raises it when it returns. If it is still
+  not delivered EXIT_GRACE_S later (the thread is blocked in C), the watch writes it to
+  stderr and ends the process with status 1, as NCCL's own error handling would, later and
+  without naming the rank.
+- After the abort the survivor's queued results are garbage and the group is unusable: the
+  message says so; the job must be restarted.
+When a collective fails at once (Gloo), its error names the peers whose counters did not
+move in PROBE_PERIODS periods (`name_loss`). Cost on the hot path: one attribute test per
+collective, and on CUDA one event recorded after it (how the watch tells, without a host
+wait, whether a collective is unfinished).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.distributed_c10d import _get_process_group_store
 
 from dlo.errors import StreamingError
@@ -66,8 +71,9 @@ class WatchedGather(Protocol):
 def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
     """The timeout the group's backend applies to a collective (init_process_group's or
     new_group's `timeout`)."""
-    backend = group._get_backend(torch.device(device.type))
-    return backend.options._timeout.total_seconds()
+    options = getattr(group._get_backend(torch.device(device.type)), "options", None)
+    # A backend that does not expose its options gets torch's default timeout.
+    return (options._timeout if options is not None else default_pg_timeout).total_seconds()
 
 
 class RankWatch:
