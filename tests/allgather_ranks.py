@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import signal
 import traceback
 from datetime import timedelta
 
@@ -16,14 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 import dlo
+from dlo.hotpath import liveness
 from dlo.models.tiny import TINY_MODELS
 
 
 def rank_main(scenario: str, rank: int, world: int, rendezvous: str, queue, kwargs: dict) -> None:
+    timeout = timedelta(seconds=kwargs.pop("pg_timeout_s", 30))
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
-        )
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timeout)
         result = SCENARIOS[scenario](rank, world, **kwargs)
     except BaseException as err:  # reported, then the process exits
         result = ("raised", type(err).__name__, f"{err}\n{traceback.format_exc()}")
@@ -145,6 +146,37 @@ def die_mid_wave(rank: int, world: int) -> str:
     return "finished"
 
 
+def stopped_mid_wave(rank: int, world: int, grace_s: float | None = None, stderr: str | None = None) -> str:
+    """Like die_mid_wave, but the last rank stops (SIGSTOP) instead of exiting: its sockets
+    stay open, so the others' collective waits out the group's timeout unless dlo's watch
+    ends it. `grace_s`: the watch's graces before it raises in the calling thread and before
+    it ends the process; `stderr`: where rank 0's file descriptor 2 goes."""
+    if grace_s is not None:
+        liveness.DELIVERY_GRACE_S = liveness.EXIT_GRACE_S = grace_s
+    if stderr is not None and rank == 0:
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    model = TINY_MODELS["wan"].build(seed=1)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+
+    def stop(*_: object) -> None:
+        if calls:
+            # Its watch first ends its beat: stopped inside a store operation, the process
+            # would hold the FileStore's lock and stall its peers' watches too.
+            watch = handle._runtime.gather.watch
+            watch.stop()
+            watch._thread.join()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    if rank == world - 1:
+        model.blocks[1].register_forward_pre_hook(stop, prepend=True)
+    calls = []
+    with torch.inference_mode():
+        model(**TINY_MODELS["wan"].inputs(0))
+        calls.append(1)
+        model(**TINY_MODELS["wan"].inputs(1))
+    return "finished"
+
+
 def sp_group(rank: int, world: int) -> dict:
     """DP of size 1 and an SP group of `world`: the SP group rebuilds the blocks."""
     sp = dist.new_group(list(range(world)))
@@ -232,6 +264,7 @@ SCENARIOS = {
     "parity": parity,
     "diverge": diverge,
     "die_mid_wave": die_mid_wave,
+    "stopped_mid_wave": stopped_mid_wave,
     "sp_group": sp_group,
     "from_checkpoint": from_checkpoint,
 }

@@ -1,6 +1,7 @@
 """All-gather mode across real processes and a Gloo group (SPEC §4)."""
 
 import queue as queue_module
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ from child_processes import child_context  # noqa: E402
 TIMEOUT_S = 120  # the harness never waits longer: a hang fails the test
 
 
-def run_ranks(tmp_path, scenario, world, **kwargs):
+def run_ranks(tmp_path, scenario, world, stuck=(), **kwargs):
+    """Every rank runs `scenario`; the ranks in `stuck` never report and are killed once the
+    others did."""
     context = child_context()
     results = context.Queue()
     rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
@@ -33,17 +36,19 @@ def run_ranks(tmp_path, scenario, world, **kwargs):
     collected = {}
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        while len(collected) < world:
+        while len(collected) < world - len(stuck):
             try:
                 rank, result = results.get(timeout=1)
                 collected[rank] = result
             except queue_module.Empty:
-                silent = [p for rank, p in enumerate(processes) if rank not in collected]
+                silent = [p for rank, p in enumerate(processes) if rank not in collected and rank not in stuck]
                 if all(p.exitcode is not None for p in silent):
                     break  # the missing ranks died without reporting
                 if time.monotonic() > deadline:
                     raise AssertionError(f"ranks did not report within {TIMEOUT_S} s (hang?): {collected}") from None
     finally:
+        for rank in stuck:
+            processes[rank].kill()
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
@@ -106,6 +111,38 @@ def test_a_rank_that_dies_mid_wave_makes_the_others_fail_with_a_clear_error(tmp_
     for rank in (0, 1):
         kind, name, text = results[rank]
         assert (kind, name) == ("raised", "StreamingError") and "all-gather in the dp group failed" in text
+        # Named by the heartbeats: the survivors' kept beating, rank 2's stopped.
+        assert "the dp group lost rank 2 (its heartbeat stopped)" in text
+
+
+def test_a_rank_that_stops_mid_wave_is_named_on_its_peer(tmp_path):
+    """Rank 1 stops (SIGSTOP) mid-call: its sockets stay open, so rank 0's collective does not
+    fail at once. Rank 0's watch sees rank 1's heartbeat stop for half the 8 s timeout while
+    the collective is unfinished and gives its verdict; the collective (which Gloo's abort
+    does not end: it times out at 8 s) raises it. See [Note: dead ranks]"""
+    results, _ = run_ranks(tmp_path, "stopped_mid_wave", 2, stuck=(1,), pg_timeout_s=8)
+    kind, name, text = results[0]
+    assert (kind, name) == ("raised", "StreamingError")
+    assert re.search(r"^all-gather mode: the dp group lost rank 1 \(no heartbeat for \d s while rank 0 waited", text)
+    assert "During handling" not in text  # raised once, by the collective, not also by the watch
+
+
+def test_a_survivor_blocked_past_the_graces_is_ended_with_the_verdict(tmp_path):
+    """The same, with the watch's graces cut to 0.2 s (the verdict comes after 5 s of silence,
+    the survivor's Gloo collective only times out at 10 s): the watch writes the verdict to
+    stderr and ends the process with status 1 (NCCL's own teardown would come a minute after
+    the timeout). See [Note: dead ranks]"""
+    stderr = tmp_path / "rank0.stderr"
+    results, exitcodes = run_ranks(
+        tmp_path, "stopped_mid_wave", 2, stuck=(1,), pg_timeout_s=10, grace_s=0.2, stderr=str(stderr)
+    )
+    assert results == {} and exitcodes[0] == 1
+    assert re.search(
+        r"^dlo: all-gather mode: the dp group lost rank 1 \(no heartbeat .*; the thread running the calls stayed "
+        r"blocked, ending the process$",
+        stderr.read_text(),
+        re.MULTILINE,
+    )
 
 
 def test_sp_group_is_used_when_dp_is_one(tmp_path):

@@ -246,6 +246,8 @@ class OffloadHandle:
             self._probe.remove()
         with torch.no_grad():
             runtime.restore_blocks()
+        if runtime.gather is not None:
+            runtime.gather.close()  # after restore_blocks(): its collectives are watched too
         if self._checkpoint is not None:
             failures = release_mapping(self._checkpoint, registered)
             if failures:

@@ -13,11 +13,11 @@ would otherwise wait for them); the call's own start only reads the agreement. A
 forward leaves the schedule (skips or reorders a block, or ends the call early) first issues
 the rest of the call's collectives so its peers can finish, marks itself poisoned and raises;
 it still issues the next agreement and first loads at the call's end, like its peers, so the
-next call's agreement fails on every rank with every collective matched. A rank that dies makes its peers' next collective fail; with Gloo at once (tested), and
-dlo re-raises that as StreamingError naming the group. With NCCL no Python call sees it: the
-survivors' collectives are queued without waiting, and on 2 H200s NCCL's watchdog reported the
-timeout but did not end the process within 30 s; the launcher (torchrun) is what stops the
-survivors (benchmarks/RESULTS.md, issue 8).
+next call's agreement fails on every rank with every collective matched. A rank that dies
+or stops mid-call is named by a StreamingError on every survivor within the group's timeout,
+with Gloo (whose collective fails at once) and with NCCL (where nothing fails in Python
+until NCCL's watchdog ends the process, slowly): See [Note: dead ranks] in
+dlo.hotpath.liveness.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
 from dlo.host.tensor_source import CopyTask
+from dlo.hotpath.liveness import RankWatch, group_timeout_s
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
 
@@ -92,10 +93,18 @@ class BlockGather:
         self._transfer = transfer
         self.collectives = 0
         self.comm_stream = None
+        self._issued = None  # CUDA: recorded after each collective, for `unfinished()`
         if isinstance(transfer, CudaTransfer) and self.size > 1:
             # The communication stream: the all-gather of the next block runs here while the
             # current block computes, and after its shard's H2D on the copy stream.
             self.comm_stream = torch.cuda.Stream(transfer.device)
+            self._issued = torch.cuda.Event()
+        self.in_collective = False  # a collective call is running (Gloo: it returns when it is done)
+        self._failed: str | None = None  # why a collective failed: the group is broken, later ones raise it
+        self.watch = None  # See [Note: dead ranks]
+        if self.group is not None:
+            timeout_s = group_timeout_s(self.group, transfer.device)
+            self.watch = RankWatch(self.group, self.rank, self.size, self.role.value, timeout_s, self)
 
     def load(self, slot: DeviceSlot, shard: ShardSource) -> tuple[Any, Any]:
         """Copy this rank's shard into its place in `slot`, then all-gather the others'.
@@ -155,7 +164,10 @@ class BlockGather:
         place the host waits for the device in all-gather mode, once per call."""
         if agreement.gathered is None:
             return
+        assert self.watch is not None
+        self.watch.serve()
         rows = agreement.gathered.view(self.size, 3).tolist()
+        self.watch.raise_if_lost()  # the read returns once an abort ended the collective: garbage
         if any(row != rows[0] for row in rows) or any(row[2] for row in rows):
             described = "; ".join(
                 f"rank {r}: call {row[0]}, plan {row[1]:x}{', left the schedule' if row[2] else ''}"
@@ -176,15 +188,39 @@ class BlockGather:
         self._gather(whole, own)
         return whole.cpu()
 
+    def close(self) -> None:
+        """Stop the watch (disable())."""
+        if self.watch is not None:
+            self.watch.stop()
+
+    def unfinished(self) -> bool:
+        """Whether a collective issued has not completed (the watch's thread asks)."""
+        if self.in_collective:
+            return True
+        if self._issued is None:
+            return False
+        with torch.cuda.device(self._transfer.device):  # the asking thread's device may be another
+            return not self._issued.query()
+
     def _gather(self, whole: torch.Tensor, own: torch.Tensor) -> None:
         if self.size == 1:
             whole.copy_(own)
             return
+        assert self.watch is not None
+        if self.watch.lost is not None:
+            self.watch.raise_if_lost()
+        if self._failed is not None:
+            raise StreamingError(self._failed)
+        self.in_collective = True
         try:
             _all_gather(whole, own, group=self.group)
         except RuntimeError as err:
-            raise StreamingError(
-                f"all-gather in the {self.role.value} group failed on rank {self.rank}: a peer failed, left or issued "
-                f"another collective ({err})"
-            ) from err
+            self._failed = self.watch.verdict() or (
+                f"all-gather in the {self.role.value} group failed on rank {self.rank}: {self.watch.name_loss()} ({err})"
+            )
+            raise StreamingError(self._failed) from err
+        finally:
+            self.in_collective = False
+        if self._issued is not None:
+            self._issued.record()
         self.collectives += 1
