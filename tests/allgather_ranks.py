@@ -113,11 +113,11 @@ def parity(
     )
 
 
-def diverge(rank: int, world: int) -> list:
+def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0) -> list:
     """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
     and the third call fails on every rank before any block collective."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, gather_chunk_mib=gather_chunk_mib))
     outcomes = []
     for call in range(3):
         skip = [1] if (rank == 1 and call == 1) else None
@@ -237,11 +237,12 @@ SCENARIOS = {
 }
 
 
-def mismatched_slots(rank: int, world: int) -> str:
-    """Rank 0 streams with 3 slots, the others with 2: they would issue different loads, so
-    the first agreement refuses it on every rank."""
+def mismatched(rank: int, world: int, **rank0: object) -> str:
+    """Rank 0 streams with the options `rank0` (e.g. 3 slots, or another chunk size), the
+    others with the defaults: they would issue different loads, so the first agreement
+    refuses it on every rank."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, num_slots=3 if rank == 0 else 2))
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, **(rank0 if rank == 0 else {})))
     try:
         with torch.inference_mode():
             model(**TINY_MODELS["sd3"].inputs(0))
@@ -250,5 +251,46 @@ def mismatched_slots(rank: int, world: int) -> str:
     return "ok"
 
 
-SCENARIOS["mismatched_slots"] = mismatched_slots
+SCENARIOS["mismatched"] = mismatched
 SCENARIOS["sequence_parallel"] = sequence_parallel
+
+
+def chunked(rank: int, world: int, chunks_mib: list[float], stream_dtype: str | None = None) -> dict:
+    """Tiny Flux gathered unchunked, then in chunks of each size of `chunks_mib` (one enable()
+    each): every output against the resident model (quantized with `stream_dtype`) and the
+    unchunked gather, the outputs after disable(), host bytes and collectives per size."""
+    reference = TINY_MODELS["flux"].build(seed=1)
+    seeds = [10 * rank + step for step in range(3)]
+    base = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=0)
+    dlo.quantize_resident(reference, base)
+    expected = _tiny_outputs(reference, "flux", seeds)
+
+    def gathered(chunk_mib: float) -> dict:
+        model = TINY_MODELS["flux"].build(seed=1)
+        handle = dlo.enable(model, "cpu", dataclasses.replace(base, gather_chunk_mib=chunk_mib))
+        outputs = _tiny_outputs(model, "flux", seeds)
+        stats = handle.stats()
+        image_bytes = [b.wire.nbytes for b in handle._runtime.blocks]
+        handle.disable()
+        after = _tiny_outputs(model, "flux", seeds)
+        return dict(
+            outputs=outputs,
+            identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, after)),
+            host_bytes=stats.host_bytes,
+            collectives=stats.collectives,
+            image_bytes=image_bytes,
+        )
+
+    unchunked = gathered(0)
+    results = {}
+    for chunk_mib in [0, *chunks_mib]:
+        got = unchunked if chunk_mib == 0 else gathered(chunk_mib)
+        results[chunk_mib] = dict(
+            identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, got["outputs"])),
+            identical_to_unchunked=all(torch.equal(a, b) for a, b in zip(unchunked["outputs"], got["outputs"])),
+            **{k: v for k, v in got.items() if k != "outputs"},
+        )
+    return results
+
+
+SCENARIOS["chunked"] = chunked
