@@ -294,3 +294,38 @@ def chunked(rank: int, world: int, chunks_mib: list[float], stream_dtype: str | 
 
 
 SCENARIOS["chunked"] = chunked
+
+
+def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
+    """One GPU per rank and an NCCL group: tiny Flux in bf16 (and streamed as float8) gathered
+    unchunked and in chunks of each size of `chunks_mib`, against the resident model."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    nccl = dist.new_group(list(range(world)), backend="nccl")
+    entry = TINY_MODELS["flux"]
+    seeds = [10 * rank + step for step in range(3)]
+
+    def run(model):
+        with torch.inference_mode():
+            return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
+
+    results = {}
+    for stream_dtype in (None, "fp8"):
+        built = entry.build(seed=1, dtype=torch.bfloat16)
+        resident = copy.deepcopy(built).to(device)
+        dlo.quantize_resident(resident, dlo.OffloadConfig(stream_dtype=stream_dtype))
+        expected = run(resident)
+        del resident
+        for chunk_mib in [0, *chunks_mib]:
+            model = copy.deepcopy(built)
+            config = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=chunk_mib)
+            with dlo.enable(model, device, config, groups=dlo.ParallelGroups(dp=nccl)) as handle:
+                got = run(model)
+                collectives = handle.stats().collectives
+            results[(stream_dtype, chunk_mib)] = dict(
+                identical=all(torch.equal(a, b) for a, b in zip(expected, got)), collectives=collectives
+            )
+    return results
+
+
+SCENARIOS["cuda_chunked"] = cuda_chunked
