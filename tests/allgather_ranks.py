@@ -114,11 +114,11 @@ def parity(
     )
 
 
-def diverge(rank: int, world: int) -> list:
+def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0) -> list:
     """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
     and the third call fails on every rank before any block collective."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, gather_chunk_mib=gather_chunk_mib))
     outcomes = []
     for call in range(3):
         skip = [1] if (rank == 1 and call == 1) else None
@@ -270,11 +270,12 @@ SCENARIOS = {
 }
 
 
-def mismatched_slots(rank: int, world: int) -> str:
-    """Rank 0 streams with 3 slots, the others with 2: they would issue different loads, so
-    the first agreement refuses it on every rank."""
+def mismatched(rank: int, world: int, **rank0: object) -> str:
+    """Rank 0 streams with the options `rank0` (e.g. 3 slots, or another chunk size), the
+    others with the defaults: they would issue different loads, so the first agreement
+    refuses it on every rank."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, num_slots=3 if rank == 0 else 2))
+    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, **(rank0 if rank == 0 else {})))
     try:
         with torch.inference_mode():
             model(**TINY_MODELS["sd3"].inputs(0))
@@ -283,5 +284,81 @@ def mismatched_slots(rank: int, world: int) -> str:
     return "ok"
 
 
-SCENARIOS["mismatched_slots"] = mismatched_slots
+SCENARIOS["mismatched"] = mismatched
 SCENARIOS["sequence_parallel"] = sequence_parallel
+
+
+def chunked(rank: int, world: int, chunks_mib: list[float], stream_dtype: str | None = None) -> dict:
+    """Tiny Flux gathered unchunked, then in chunks of each size of `chunks_mib` (one enable()
+    each): every output against the resident model (quantized with `stream_dtype`) and the
+    unchunked gather, the outputs after disable(), host bytes and collectives per size."""
+    reference = TINY_MODELS["flux"].build(seed=1)
+    seeds = [10 * rank + step for step in range(3)]
+    base = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=0)
+    dlo.quantize_resident(reference, base)
+    expected = _tiny_outputs(reference, "flux", seeds)
+
+    def gathered(chunk_mib: float) -> dict:
+        model = TINY_MODELS["flux"].build(seed=1)
+        handle = dlo.enable(model, "cpu", dataclasses.replace(base, gather_chunk_mib=chunk_mib))
+        outputs = _tiny_outputs(model, "flux", seeds)
+        stats = handle.stats()
+        image_bytes = [b.wire.nbytes for b in handle._runtime.blocks]
+        handle.disable()
+        after = _tiny_outputs(model, "flux", seeds)
+        return dict(
+            outputs=outputs,
+            identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, after)),
+            host_bytes=stats.host_bytes,
+            collectives=stats.collectives,
+            image_bytes=image_bytes,
+        )
+
+    unchunked = gathered(0)
+    results = {}
+    for chunk_mib in [0, *chunks_mib]:
+        got = unchunked if chunk_mib == 0 else gathered(chunk_mib)
+        results[chunk_mib] = dict(
+            identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, got["outputs"])),
+            identical_to_unchunked=all(torch.equal(a, b) for a, b in zip(unchunked["outputs"], got["outputs"])),
+            **{k: v for k, v in got.items() if k != "outputs"},
+        )
+    return results
+
+
+SCENARIOS["chunked"] = chunked
+
+
+def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
+    """One GPU per rank and an NCCL group: tiny Flux in bf16 (and streamed as float8) gathered
+    unchunked and in chunks of each size of `chunks_mib`, against the resident model."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    nccl = dist.new_group(list(range(world)), backend="nccl")
+    entry = TINY_MODELS["flux"]
+    seeds = [10 * rank + step for step in range(3)]
+
+    def run(model):
+        with torch.inference_mode():
+            return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
+
+    results = {}
+    for stream_dtype in (None, "fp8"):
+        built = entry.build(seed=1, dtype=torch.bfloat16)
+        resident = copy.deepcopy(built).to(device)
+        dlo.quantize_resident(resident, dlo.OffloadConfig(stream_dtype=stream_dtype))
+        expected = run(resident)
+        del resident
+        for chunk_mib in [0, *chunks_mib]:
+            model = copy.deepcopy(built)
+            config = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=chunk_mib)
+            with dlo.enable(model, device, config, groups=dlo.ParallelGroups(dp=nccl)) as handle:
+                got = run(model)
+                collectives = handle.stats().collectives
+            results[(stream_dtype, chunk_mib)] = dict(
+                identical=all(torch.equal(a, b) for a, b in zip(expected, got)), collectives=collectives
+            )
+    return results
+
+
+SCENARIOS["cuda_chunked"] = cuda_chunked

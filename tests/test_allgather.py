@@ -1,5 +1,6 @@
 """All-gather mode across real processes and a Gloo group (SPEC §4)."""
 
+import math
 import queue as queue_module
 import re
 import sys
@@ -96,8 +97,9 @@ def test_three_slots_and_resident_layers_in_allgather_mode(tmp_path):
         assert len(result["block_bytes"]) == 2  # 4 blocks, 2 resident on every rank, 2 sharded
 
 
-def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_path):
-    results, _ = run_ranks(tmp_path, "diverge", 2)
+@pytest.mark.parametrize("chunk_mib", [64.0, 0.01])  # sd3's blocks: unchunked, and 10 and 15 chunks
+def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_path, chunk_mib):
+    results, _ = run_ranks(tmp_path, "diverge", 2, gather_chunk_mib=chunk_mib)
     assert_no_errors(results)
     assert results[0][:2] == ["ok", "ok"]  # its peer's remaining collectives were issued for it
     assert results[1][0] == "ok" and "where the agreed schedule has 'transformer_blocks.1'" in results[1][1]
@@ -221,10 +223,40 @@ def test_config_rules_for_groups(tiny_pair):
         dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True), groups=("dp",))
 
 
-def test_ranks_with_different_slot_counts_are_refused_before_any_block_collective(tmp_path):
-    results, _ = run_ranks(tmp_path, "mismatched_slots", 2)
+@pytest.mark.parametrize("rank0", [dict(num_slots=3), dict(gather_chunk_mib=0.03)], ids=["slots", "chunks"])
+def test_ranks_with_different_slot_counts_or_chunks_are_refused_before_any_block_collective(tmp_path, rank0):
+    results, _ = run_ranks(tmp_path, "mismatched", 2, **rank0)
     assert_no_errors(results)
-    assert all("all-gather lockstep broken" in results[rank] for rank in (0, 1))
+    assert all(results[rank].startswith("StreamingError: all-gather lockstep broken") for rank in (0, 1))
+
+
+def expected_shard_bytes(image_bytes, world, chunk_mib):
+    """Each block in ceil(L / chunk) chunks (1 unchunked) of `world` equal 512-aligned pieces."""
+    chunk = math.ceil(chunk_mib * 2**20)
+    chunks = -(-image_bytes // chunk) if chunk else 1
+    return chunks, chunks * align_up(-(-image_bytes // (chunks * world)))
+
+
+@pytest.mark.parametrize(
+    ("stream_dtype", "chunks_mib"),
+    # Tiny Flux blocks of 157696 and 65536 bytes: sizes that divide neither, one that divides
+    # the small block (0.0625 MiB = 65536), and one in the hundreds of chunks of 512-byte pieces.
+    [(None, [0.1, 0.0625, 0.03, 0.001]), ("fp8", [0.03])],
+)
+def test_chunked_gathers_are_bit_identical_and_each_rank_still_holds_half(tmp_path, stream_dtype, chunks_mib):
+    results, _ = run_ranks(tmp_path, "chunked", 2, chunks_mib=chunks_mib, stream_dtype=stream_dtype)
+    assert_no_errors(results)
+    for result in results.values():
+        assert sorted(result) == sorted([0, *chunks_mib])
+        for chunk_mib, got in result.items():
+            assert got["identical_to_resident"] and got["identical_to_unchunked"] and got["identical_after_disable"]
+            planned = [expected_shard_bytes(size, 2, chunk_mib) for size in got["image_bytes"]]
+            assert got["host_bytes"] == sum(shard for _, shard in planned)
+            # 1/2 of every block, plus under 512 bytes of padding per piece
+            assert got["host_bytes"] < sum(got["image_bytes"]) / 2 + 512 * sum(chunks for chunks, _ in planned)
+            if chunk_mib:  # really chunked: more collectives than one a load
+                assert max(chunks for chunks, _ in planned) > 1
+                assert got["collectives"] > result[0]["collectives"]
 
 
 def test_diffusers_sequence_parallelism_with_dlo_matches_it_without(tmp_path):

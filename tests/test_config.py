@@ -27,11 +27,21 @@ def test_config_is_frozen():
         ("resident_layers", 1.5, "resident_layers must be an int"),
         ("pin_memory", 1, "pin_memory must be True or False"),
         ("record_timeline", "yes", "record_timeline must be True or False"),
+        ("gather_chunk_mib", -1, "gather_chunk_mib must be a finite number of MiB >= 0"),
+        ("gather_chunk_mib", float("inf"), "gather_chunk_mib must be a finite number of MiB >= 0"),
+        ("gather_chunk_mib", True, "gather_chunk_mib must be a finite number of MiB >= 0"),
+        ("gather_chunk_mib", "64", "gather_chunk_mib must be a finite number of MiB >= 0"),
     ],
 )
 def test_invalid_values_name_the_option(field, value, message):
     with pytest.raises(dlo.ConfigError, match=message):
         dlo.OffloadConfig(**{field: value})
+
+
+def test_gather_chunk_in_bytes():
+    assert dlo.OffloadConfig(gather_chunk_mib=0).gather_chunk_bytes == 0
+    assert dlo.OffloadConfig(gather_chunk_mib=64).gather_chunk_bytes == 64 * 2**20
+    assert dlo.OffloadConfig(gather_chunk_mib=1e-9).gather_chunk_bytes == 1  # positive stays positive
 
 
 def test_config_error_is_a_value_error():

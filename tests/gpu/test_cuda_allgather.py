@@ -1,7 +1,10 @@
-"""All-gather mode on one GPU: with NCCL initialized and a group of one, it behaves as
-rank-local streaming and issues no collective. (Several GPUs: a separate validation.)"""
+"""All-gather mode on GPUs: with NCCL initialized and a group of one, it behaves as
+rank-local streaming and issues no collective; on two GPUs, chunked gathers are bit-identical
+to the resident model. (Speed: benchmarks/bench_allgather.py.)"""
 
 import copy
+import sys
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -12,6 +15,9 @@ import dlo
 from dlo.models.tiny import TINY_MODELS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from test_allgather import assert_no_errors, run_ranks  # noqa: E402
 
 
 @pytest.fixture
@@ -38,3 +44,20 @@ def test_group_of_one_is_rank_local_without_collectives(nccl_world_of_one, name)
         assert handle._runtime.gather.comm_stream is None  # no communication stream either
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.gather_group_size == 1 and stats.collectives == 0 and stats.copies > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_chunked_gathers_over_nccl_are_bit_identical(tmp_path):
+    """Two ranks, one GPU each, NCCL: tiny Flux bf16 blocks (78848 and 32768 bytes) in chunks
+    that divide neither, bf16 and float8 streamed, every output equal to the resident model's."""
+    chunks_mib = [0.03, 0.01]
+    results, _ = run_ranks(tmp_path, "cuda_chunked", 2, chunks_mib=chunks_mib)
+    assert_no_errors(results)
+    for result in results.values():
+        assert sorted(result, key=str) == sorted(
+            [(dtype, chunk) for dtype in (None, "fp8") for chunk in [0, *chunks_mib]], key=str
+        )
+        for (dtype, chunk), got in result.items():
+            assert got["identical"], (dtype, chunk)
+            if chunk:  # really chunked: more collectives than one a load
+                assert got["collectives"] > result[(dtype, 0)]["collectives"]

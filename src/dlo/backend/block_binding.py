@@ -16,8 +16,9 @@ from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import QuantizedSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.planning.block_layout import BlockLayout, TensorSpec, align_up
+from dlo.planning.block_layout import BlockLayout, TensorSpec
 from dlo.planning.offload_plan import BlockRef
+from dlo.planning.shard_layout import plan_shards
 from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format, WireLayout, plan_wire_layout, wire_targets
 
@@ -195,20 +196,24 @@ def shard_block(
     group: GatherGroup,
     pin: bool,
     placeholder: dict[torch.dtype, torch.Tensor],
-    fp8: Fp8Format | None = None,
+    fp8: Fp8Format | None,
+    chunk_bytes: int,
 ) -> StreamedBlock:
     """This rank's shard of the block, built without touching the module: the block's wire
     image (float8 weights quantized, or as the checkpoint stores them) is laid out in a
-    temporary buffer, padded to `size` equal 512-aligned shards, and only bytes
-    [rank*S, (rank+1)*S) are kept. The caller points the block at placeholders once every
-    rank's setup succeeded."""
+    temporary buffer padded as `plan_shards` says, and only this rank's pieces of it are
+    kept (See [Note: chunked gathers]). The caller points the block at placeholders once
+    every rank's setup succeeded."""
     layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
-    width = align_up(-(-wire.nbytes // group.size))
-    whole = torch.zeros(width * group.size, dtype=torch.uint8)
+    shards = plan_shards(wire.nbytes, group.size, chunk_bytes)
+    whole = torch.zeros(shards.padded_bytes, dtype=torch.uint8)
     _pack(block, layout, wire, plan, whole)
-    host = _host_buffer(block, width, pin)
-    host.tensor.copy_(whole[group.rank * width : (group.rank + 1) * width])
-    return _streamed(block, layout, wire, ShardSource(host, width, group.rank, group.size), placeholder)
+    host = _host_buffer(block, shards.shard_bytes, pin)
+    for piece in shards.pieces(group.rank):
+        host.tensor[piece.shard_start : piece.shard_start + piece.nbytes].copy_(
+            whole[piece.image_start : piece.image_start + piece.nbytes]
+        )
+    return _streamed(block, layout, wire, ShardSource(host, shards, group.rank), placeholder)
 
 
 def landing_bytes(block: StreamedBlock) -> int:
@@ -217,5 +222,5 @@ def landing_bytes(block: StreamedBlock) -> int:
     if not block.wire.quantized:
         return 0
     if isinstance(block.source, ShardSource):
-        return block.source.shard_bytes * block.source.size
+        return block.source.shards.padded_bytes
     return block.wire.nbytes

@@ -101,14 +101,16 @@ def _bind_blocks(
     device: torch.device,
     fp8: Fp8Format | None,
     undo: contextlib.ExitStack,
+    chunk_bytes: int,
 ) -> list[StreamedBlock]:
     """Every block bound to its host source, each registering its undo. All-gather mode only
-    builds the shards here: the module changes once nothing can fail (see enable())."""
+    builds the shards here (gathered in chunks of about `chunk_bytes`): the module changes
+    once nothing can fail (see enable())."""
     placeholder = placeholders(blocks, device)
     streamed: list[StreamedBlock] = []
     for block in blocks:
         if gather_group is not None:
-            bound = shard_block(block, plan, gather_group, pin, placeholder, fp8)
+            bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes)
             undo.callback(bound.source.release)
         elif any(block.quantize):
             # restore() would give back the dequantized weights: a failed enable() gives back
@@ -258,7 +260,9 @@ def enable(
             bound_plan.register(config, device)
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
-            streamed = _bind_blocks(blocks, bound_plan, gather_group, pin, device, fp8_format(config), undo)
+            streamed = _bind_blocks(
+                blocks, bound_plan, gather_group, pin, device, fp8_format(config), undo, config.gather_chunk_bytes
+            )
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         transfer = make_transfer(device)
         slot_size = max((b.slot_bytes for b in streamed), default=0)

@@ -109,6 +109,13 @@ class OffloadConfig:
             "the blocks in plan order"
         },
     )
+    gather_chunk_mib: float = field(
+        default=64.0,
+        metadata={
+            "help": "all-gather mode: MiB of a block gathered per collective, so that the next piece's host->device "
+            "copy overlaps the gather of this one (0: one collective per block); every rank must use the same value"
+        },
+    )
     checkpoint_mmap: bool = field(
         default=True,
         metadata={
@@ -205,6 +212,11 @@ class OffloadConfig:
         _require_bool("record_timeline", self.record_timeline)
         _require_bool("use_allgather", self.use_allgather)
         _require_bool("checkpoint_mmap", self.checkpoint_mmap)
+        chunk = self.gather_chunk_mib
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not math.isfinite(chunk) or chunk < 0:
+            raise ConfigError(
+                f"OffloadConfig.gather_chunk_mib must be a finite number of MiB >= 0 (0: unchunked), got {chunk!r}"
+            )
         _require_int("pack_threads", self.pack_threads, minimum=0)
         _require_bool("host_weight_cache", self.host_weight_cache)
         _require_bool("cache_allow_any_filesystem", self.cache_allow_any_filesystem)
@@ -225,6 +237,11 @@ class OffloadConfig:
                 f"OffloadConfig.pin_limit_gib={limit} limits registration of a checkpoint or cache mapping; it needs "
                 "checkpoint_mmap=True or host_weight_cache=True (or leave pin_limit_gib=0)"
             )
+
+    @property
+    def gather_chunk_bytes(self) -> int:
+        """gather_chunk_mib in bytes (0: unchunked); a tiny positive size stays positive."""
+        return math.ceil(self.gather_chunk_mib * 2**20)
 
     def _check_fp8(self) -> None:
         # Frozen: the canonical spelling is stored once, here.

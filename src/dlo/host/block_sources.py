@@ -13,6 +13,7 @@ from dlo.host.fp8_codec import dequantized
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import CopyTask, MappedTensor, coalesced
 from dlo.planning.block_layout import BlockLayout, view_placement
+from dlo.planning.shard_layout import ShardLayout
 from dlo.planning.wire_layout import WireLayout, landing_views, wire_targets
 
 
@@ -107,14 +108,17 @@ class MappedSource:
 
 @dataclass(frozen=True)
 class ShardSource(_PrivateBuffer):
-    """All-gather mode: this rank's 1/G of the block's (padded) flat layout, in host memory.
+    """All-gather mode: this rank's bytes of the block's (padded) wire image, in host memory:
+    its pieces of every chunk, one after another (`shards.pieces(rank)`). A load copies each
+    piece into its place in the slot and the group all-gathers the rest, chunk by chunk.
+    See [Note: chunked gathers]"""
 
-    The block is `size` shards of `shard_bytes`; rank r holds bytes [r*S, (r+1)*S). A load
-    copies the shard into the rank's place in the slot and the group all-gathers the rest."""
-
-    shard_bytes: int
+    shards: ShardLayout
     rank: int
-    size: int
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shards.shard_bytes
 
 
 BlockSource = PackedSource | MappedSource | ShardSource

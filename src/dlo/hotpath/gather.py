@@ -61,13 +61,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
     """A 62-bit digest of everything that decides which collectives a call issues and what
-    they carry: the slot count (which blocks get reloaded), and per block its name, shard
-    width, every tensor's name, shape, dtype and offset, and its float8 weights' formats.
-    Equal on ranks that may gather together; anything else is refused at the first agreement."""
+    they carry: the slot count (which blocks get reloaded), and per block its name, its
+    chunks and shard width (See [Note: chunked gathers]), every tensor's name, shape, dtype
+    and offset, and its float8 weights' formats. Equal on ranks that may gather together;
+    anything else is refused at the first agreement."""
     lines = [f"slots {num_slots}"]
     for block in blocks:
-        width = block.source.shard_bytes if isinstance(block.source, ShardSource) else block.layout.nbytes
-        lines.append(f"{block.name} {width}")
+        source = block.source
+        shards = f"{source.shards.chunks} x {source.shards.width}" if isinstance(source, ShardSource) else "whole"
+        lines.append(f"{block.name} {shards} {block.layout.nbytes}")
         lines.extend(
             f"  {p.spec.name} {list(p.spec.shape)} {p.spec.dtype} {p.offset}" for p in block.layout.placements
         )
@@ -107,46 +109,62 @@ class BlockGather:
             self.watch = RankWatch(self.group, self.rank, self.size, self.role.value, timeout_s, self)
 
     def load(self, slot: DeviceSlot, shard: ShardSource) -> tuple[Any, Any]:
-        """Copy this rank's shard into its place in `slot`, then all-gather the others'.
-        Returns the (start, end) marks of the whole load."""
-        width = shard.shard_bytes
-        own = slot.buffer[self.rank * width : (self.rank + 1) * width]
-        whole = slot.buffer[: width * self.size]
+        """Copy this rank's pieces into their places in `slot` and all-gather the others',
+        chunk by chunk (See [Note: chunked gathers]). Returns the (start, end) marks of the
+        whole load."""
         transfer = self._transfer
+        chunks = self._chunks(slot.buffer, shard)
         if not isinstance(transfer, CudaTransfer):
             start = transfer.mark()
-            own.copy_(shard.host.tensor)
-            self._gather(whole, own)
+            for own, whole, host in chunks:
+                own.copy_(host)
+                self._gather(whole, own)
             return start, transfer.mark()
-        if self.comm_stream is None:  # a group of one: a plain copy
+        if self.comm_stream is None:  # a group of one: its pieces are the image, a plain copy
             return transfer.copy_into(slot, shard.host.tensor)
         copy_stream = transfer.copy_stream
-        transfer.wait_writable(copy_stream, slot)
+        transfer.wait_writable(copy_stream, slot)  # before every chunk's copy, so before every gather
         start = transfer.mark(copy_stream)
-        with torch.cuda.stream(copy_stream):
-            own.copy_(shard.host.tensor, non_blocking=True)
-        self.comm_stream.wait_stream(copy_stream)
-        with torch.cuda.stream(self.comm_stream):
-            self._gather(whole, own)
-        slot.ready.record(self.comm_stream)
+        for own, whole, host in chunks:
+            with torch.cuda.stream(copy_stream):
+                own.copy_(host, non_blocking=True)
+            # Waits for this chunk's copy (and the ones before it) only: the next chunk's copy,
+            # enqueued after this, overlaps this chunk's gather.
+            self.comm_stream.wait_stream(copy_stream)
+            with torch.cuda.stream(self.comm_stream):
+                self._gather(whole, own)
+        slot.ready.record(self.comm_stream)  # after the last chunk's gather
         return start, transfer.mark(self.comm_stream)
 
     def load_landed(self, slot: DeviceSlot, shard: ShardSource, finish: Callable[[int], None]) -> tuple[Any, Any, Any]:
-        """A float8 block (See [Note: fp8 landing]): this rank's shard of the wire image into
-        its place in a landing buffer, the others' all-gathered there, then `finish(k)` writes
-        the block into `slot`. Returns the (start, gathered, ready) marks."""
-        width = shard.shard_bytes
+        """A float8 block (See [Note: fp8 landing]): this rank's pieces of the wire image into
+        their places in a landing buffer, the others' all-gathered there chunk by chunk, then
+        `finish(k)` writes the block into `slot`. Returns the (start, gathered, ready) marks."""
         transfer = self._transfer
+        chunks = [self._chunks(landing, shard) for landing in transfer.landings]
 
         def own(k: int) -> list[CopyTask]:
-            return [CopyTask(transfer.landings[k][self.rank * width : (self.rank + 1) * width], shard.host.tensor)]
+            return [CopyTask(piece, host) for piece, _, host in chunks[k]]
 
-        def everyone(k: int) -> None:
-            whole = transfer.landings[k][: width * self.size]
-            self._gather(whole, whole[self.rank * width : (self.rank + 1) * width])
+        def gather_chunk(k: int, i: int) -> None:
+            piece, whole, _ = chunks[k][i]
+            self._gather(whole, piece)
 
         # A group of one copies its whole image: nothing to gather.
-        return transfer.land_into(slot, own, finish, (self.comm_stream, everyone) if self.size > 1 else None)
+        return transfer.land_into(slot, own, finish, (self.comm_stream, gather_chunk) if self.size > 1 else None)
+
+    def _chunks(self, image: torch.Tensor, shard: ShardSource) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per chunk of the block in `image` (a slot, a landing buffer, the gathered block): this
+        rank's piece there, the whole chunk there, and the piece in the host shard."""
+        shards = shard.shards
+        return [
+            (
+                image[piece.image_start : piece.image_start + piece.nbytes],
+                image[piece.chunk * shards.chunk_bytes : (piece.chunk + 1) * shards.chunk_bytes],
+                shard.host.tensor[piece.shard_start : piece.shard_start + piece.nbytes],
+            )
+            for piece in shards.pieces(self.rank)
+        ]
 
     def issue_agreement(self, call_index: int, digest: int, poisoned: bool) -> torch.Tensor | None:
         """Start gathering every rank's (call index, plan digest, poisoned); `check` reads it.
@@ -181,11 +199,11 @@ class BlockGather:
             )
 
     def gather_full(self, shard: ShardSource) -> torch.Tensor:
-        """The whole (padded) block as a CPU tensor, on every rank (a collective)."""
-        device = self._transfer.device
-        own = shard.host.tensor.to(device)
-        whole = torch.empty(shard.shard_bytes * self.size, dtype=torch.uint8, device=device)
-        self._gather(whole, own)
+        """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk)."""
+        whole = torch.empty(shard.shards.padded_bytes, dtype=torch.uint8, device=self._transfer.device)
+        for own, chunk, host in self._chunks(whole, shard):
+            own.copy_(host)
+            self._gather(chunk, own)
         return whole.cpu()
 
     def close(self) -> None:

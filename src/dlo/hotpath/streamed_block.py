@@ -43,7 +43,7 @@ class StreamedBlock:
         unquantized block is gathered straight into its slot, all the padded shards (a float8
         block is gathered into a landing buffer and dequantized into the slot)."""
         if isinstance(self.source, ShardSource) and not self.wire.quantized:
-            return self.source.shard_bytes * self.source.size
+            return self.source.shards.padded_bytes
         return self.layout.nbytes
 
     def restore(self) -> None:

@@ -99,15 +99,17 @@ class CudaTransfer:
         slot: DeviceSlot,
         tasks_for: Callable[[int], Sequence[CopyTask]],
         finish: Callable[[int], None],
-        gather: tuple[torch.cuda.Stream, Callable[[int], None]] | None = None,
+        gather: tuple[torch.cuda.Stream, Callable[[int, int], None]] | None = None,
     ) -> tuple[Any, Any, Any]:
         """One load of a block with float8 weights: `tasks_for(k)` copies its wire image (or,
-        in all-gather mode, this rank's shard of it) into landing buffer k on the copy stream
-        (after k's previous block was dequantized); `gather` = (stream, collective(k)) then
-        fills in the other ranks' shards on that stream; `finish(k)` writes the block into
-        `slot` (after the slot's last use and write) before its "ready" event, on the
-        dequantization stream, or the gather's. Returns the marks (start, landed: the copy's or
-        the gather's end, ready: the block's). See [Note: fp8 landing]"""
+        in all-gather mode, this rank's pieces of it, task i the piece of chunk i) into
+        landing buffer k on the copy stream (after k's previous block was dequantized);
+        `gather` = (stream, collective(k, i)) fills in the other ranks' pieces of chunk i on
+        that stream once task i's copy landed, while the next task copies; `finish(k)` writes
+        the block into `slot` (after the slot's last use and write) before its "ready" event,
+        on the dequantization stream, or the gather's. Returns the marks (start, landed: the
+        copy's or the last gather's end, ready: the block's). See [Note: fp8 landing] and
+        [Note: chunked gathers]"""
         copy_stream = self.copy_stream
         finishing = self._dequant_stream if gather is None else gather[0]
         assert finishing is not None
@@ -116,14 +118,19 @@ class CudaTransfer:
             self._turn ^= 1
             copy_stream.wait_event(self._drained[k])
             start = self.mark(copy_stream)
-            with torch.cuda.stream(copy_stream):
-                for task in tasks_for(k):
-                    task.target.copy_(task.source, non_blocking=True)
+            if gather is None:
+                with torch.cuda.stream(copy_stream):
+                    for task in tasks_for(k):
+                        task.target.copy_(task.source, non_blocking=True)
+            else:
+                for i, task in enumerate(tasks_for(k)):
+                    with torch.cuda.stream(copy_stream):
+                        task.target.copy_(task.source, non_blocking=True)
+                    finishing.wait_stream(copy_stream)  # this chunk's copy and the ones before it
+                    with torch.cuda.stream(finishing):
+                        gather[1](k, i)
             self._landed[k].record(copy_stream)
             finishing.wait_event(self._landed[k])
-            if gather is not None:
-                with torch.cuda.stream(finishing):
-                    gather[1](k)
             landed = self.mark(copy_stream if gather is None else finishing)
             self.wait_writable(finishing, slot)
             with torch.cuda.stream(finishing):
@@ -207,13 +214,13 @@ class SyncTransfer:
         slot: DeviceSlot,
         tasks_for: Callable[[int], Sequence[CopyTask]],
         finish: Callable[[int], None],
-        gather: tuple[None, Callable[[int], None]] | None = None,
+        gather: tuple[None, Callable[[int, int], None]] | None = None,
     ) -> tuple[float, float, float]:
         start = time.perf_counter()
-        for task in tasks_for(0):
+        for i, task in enumerate(tasks_for(0)):
             task.run()
-        if gather is not None:
-            gather[1](0)
+            if gather is not None:
+                gather[1](0, i)
         landed = time.perf_counter()
         finish(0)
         return start, landed, time.perf_counter()
