@@ -22,10 +22,10 @@ from child_processes import child_context  # noqa: E402
 TIMEOUT_S = 120  # the harness never waits longer: a hang fails the test
 
 
-def run_ranks(tmp_path, scenario, world, stuck=(), **kwargs):
+def run_ranks(tmp_path, scenario, world, stuck=(), context=None, **kwargs):
     """Every rank runs `scenario`; the ranks in `stuck` never report and are killed once the
-    others did."""
-    context = child_context()
+    others did. `context`: how the ranks start (default: the forkserver of child_processes)."""
+    context = context or child_context()
     results = context.Queue()
     rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
     processes = [

@@ -3,6 +3,7 @@ rank-local streaming and issues no collective; on two GPUs, chunked gathers are 
 to the resident model. (Speed: benchmarks/bench_allgather.py.)"""
 
 import copy
+import multiprocessing
 import sys
 from pathlib import Path
 from datetime import timedelta
@@ -51,7 +52,9 @@ def test_chunked_gathers_over_nccl_are_bit_identical(tmp_path):
     """Two ranks, one GPU each, NCCL: tiny Flux bf16 blocks (78848 and 32768 bytes) in chunks
     that divide neither, bf16 and float8 streamed, every output equal to the resident model's."""
     chunks_mib = [0.03, 0.01]
-    results, _ = run_ranks(tmp_path, "cuda_chunked", 2, chunks_mib=chunks_mib)
+    # Spawned: a forkserver started after this process initialized CUDA cannot give it to its children.
+    spawn = multiprocessing.get_context("spawn")
+    results, _ = run_ranks(tmp_path, "cuda_chunked", 2, context=spawn, chunks_mib=chunks_mib)
     assert_no_errors(results)
     for result in results.values():
         assert sorted(result, key=str) == sorted(
