@@ -116,9 +116,11 @@ class _Heavy(nn.Module):
         return x
 
 
-def test_slot_reuse_never_races_with_compute():
+def streamed_five_times(model_class):
+    """Five calls of a streamed copy of a fresh `model_class`, each equal to the resident
+    model's output; returns the handle's runtime and stats as they were before disable()."""
     torch.manual_seed(0)
-    reference = _Heavy().half()
+    reference = model_class().half()
     streamed = copy.deepcopy(reference)
     reference.cuda()
     x = torch.randn(8192, 2048, device="cuda", dtype=torch.half)
@@ -127,7 +129,12 @@ def test_slot_reuse_never_races_with_compute():
     with dlo.enable(streamed, "cuda") as handle, torch.inference_mode():
         for _ in range(5):
             assert torch.equal(streamed(x), expected)
-        assert handle.stats().copies == 6 * 5 + 1
+        return handle._runtime, handle.stats()
+
+
+def test_slot_reuse_never_races_with_compute():
+    _, stats = streamed_five_times(_Heavy)
+    assert stats.copies == 6 * 5 + 1
 
 
 class _Alternating(nn.Module):
@@ -150,18 +157,9 @@ class _Alternating(nn.Module):
 
 
 def test_slots_changing_size_class_at_every_block_never_race_with_compute():
-    torch.manual_seed(0)
-    reference = _Alternating().half()
-    streamed = copy.deepcopy(reference)
-    reference.cuda()
-    x = torch.randn(8192, 2048, device="cuda", dtype=torch.half)
-    with torch.inference_mode():
-        expected = reference(x)
-    with dlo.enable(streamed, "cuda") as handle, torch.inference_mode():
-        for _ in range(5):
-            assert torch.equal(streamed(x), expected)
-        sizes = {slot.buffer.numel() for slot in handle._runtime.slots}
-    assert len(sizes) == 2  # at the end, one slot of each class: the buffers did change
+    runtime, _ = streamed_five_times(_Alternating)
+    # At the end of a call, one slot of each class: the buffers did change.
+    assert {slot.buffer.numel() for slot in runtime.slots} == {b.slot_bytes for b in runtime.blocks}
 
 
 class _FailingDriver:
