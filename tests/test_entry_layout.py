@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import dlo
 from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.identity import digest_of
+from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.safetensors_file import DATA_ALIGNMENT, PAD_PREFIX, write_file
 from dlo.host.tensor_source import CopyTask, coalesced
 from dlo.models.tiny import TINY_MODELS
@@ -35,7 +36,7 @@ def placed_tasks(source, target, spans):
 def test_copies_at_equal_distances_merge_into_one_with_the_same_result():
     source = torch.randint(0, 255, (8192,), dtype=torch.uint8)
     spans = [(0, 1024, 64), (512, 1536, 128), (1024, 2048, 4)]  # gaps of 448 and 384 bytes in both
-    merged_target, single_target = torch.zeros(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    merged_target, single_target = (aligned_empty(8192, torch.device("cpu")).zero_() for _ in range(2))
     merged = coalesced(placed_tasks(source, merged_target, spans))
     assert len(merged) == 1 and merged[0].source.numel() == 1024 + 4
     run_all(merged)
@@ -54,7 +55,7 @@ def test_copies_at_equal_distances_merge_into_one_with_the_same_result():
     ],
 )
 def test_copies_merge_only_at_equal_small_gaps(spans, copies):
-    source, target = torch.arange(4096, dtype=torch.int32).view(torch.uint8), torch.zeros(16384, dtype=torch.uint8)
+    source, target = torch.arange(4096, dtype=torch.int32).view(torch.uint8), aligned_empty(16384, torch.device("cpu")).zero_()
     merged = coalesced(placed_tasks(source, target, spans))
     assert len(merged) == copies
     run_all(merged)
@@ -142,3 +143,18 @@ def test_a_cache_entry_holds_the_models_tensors_with_each_block_laid_out_like_it
         start = offsets[f"{block.name}.{block.layout.placements[0].spec.name}"]
         assert start % ALIGNMENT == 0
         assert all(offsets[f"{block.name}.{p.spec.name}"] - start == p.offset for p in block.layout.placements)
+
+
+def test_a_gap_is_copied_over_only_where_the_next_target_starts_aligned():
+    """A gap before an unaligned target may hold a tensor that is not in the tasks: it stays."""
+    source = torch.randint(1, 255, (4096,), dtype=torch.uint8)
+    target = aligned_empty(4096, torch.device("cpu")).zero_()
+    target[64:72] = 9  # another tensor's bytes, inside the gap
+    tasks = placed_tasks(source, target, [(0, 0, 64), (128, 128, 64)])
+    merged = coalesced(tasks)
+    assert len(merged) == 2
+    run_all(merged)
+    assert torch.equal(target[64:72], torch.full((8,), 9, dtype=torch.uint8))
+    assert torch.equal(target[128:192], source[128:192])
+    touching = coalesced(placed_tasks(source, target, [(0, 0, 64), (64, 64, 60)]))  # no gap: any address
+    assert len(touching) == 1

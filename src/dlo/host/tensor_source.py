@@ -74,7 +74,11 @@ def coalesced(tasks: Iterable[CopyTask]) -> list[CopyTask]:
     """`tasks` with each run of copies that lie at the same distances in their source's and
     their target's memory merged into one copy of the whole range (the gaps between them,
     under ALIGNMENT bytes, are copied too). See [Note: one copy per block]. Casts and
-    non-contiguous tensors stay as they are."""
+    non-contiguous tensors stay as they are.
+
+    A gap is copied over only where it ends at an ALIGNMENT-aligned target address: targets
+    laid out like a slot start every tensor so, and then no other tensor can begin inside a
+    gap shorter than ALIGNMENT. Copies into other targets merge only where they touch."""
     kept: list[CopyTask] = []
     runs: list[_Run] = []
     for task in sorted(tasks, key=lambda t: t.source.data_ptr()):
@@ -107,6 +111,7 @@ class _Run:
             (other.source_storage, other.target_storage) != (self.source_storage, self.target_storage)
             or not 0 <= gap < ALIGNMENT
             or other.target_at - (self.target_at + self.nbytes) != gap
+            or (gap and (other.target_storage + other.target_at) % ALIGNMENT)  # see `coalesced`
         ):
             return False
         self.nbytes = other.source_at + other.nbytes - self.source_at
