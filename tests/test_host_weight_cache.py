@@ -285,3 +285,29 @@ def test_a_failed_enable_leaves_private_tensors_not_views_of_a_closed_mapping(tm
     child.join(timeout=120)
     assert child.exitcode == 0
     assert torch.equal(torch.load(out), expected)
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def overlapping_images(model, config):
+    """Two tensors at one offset: the entry writer refuses them with a ValueError."""
+    return [{"blocks.0.attn1.to_q.weight": 0, "blocks.0.attn1.to_k.weight": 0}]
+
+
+def no_blocks(model, config):
+    raise dlo.errors.DiscoveryError("no block list found")
+
+
+@pytest.mark.parametrize("images", [overlapping_images, no_blocks])
+def test_a_block_layout_the_cache_cannot_write_falls_back_and_keeps_no_descriptor(tmp_path, caplog, monkeypatch, images):
+    from dlo.host.cache import consume
+
+    directory = save(tmp_path, "wan")
+    monkeypatch.setattr(consume, "block_images", images)
+    before = open_fds()
+    with caplog.at_level(logging.WARNING):
+        _, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert plan is None and fallback_codes(caplog) == ["cache_operation_failed"] and entries(tmp_path) == []
+    assert open_fds() == before

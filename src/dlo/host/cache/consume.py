@@ -16,6 +16,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig, Topology
 from dlo.config.offload_config import CacheVerify
+from dlo.errors import DloError
 from dlo.host.cache.collect import collect_tensors
 from dlo.host.cache.entry_layout import block_images
 from dlo.host.cache.entry_store import Entry, EntryStore
@@ -113,18 +114,28 @@ def _publish_and_map(
     published = quantize_entry(tensors, float8, config) if float8 else tensors
     identity, key = build_identity(load, content_digest(published))  # the entry's key proves its identity
     try:
+        images = block_images(model, config)  # See [Note: one copy per block]
+    except DloError as err:
+        return Fallback("cache_operation_failed", f"cannot lay out the entry's blocks: {err}")
+    try:
         hold = store.hold(key)  # before publish: eviction refuses entries in use
     except CacheUnavailable as err:
         return Fallback(err.code, err.reason)
     try:
-        images = block_images(model, config)  # See [Note: one copy per block]
         entry = store.publish(key, published, identity, config.cache_lock_timeout_s, verify=verify, images=images)
+        entry.checkpoint.on_close.append(lambda: os.close(hold))  # from here, closing the entry releases the hold
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
+    except BaseException:
+        os.close(hold)
+        raise
     checkpoint = entry.checkpoint
-    checkpoint.on_close.append(lambda: os.close(hold))
-    problem = _entry_mismatch(entry, load, {n: (list(t.shape), t.dtype) for n, t in published.items()})
+    try:
+        problem = _entry_mismatch(entry, load, {n: (list(t.shape), t.dtype) for n, t in published.items()})
+    except BaseException:
+        checkpoint.close()
+        raise
     if problem is not None:
         checkpoint.close()
         return Fallback("cache_operation_failed", problem)

@@ -410,8 +410,8 @@ class EntryStore:
         `images`: groups of tensors to store at these byte offsets from a 512-aligned start
         (See [Note: one copy per block]); every other tensor is a group of its own.
         See [Note: publication]. Raises CacheUnavailable (lock_timeout, lock_failed,
-        insufficient_disk, invalid_configuration, cache_operation_failed) and leaves no
-        partial entry."""
+        insufficient_disk, invalid_configuration, cache_operation_failed: also for `images`
+        that cannot be laid out) and leaves no partial entry."""
         self.entry_path(key)  # only a key becomes a path
         found = self.validate(key, verify)
         if isinstance(found, Entry):
@@ -424,6 +424,8 @@ class EntryStore:
                 return self._write(key, tensors, identity, shard_bytes, images)
             except OSError as err:
                 raise CacheUnavailable(failure_code(err), f"publishing {key}: {err}") from err
+            except ValueError as err:  # images the writer cannot lay out (overlapping, a tensor in two)
+                raise CacheUnavailable("cache_operation_failed", f"publishing {key}: {err}") from err
 
     def _remove_stale_temps(self, key: str) -> None:
         """Temp dirs of this key whose writer is gone, and its moved-aside copies (called
