@@ -175,6 +175,15 @@ def test_a_full_disk_fails_cleanly_with_insufficient_disk(small_filesystem):
     assert not list((root / ".tmp").iterdir())
 
 
+def test_the_free_space_check_counts_the_padding_of_the_block_layout(small_filesystem):
+    root = small_filesystem("size=128m,mode=0700")
+    tensors = {"a": torch.ones(4), "b": torch.ones(4)}  # 32 bytes, 100 MiB apart in their image
+    with pytest.raises(CacheUnavailable) as raised:
+        EntryStore(root).publish(KEY, tensors, cache_writers.IDENTITY, images=[{"a": 0, "b": 100 * 2**20}])
+    assert raised.value.code == "insufficient_disk"
+    assert not (root / "v1" / KEY).exists()
+
+
 def test_running_out_of_space_mid_write_fails_cleanly_with_insufficient_disk(small_filesystem):
     # Bytes to spare, but 8 inodes: the root, .locks, the lock file, .tmp, v1 and the temp dir
     # take 6, two shards the last 2, and creating the third fails with a real ENOSPC.

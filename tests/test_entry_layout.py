@@ -158,3 +158,12 @@ def test_a_gap_is_copied_over_only_where_the_next_target_starts_aligned():
     assert torch.equal(target[128:192], source[128:192])
     touching = coalesced(placed_tasks(source, target, [(0, 0, 64), (64, 64, 60)]))  # no gap: any address
     assert len(touching) == 1
+
+
+def test_a_zero_byte_tensor_at_another_tensors_offset_is_written_first(tmp_path):
+    tensors = {"a": torch.randn(10), "empty": torch.empty(0), "b": torch.randn(3)}
+    identity = {"model": "zero-byte"}
+    store = EntryStore(tmp_path)
+    entry = store.publish(digest_of(identity), tensors, identity, images=[{"a": 0, "empty": 0, "b": 512}])
+    assert all(torch.equal(entry.checkpoint.view(name), value) for name, value in tensors.items())
+    entry.checkpoint.close()

@@ -441,8 +441,10 @@ class EntryStore:
         v1 = self._dir("v1", create=True)
         self._remove_stale_temps(key)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
+        shards = _split(_groups(tensors, images), tensors, shard_bytes)
+        padded = sum(_data_bytes(shard, tensors) for shard in shards)  # with the layout's padding
         free = shutil.disk_usage(self.root).free
-        need = total + max(64 * 2**20, total // 100)
+        need = padded + max(64 * 2**20, padded // 100)
         if free < need:
             raise CacheUnavailable("insufficient_disk", f"{key} needs {need} bytes, {free} are free under {self.root}")
 
@@ -453,7 +455,7 @@ class EntryStore:
             with ExitStack() as stack:
                 temp_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
                 stack.callback(os.close, temp_fd)
-                files, index, handles = self._write_shards(temp, temp_fd, tensors, _groups(tensors, images), shard_bytes, stack)
+                files, index, handles = self._write_shards(temp_fd, tensors, shards, stack)
                 for name, digest in zip(files, file_digests(list(handles.values()), self.hash_threads)):
                     files[name]["sha256_chunked"] = digest
                 manifest = {
@@ -489,10 +491,9 @@ class EntryStore:
         self._record_stamps(key, stamps)  # hashed as written
         return entry
 
-    def _write_shards(self, temp: Path, temp_fd: int, tensors, groups: list[dict[str, int]], shard_bytes: int, stack: ExitStack):
-        """Write, chmod and fsync the shards; (files, tensor index, read handles by name)."""
+    def _write_shards(self, temp_fd: int, tensors, shards: list[list[tuple[str, int]]], stack: ExitStack):
+        """Write, chmod and fsync the shards (see `_split`); (files, tensor index, read handles by name)."""
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        shards = _split(groups, tensors, shard_bytes)
         files, index, handles = {}, {}, {}
         progress = tqdm(total=total, unit="B", unit_scale=True, desc="dlo: publishing", disable=None, leave=False)
         with progress:
@@ -558,9 +559,14 @@ def _groups(tensors: Mapping[str, torch.Tensor], images: Sequence[Mapping[str, i
     return [group for group in groups if group] + [{name: 0} for name in sorted(tensors) if name not in grouped]
 
 
+def _data_bytes(shard: list[tuple[str, int]], tensors: Mapping[str, torch.Tensor]) -> int:
+    """The data section of a shard placed by `_split`: its tensors and the padding between them."""
+    return max((offset + tensors[name].nbytes for name, offset in shard), default=0)
+
+
 def _split(groups: list[dict[str, int]], tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[tuple[str, int]]]:
     """Groups into shards of about `shard_bytes` (a group is never split), each group at the
-    next 512-aligned offset of its shard: (name, offset in the data section), by offset."""
+    next 512-aligned offset of its shard: (name, offset in the data section), in file order."""
     shards: list[list[tuple[str, int]]] = [[]]
     size = 0
     for group in groups:
@@ -568,6 +574,9 @@ def _split(groups: list[dict[str, int]], tensors: Mapping[str, torch.Tensor], sh
         if shards[-1] and size + extent > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].extend(sorted(((n, size + offset) for n, offset in group.items()), key=lambda placed: placed[1]))
+        # By offset, then size: a zero-byte tensor at another's offset goes first (write_file
+        # needs offsets that do not go back), then by name, so the order never depends on the caller's.
+        placed = sorted(group.items(), key=lambda item: (item[1], tensors[item[0]].nbytes, item[0]))
+        shards[-1].extend((n, size + offset) for n, offset in placed)
         size = align_up(size + extent)
     return shards
