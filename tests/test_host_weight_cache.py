@@ -311,3 +311,16 @@ def test_a_block_layout_the_cache_cannot_write_falls_back_and_keeps_no_descripto
         _, plan = dlo.load_transformer(directory, cached(tmp_path))
     assert plan is None and fallback_codes(caplog) == ["cache_operation_failed"] and entries(tmp_path) == []
     assert open_fds() == before
+
+
+def test_an_entry_of_another_layout_version_is_not_used(tmp_path, monkeypatch):
+    from dlo.host.cache import identity
+
+    directory = save(tmp_path, "wan")
+    with monkeypatch.context() as patched:
+        patched.setattr(identity, "LAYOUT_VERSION", identity.LAYOUT_VERSION - 1)
+        _, old_plan = dlo.load_transformer(directory, cached(tmp_path))
+    (old,) = entries(tmp_path)
+    _, plan = dlo.load_transformer(directory, cached(tmp_path))  # neither warm-started from nor joined
+    assert plan is not None and len(entries(tmp_path)) == 2
+    assert plan._weights.checkpoint.directory.name != old

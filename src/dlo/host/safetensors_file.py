@@ -43,9 +43,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+SAFETENSORS_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}  # torch -> header name
 PAD_PREFIX = ".pad."  # a writer's padding tensors: no state-dict key starts with a dot
-DATA_ALIGNMENT = 4096  # where write_file starts the data section: a page
+DATA_ALIGNMENT = 4096  # write_file starts the data section at a multiple of this (4 KiB: a page on x86-64)
 
 
 class CheckpointErrorKind(enum.Enum):
@@ -229,7 +229,11 @@ class SafetensorsFile:
 
 
 def write_file(
-    handle: BinaryIO, placed: list[tuple[str, torch.Tensor, int]], metadata: dict[str, str], pad_name: str = PAD_PREFIX
+    handle: BinaryIO,
+    placed: list[tuple[str, torch.Tensor, int]],
+    metadata: dict[str, str],
+    pad_name: str = PAD_PREFIX,
+    tail: int = 0,
 ) -> dict[str, int]:
     """Write a safetensors file whose data section holds each (name, tensor, offset) at that
     byte offset (in increasing order, not overlapping), into the empty file `handle`.
@@ -239,8 +243,8 @@ def write_file(
     The format allows no holes, so each gap holds a uint8 padding tensor named `pad_name`
     and a number (`pad_name` starts with PAD_PREFIX; the files of one checkpoint need
     different ones: a name may be in one file only); the header is padded with spaces so that the data section starts at a
-    multiple of DATA_ALIGNMENT. Any safetensors reader reads the file. Returns the padding
-    tensors' names and sizes."""
+    multiple of DATA_ALIGNMENT. `tail` more bytes of padding close the data section. Any
+    safetensors reader reads the file. Returns the padding tensors' names and sizes."""
     header: dict[str, object] = {"__metadata__": metadata}
     pads: dict[str, int] = {}
     cursor = 0
@@ -252,7 +256,12 @@ def write_file(
             pads[pad] = offset - cursor
             header[pad] = {"dtype": "U8", "shape": [offset - cursor], "data_offsets": [cursor, offset]}
         cursor = offset + tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, cursor]}
+        header[name] = {"dtype": SAFETENSORS_DTYPE[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, cursor]}
+    if tail:
+        pad = f"{pad_name}{len(pads)}"
+        pads[pad] = tail
+        header[pad] = {"dtype": "U8", "shape": [tail], "data_offsets": [cursor, cursor + tail]}
+        cursor += tail
     text = json.dumps(header, separators=(",", ":")).encode()
     data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
     text += b" " * (data_start - 8 - len(text))

@@ -8,8 +8,9 @@ stores each block's tensors at exactly the offsets its wire image has (the slot 
 the float8 data and scales: See [Note: fp8 streaming]), the block starting 512-aligned, the
 gaps padded. `coalesced` then finds that the block's copies lie at the same distances in the
 mapping and in the slot, and merges them into one copy. (Gaps are copied too: under 512
-bytes, inside the registered pages, and unused in the slot.) The layout is part of the entry
-schema (manifest.SCHEMA): entries written before are rebuilt, never read as laid out so.
+bytes, inside the registered pages, and unused in the slot.) The layout's version is part of
+the entry's identity (LAYOUT_VERSION): an entry laid out otherwise has another key, and is
+never read as laid out so.
 Tensors stay named tensors of ordinary safetensors files: warm starts, resident blocks and
 the staged path read them by name as before.
 """
@@ -20,11 +21,18 @@ from torch import nn
 
 from dlo.config import OffloadConfig
 from dlo.host.cache.fp8_entry import scale_name
-from dlo.planning.block_layout import TensorSpec
+from dlo.planning.block_layout import ALIGNMENT, TensorSpec
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.tensor_walk import unique_tensors
 from dlo.planning.wire_layout import plan_wire_layout
+
+# 1: blocks as their wire images; 2: and FILE_TAIL_BYTES of padding closing every file.
+# Bump it with any change to where an entry puts its bytes.
+LAYOUT_VERSION = 2
+# See [Note: shards from the shared entry]
+MAX_GATHER_RANKS = 64
+FILE_TAIL_BYTES = MAX_GATHER_RANKS * ALIGNMENT
 
 
 def block_images(model: nn.Module, config: OffloadConfig) -> list[dict[str, int]]:

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from dlo.config.offload_config import CacheVerify
 from dlo.host.cache import holds
+from dlo.host.cache.entry_layout import FILE_TAIL_BYTES
 from dlo.host.cache.identity import is_key
 from dlo.host.cache.key_lock import KeyLock
 from dlo.host.cache.manifest import MANIFEST, MANIFEST_SIZE_CAP, SCHEMA, Rejection, RejectionKind, manifest_problem
@@ -502,7 +503,7 @@ class EntryStore:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | SAFE_OPEN, FILE_MODE, dir_fd=temp_fd)
                 with open(fd, "wb") as handle:
                     placed_tensors = [(n, tensors[n], offset) for n, offset in placed]
-                    pads = write_file(handle, placed_tensors, {"format": "pt"}, pad_name=f"{PAD_PREFIX}{i}.")
+                    pads = write_file(handle, placed_tensors, {"format": "pt"}, f"{PAD_PREFIX}{i}.", FILE_TAIL_BYTES)
                     os.fchmod(fd, FILE_MODE)  # whatever the umask
                     os.fsync(fd)
                 handles[name] = stack.enter_context(_open_read(name, temp_fd))  # what is hashed and mapped
@@ -560,8 +561,9 @@ def _groups(tensors: Mapping[str, torch.Tensor], images: Sequence[Mapping[str, i
 
 
 def _data_bytes(shard: list[tuple[str, int]], tensors: Mapping[str, torch.Tensor]) -> int:
-    """The data section of a shard placed by `_split`: its tensors and the padding between them."""
-    return max((offset + tensors[name].nbytes for name, offset in shard), default=0)
+    """The data section of a shard placed by `_split`: its tensors, the padding between them
+    and the file's tail."""
+    return max((offset + tensors[name].nbytes for name, offset in shard), default=0) + FILE_TAIL_BYTES
 
 
 def _split(groups: list[dict[str, int]], tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[tuple[str, int]]]:

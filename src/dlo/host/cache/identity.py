@@ -3,7 +3,8 @@
 Equivalent processes (any DP rank, any SP rank, any path spelling of the same model) get one
 key; anything that can change the final tensors (the checkpoint files, the model config, TP
 coordinates, SP size, dtype, loader inputs, the loader and model code, and the bytes
-themselves) gets its own.
+themselves) gets its own, and so does each version of the entry's layout (where its files
+put the bytes). The all-gather group is no part of it: See [Note: shards from the shared entry].
 
 [Note: warm start identity]
 The identity has two parts: the *load identity*, known before anything is loaded (the
@@ -28,6 +29,7 @@ import torch
 
 import dlo
 from dlo.config import Topology
+from dlo.host.cache.entry_layout import LAYOUT_VERSION
 from dlo.host.preflight import Fallback
 
 SCHEMA_VERSION = 3  # 2: the load identity names the config and the checkpoint files; 3: and their ctime
@@ -103,6 +105,7 @@ def load_identity(
         return Fallback("unstable_identity", f"loader inputs or config are not JSON-stable ({err})")
     return {
         "schema": SCHEMA_VERSION,
+        "entry_layout": LAYOUT_VERSION,  # where the entry puts each tensor: See [Note: one copy per block]
         "model_path": str(Path(model_dir).expanduser().resolve()),
         "revision": revision,
         "model_class": f"{model_class.__module__}.{model_class.__qualname__}",

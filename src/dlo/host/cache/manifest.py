@@ -16,7 +16,7 @@ SCHEMA = "dlo-host-weight-cache/4"  # 2: chunked file digests; 3: the load ident
 # 4: blocks laid out as their wire images (See [Note: one copy per block])
 MANIFEST = "manifest.json"
 MANIFEST_SIZE_CAP = 64 * 2**20
-DTYPE_NAMES = {str(dtype) for dtype in DTYPES.values()}
+TORCH_DTYPE_NAMES = frozenset(str(dtype) for dtype in DTYPES.values())  # as manifests spell them: "torch.bfloat16"
 
 
 class RejectionKind(enum.Enum):
@@ -72,7 +72,7 @@ def _tensor_problem(name: object, meta: object, files: Mapping[str, object]) -> 
         return _malformed(f"tensors[{name!r}] is not an object")
     if meta.get("file") not in files:
         return _malformed(f"tensors[{name!r}].file is not one of the entry's files")
-    if meta.get("dtype") not in DTYPE_NAMES:
+    if meta.get("dtype") not in TORCH_DTYPE_NAMES:
         return _malformed(f"tensors[{name!r}].dtype {meta.get('dtype')!r} is not a supported dtype")
     shape = meta.get("shape")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
