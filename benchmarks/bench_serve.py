@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from serve_process import call, free_port  # noqa: E402  (HTTP helpers of the serve tests)
+from serve_process import call, free_port, wait_healthy  # noqa: E402  (HTTP helpers of the serve tests)
 
 GIB = 2**30
 # No `dlo` console script on the GPU machine: the CLI's entry point, as `dlo`.
@@ -89,15 +89,8 @@ def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"dlo serve exited {server.returncode}: see {log.name}")
-            try:
-                if call(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        if not wait_healthy(server, base, timeout_s=float("inf")):
+            raise SystemExit(f"dlo serve exited {server.returncode}: see {log.name}")
         start_s = time.perf_counter() - started
         clock = lap(f"{replicas} replica(s): start", started)
         request = {

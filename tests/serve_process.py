@@ -46,6 +46,20 @@ class Server(NamedTuple):
     process: subprocess.Popen
 
 
+def wait_healthy(process: subprocess.Popen, base: str, timeout_s: float) -> bool:
+    """Whether the server at `base` answered /health with 200 before `process` exited or
+    `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if call(f"{base}/health")[0] == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 @contextlib.contextmanager
 def running_server(pipeline_dir, cache, log_dir, flags: list[str]):
     """A `dlo serve` process (on the CPU, through the host weight cache in `cache`, with
@@ -59,15 +73,7 @@ def running_server(pipeline_dir, cache, log_dir, flags: list[str]):
     log = open(log_dir / "serve.log", "w+")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if call(f"{base}/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.2)
-    else:
+    if not wait_healthy(process, base, timeout_s=180):
         log.seek(0)
         process.kill()
         pytest.fail(f"dlo serve did not come up (exit {process.poll()}):\n{log.read()}")
