@@ -6,6 +6,9 @@ Variants, one at a time, each freed before the next (so every peak belongs to on
 
   resident+regional   the model moved to the device, compile_repeated_blocks(fullgraph=True):
                       the reference of the regional rows and of "x compiled resident".
+  resident+regional/again  the same, compiled a second time: a control that shows whether two
+                      compilations of one resident model give equal outputs (inductor picks
+                      some kernel configurations by timing them, see --inductor-cache).
   dlo+regional        compile_repeated_blocks(fullgraph=True), then dlo.enable(model, device).
   resident+full       the blocks dlo would stream given dlo's call boundary (isolate(), no
                       streaming), then model.compile(): the reference of dlo+full, whose graphs
@@ -16,7 +19,9 @@ Variants, one at a time, each freed before the next (so every peak belongs to on
 
 Per variant: first call (compile and one forward, cold: torch._inductor.utils.fresh_inductor_cache
 empties inductor's and Triton's caches for each variant, and one small compile before the
-first variant starts the compile workers), median and min of --iters timed
+first variant starts the compile workers; with --inductor-cache shared the variants of a shape
+share one cache, so a later compilation reuses the kernel configurations an earlier one chose
+by timing, and its first call is warm), median and min of --iters timed
 forwards after --warmup more untimed ones, peak device memory (reset before setup), and
 dynamo's counters over the variant (graphs compiled, recompiles, graph breaks: see
 dlo.hotpath.compiled_call.CompileWatch). "x resident" is the median over resident+regional's;
@@ -41,6 +46,7 @@ $OUT/bench_compile.json when OUT is set), rewritten after each shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -77,35 +83,38 @@ from dlo.hotpath.compiled_call import CompileWatch, isolate
 from dlo.planning.offload_plan import resolve_blocks
 
 
-def _regional(model: nn.Module) -> None:
-    model.compile_repeated_blocks(fullgraph=True)
+def _regional(model: nn.Module, mode: str) -> None:
+    model.compile_repeated_blocks(fullgraph=True, mode=mode)
 
 
-def _full(model: nn.Module) -> None:
-    model.compile()
+def _full(model: nn.Module, mode: str) -> None:
+    model.compile(mode=mode)
 
 
-def _resident_full(model: nn.Module) -> None:
+def _resident_full(model: nn.Module, mode: str) -> None:
     isolate([ref.module for ref in resolve_blocks(model, dlo.discover(model))])
-    model.compile()
+    model.compile(mode=mode)
+
+
+def _diffusers_regional(model: nn.Module, mode: str) -> None:
+    model.compile_repeated_blocks(fullgraph=False, mode=mode)  # fullgraph=True raises with group offloading
 
 
 @dataclass(frozen=True)
 class Variant:
     session: Callable[[nn.Module, torch.device], Session]
-    compile: Callable[[nn.Module], None]
+    compile: Callable[[nn.Module, str], None]  # (model, torch.compile mode)
     compile_first: bool  # compile before the session is set up (else after)
     reference: str  # the variant whose output this one must equal, and whose first call it is compared to
 
 
 VARIANTS: dict[str, Variant] = {
     "resident+regional": Variant(Resident, _regional, False, "resident+regional"),
+    "resident+regional/again": Variant(Resident, _regional, False, "resident+regional"),
     "dlo+regional": Variant(DloStreaming, _regional, True, "resident+regional"),
     "resident+full": Variant(Resident, _resident_full, False, "resident+full"),
     "dlo+full": Variant(DloStreaming, _full, False, "resident+full"),
-    "diffusers+regional": Variant(
-        DiffusersGroupOffload, lambda model: model.compile_repeated_blocks(fullgraph=False), False, "resident+regional"
-    ),
+    "diffusers+regional": Variant(DiffusersGroupOffload, _diffusers_regional, False, "resident+regional"),
 }
 SKIPPED_ON_CPU = {"diffusers+regional": "group offloading with use_stream=True needs CUDA streams"}
 
@@ -130,12 +139,15 @@ def measure(shape: Shape, name: str, device: torch.device, args: argparse.Namesp
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     watch = CompileWatch()
-    with fresh_inductor_cache():  # every variant compiles cold: empty inductor and Triton caches
+    # fresh: every variant compiles cold (empty inductor and Triton caches); shared: main() holds one
+    # cache for the shape's variants
+    cache = fresh_inductor_cache() if args.inductor_cache == "fresh" else contextlib.nullcontext()
+    with cache:
         if variant.compile_first:
-            variant.compile(model)
+            variant.compile(model, args.mode)
         session = variant.session(model, device)
         if not variant.compile_first:
-            variant.compile(session.model)
+            variant.compile(session.model, args.mode)
         try:
             with torch.inference_mode():
                 first, _ = timed_forwards(session.model, inputs, device, 1)
@@ -240,6 +252,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards after the first call (default: 1)")
     parser.add_argument("--iters", type=int, default=3, help="timed forwards per variant (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1")
+    parser.add_argument(
+        "--mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode of every variant (default: default)",
+    )
+    parser.add_argument(
+        "--inductor-cache", default="fresh", choices=("fresh", "shared"),
+        help="fresh: each variant compiles with empty inductor/Triton caches; shared: one cache per shape, "
+        "so later variants reuse the kernel configurations earlier ones picked by timing (default: fresh)",
+    )
     out = os.environ.get("OUT")
     parser.add_argument(
         "--json", type=Path, default=Path(out) / "bench_compile.json" if out else None,
@@ -251,6 +272,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     return args
+
+
+def measure_all(
+    shape: str, variants: list[str], device: torch.device, args: argparse.Namespace, notes: list[str]
+) -> dict[str, Measured]:
+    runs: dict[str, Measured] = {}
+    for variant in variants:
+        started = time.perf_counter()
+        try:
+            run = runs[variant] = measure(SHAPES[shape], variant, device, args)
+        except Exception as err:  # one failing variant still leaves the others' rows
+            if variant == "resident+regional":
+                raise
+            notes.append(f"{shape}/{variant} failed: {type(err).__name__}: {str(err)[:300]}")
+            print(f"{shape}/{variant}: FAILED: {notes[-1]}", flush=True)
+            continue
+        finally:
+            release(device)
+        median = statistics.median(run.forward_s)
+        print(
+            f"{shape}/{variant}: first call {run.first_call_s:.1f} s, median {median:.4f} s, "
+            f"{run.graphs} graphs, {run.recompiles} recompiles, {run.graph_breaks} graph breaks "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,32 +312,18 @@ def main(argv: list[str] | None = None) -> None:
         torch.compile(lambda x: (x * 2).sum())(torch.ones(8, device=device))
     rows: list[Row] = []
     for name in args.shapes:
-        runs: dict[str, Measured] = {}
-        for variant in variants:
-            started = time.perf_counter()
-            try:
-                run = runs[variant] = measure(SHAPES[name], variant, device, args)
-            except Exception as err:  # one failing variant still leaves the others' rows
-                if variant == "resident+regional":
-                    raise
-                notes.append(f"{name}/{variant} failed: {type(err).__name__}: {str(err)[:300]}")
-                print(f"{name}/{variant}: FAILED: {notes[-1]}", flush=True)
-                continue
-            finally:
-                release(device)
-            median = statistics.median(run.forward_s)
-            print(
-                f"{name}/{variant}: first call {run.first_call_s:.1f} s, median {median:.4f} s, "
-                f"{run.graphs} graphs, {run.recompiles} recompiles, {run.graph_breaks} graph breaks "
-                f"({time.perf_counter() - started:.0f} s)",
-                flush=True,
-            )
+        shape_cache = fresh_inductor_cache() if args.inductor_cache == "shared" else contextlib.nullcontext()
+        with shape_cache:
+            runs = measure_all(name, variants, device, args, notes)
         rows += make_rows(name, runs)
         if args.json is not None:
             report = {
                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
                 "environment": environment(device),
-                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed},
+                "settings": {
+                    "warmup": args.warmup, "iters": args.iters, "seed": args.seed, "mode": args.mode,
+                    "inductor_cache": args.inductor_cache,
+                },
                 "notes": notes,
                 "table": markdown_table(rows),
                 "rows": [asdict(r) for r in rows],
