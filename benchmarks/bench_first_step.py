@@ -58,6 +58,8 @@ class Timing:
     load_s: float
     enable_s: float
     forward_s: float
+    steady_forward_s: float  # a second forward, after the timed path: what the first forward adds is start-up
+    register_s: float  # host registration inside enable (0 where nothing was registered)
     backing: str
 
     @property
@@ -65,7 +67,18 @@ class Timing:
         return self.load_s + self.enable_s + self.forward_s
 
 
-def child(variant: str, page_cache: str, directory: Path) -> None:
+def warm_up_libraries(device) -> None:  # a torch.device (torch is imported in the child only)
+    """A bf16 GEMM and an attention call on `device`: cuBLAS and the attention kernels start up here."""
+    import torch
+    import torch.nn.functional as F
+
+    a = torch.randn(4096, 5120, device=device, dtype=torch.bfloat16)
+    (a @ a.T).sum().item()
+    q = torch.randn(1, 40, 4096, 128, device=device, dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(q, q, q).sum().item()
+
+
+def child(variant: str, page_cache: str, directory: Path, warm_libraries: bool) -> None:
     """One variant in this fresh process; prints one MARK line of JSON."""
     clock = time.perf_counter()
 
@@ -91,6 +104,8 @@ def child(variant: str, page_cache: str, directory: Path) -> None:
 
     device = torch.device("cuda")
     inputs = bench.to_device(bench.SHAPES["wan"].make_inputs(torch.Generator().manual_seed(1)), device)
+    if warm_libraries:
+        warm_up_libraries(device)
     torch.cuda.synchronize(device)
     cuda_and_inputs = lap()
 
@@ -116,9 +131,14 @@ def child(variant: str, page_cache: str, directory: Path) -> None:
         model(**inputs)
     torch.cuda.synchronize(device)
     forward = lap()
+    with torch.inference_mode():
+        model(**inputs)
+    torch.cuda.synchronize(device)
+    steady_forward = lap()
+    stats = handle.stats()
     timing = Timing(
         variant, page_cache, import_torch, import_diffusers, import_dlo, cuda_and_inputs, load, enable, forward,
-        handle.stats().backing,
+        steady_forward, stats.register_s, stats.backing,
     )
     print(MARK + json.dumps(asdict(timing)), flush=True)
 
@@ -144,12 +164,13 @@ def read_through(root: Path) -> None:
                 pass
 
 
-def run_child(variant: str, page_cache: str, directory: Path) -> Timing:
+def run_child(variant: str, page_cache: str, directory: Path, warm_libraries: bool) -> Timing:
     if page_cache == "cold":
         drop_page_cache(directory)
     else:
         read_through(directory)
     command = [sys.executable, __file__, "--child", variant, "--page-cache", page_cache, "--dir", str(directory)]
+    command += ["--warm-up-libraries"] if warm_libraries else []
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode != 0 or not lines:
@@ -173,13 +194,14 @@ def table(rows: list[Timing]) -> str:
     pinned = {r.page_cache: r.to_first_step_s for r in rows if r.variant == "pinned"}
     lines = [
         "| page cache | variant | backing | import torch s | import diffusers s | import dlo s | load s | enable s "
-        "| first forward s | to first step s | sooner than pinned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| register s | first forward s | steady forward s | to first step s | sooner than pinned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.page_cache} | {r.variant} | {r.backing} | {r.import_torch_s:.2f} | {r.import_diffusers_s:.2f} | "
-            f"{r.import_dlo_s:.3f} | {r.load_s:.2f} | {r.enable_s:.2f} | {r.forward_s:.2f} | "
+            f"{r.import_dlo_s:.3f} | {r.load_s:.2f} | {r.enable_s:.2f} | {r.register_s:.2f} | {r.forward_s:.2f} | "
+            f"{r.steady_forward_s:.2f} | "
             f"{r.to_first_step_s:.2f} | {pinned[r.page_cache] / r.to_first_step_s:.2f}x |"
         )
     return "\n".join(lines)
@@ -190,17 +212,32 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dlo-first-step"))
     parser.add_argument("--page-cache", default=",".join(PAGE_CACHE), help="comma-separated from hot,cold")
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant; the median is kept")
+    parser.add_argument(
+        "--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+        help="comma-separated, from " + ", ".join(VARIANTS) + " (default: all; cache/full and cache/stamp map the "
+        "entry cache/cold publishes: with cache/cold left out they need the entry of an earlier run under --dir)",
+    )
+    parser.add_argument(
+        "--warm-up-libraries", action="store_true",
+        help="diagnostic: one bf16 GEMM and one attention call before the load call, outside the timed path; "
+        "what the first forward loses with it is library start-up",
+    )
     parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     if args.child is not None:
-        child(args.child, args.page_cache, args.dir)
+        child(args.child, args.page_cache, args.dir, args.warm_up_libraries)
         return
     save_checkpoint(args.dir)
     rows = []
     for page_cache in args.page_cache.split(","):
-        shutil.rmtree(args.dir / "cache", ignore_errors=True)  # cache/cold publishes, the others map it
-        for variant in VARIANTS:
-            runs = [run_child(variant, page_cache, args.dir) for _ in range(1 if variant == "cache/cold" else args.repeats)]
+        if "cache/cold" in args.variants:  # it publishes; the warm cache variants map its entry
+            shutil.rmtree(args.dir / "cache", ignore_errors=True)
+        for variant in [v for v in VARIANTS if v in args.variants]:
+            repeats = 1 if variant == "cache/cold" else args.repeats
+            runs = [run_child(variant, page_cache, args.dir, args.warm_up_libraries) for _ in range(repeats)]
             middle = statistics.median_low([r.to_first_step_s for r in runs])
             row = next(r for r in runs if r.to_first_step_s == middle)
             rows.append(row)

@@ -1,0 +1,76 @@
+"""Is a regionally compiled resident model reproducible by itself? The control for bench_compile's
+bit-identity column.
+
+In one process, for one shape of bench_streaming.py: compile the resident model
+(compile_repeated_blocks(fullgraph=True)), run it --calls times on the same inputs (are the calls
+equal to each other?), then build and compile the same model again — dynamo reset, inductor's
+and Triton's caches kept, so the second compilation reuses the first one's kernels and the
+configurations they picked by timing — and run it once (equal to the first compilation?).
+--deterministic also sets torch.use_deterministic_algorithms(True) and, where this torch has
+it, torch._inductor.config.deterministic (no kernel choice by timing).
+
+On the GPU machine, from the repository root, with diffusers on PYTHONPATH (see bench_compile.py):
+
+  python3 benchmarks/compile_reproducibility.py --shapes flux,wan
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 benchmarks/compile_reproducibility.py --shapes flux --deterministic
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch._dynamo
+from torch._inductor.utils import fresh_inductor_cache
+
+from bench_streaming import SHAPES, build_model, release, to_device
+
+
+def _compiled_outputs(shape_name: str, device: torch.device, calls: int) -> list[torch.Tensor]:
+    shape = SHAPES[shape_name]
+    torch._dynamo.reset()
+    model = build_model(shape, 0, device).to(device)  # built (seeded) on the CPU
+    model.compile_repeated_blocks(fullgraph=True)
+    inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
+    outputs = []
+    with torch.inference_mode():
+        for _ in range(calls):
+            outputs.append(model(**inputs)[0].cpu())
+    del model
+    release(device)
+    return outputs
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> str:
+    if torch.equal(a, b):
+        return "equal"
+    return f"max abs diff {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=lambda text: text.split(","), default=["flux"])
+    parser.add_argument("--calls", type=int, default=3, help="calls of the first compilation (default: 3)")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+        if hasattr(torch._inductor.config, "deterministic"):
+            torch._inductor.config.deterministic = True
+    rows = []
+    with fresh_inductor_cache():
+        for name in args.shapes:
+            first = _compiled_outputs(name, device, args.calls)
+            again = _compiled_outputs(name, device, 1)
+            calls = ", ".join(_compare(first[0], later) for later in first[1:])
+            rows.append(f"| {name} | {args.deterministic} | {calls} | {_compare(first[0], again[0])} |")
+            print(rows[-1], flush=True)
+    print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
