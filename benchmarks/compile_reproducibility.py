@@ -5,7 +5,8 @@ In one process, for one shape of bench_streaming.py: compile the resident model
 (compile_repeated_blocks(fullgraph=True)), run it --calls times on the same inputs (are the calls
 equal to each other?), then build and compile the same model again — dynamo reset, inductor's
 and Triton's caches kept, so the second compilation reuses the first one's kernels and the
-configurations they picked by timing — and run it once (equal to the first compilation?).
+configurations they picked by timing — and run it once (equal to the first compilation?); with
+--dlo, a third model compiled the same way and then streamed by dlo.enable (equal to the first?).
 --deterministic also sets torch.use_deterministic_algorithms(True) and, where this torch has
 it, torch._inductor.config.deterministic (no kernel choice by timing).
 
@@ -23,20 +24,26 @@ import torch
 import torch._dynamo
 from torch._inductor.utils import fresh_inductor_cache
 
+import dlo
 from bench_streaming import SHAPES, build_model, release, to_device
 
 
-def _compiled_outputs(shape_name: str, device: torch.device, calls: int) -> list[torch.Tensor]:
+def _compiled_outputs(shape_name: str, device: torch.device, calls: int, streamed: bool = False) -> list[torch.Tensor]:
     shape = SHAPES[shape_name]
     torch._dynamo.reset()
-    model = build_model(shape, 0, device).to(device)  # built (seeded) on the CPU
+    model = build_model(shape, 0, device)  # built (seeded) on the CPU
     model.compile_repeated_blocks(fullgraph=True)
+    handle = dlo.enable(model, device) if streamed else None
+    if handle is None:
+        model.to(device)
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
     outputs = []
     with torch.inference_mode():
         for _ in range(calls):
             outputs.append(model(**inputs)[0].cpu())
-    del model
+    if handle is not None:
+        handle.disable()
+    del model, handle
     release(device)
     return outputs
 
@@ -52,6 +59,7 @@ def main() -> None:
     parser.add_argument("--shapes", type=lambda text: text.split(","), default=["flux"])
     parser.add_argument("--calls", type=int, default=3, help="calls of the first compilation (default: 3)")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--dlo", action="store_true", help="also a third compilation, streamed by dlo")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -65,10 +73,11 @@ def main() -> None:
             first = _compiled_outputs(name, device, args.calls)
             again = _compiled_outputs(name, device, 1)
             calls = ", ".join(_compare(first[0], later) for later in first[1:])
-            rows.append(f"| {name} | {args.deterministic} | {calls} | {_compare(first[0], again[0])} |")
+            streamed = _compare(first[0], _compiled_outputs(name, device, 2, streamed=True)[-1]) if args.dlo else "-"
+            rows.append(f"| {name} | {args.deterministic} | {calls} | {_compare(first[0], again[0])} | {streamed} |")
             print(rows[-1], flush=True)
-    print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first |")
-    print("|---|---|---|---|")
+    print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first | dlo vs first |")
+    print("|---|---|---|---|---|")
     print("\n".join(rows))
 
 
