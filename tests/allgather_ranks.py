@@ -441,3 +441,51 @@ def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
 
 
 SCENARIOS["cuda_chunked"] = cuda_chunked
+
+
+def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chunks_mib: list[float]) -> dict:
+    """One GPU per rank and an NCCL group: tiny Flux bf16 loaded through the host weight cache
+    (one entry for both ranks), streamed as saved and as float8, unchunked and in chunks of
+    each size of `chunks_mib`; every shard piece a view of the registered entry. Against the
+    resident model loaded from the same checkpoint."""
+    import diffusers
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    nccl = dist.new_group(list(range(world)), backend="nccl")
+    entry = TINY_MODELS["flux"]
+    seeds = [10 * rank + step for step in range(3)]
+
+    def run(model):
+        with torch.inference_mode():
+            return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
+
+    results = {}
+    for stream_dtype in (None, "fp8"):
+        resident = diffusers.FluxTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device)
+        dlo.quantize_resident(resident, dlo.OffloadConfig(stream_dtype=stream_dtype))
+        expected = run(resident)
+        del resident
+        for chunk_mib in [0, *chunks_mib]:
+            config = dlo.OffloadConfig(
+                use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=chunk_mib,
+                host_weight_cache=True, cache_dir=cache_dir, cache_allow_any_filesystem=True,
+            )
+            model, plan = dlo.load_transformer(directory, config, torch_dtype=torch.bfloat16)
+            backing = plan.backing if plan is not None else None
+            with dlo.enable(model, device, config, plan=plan, groups=dlo.ParallelGroups(dp=nccl)) as handle:
+                got = run(model)
+                views = all(block.source.buffer is None for block in handle._runtime.blocks)
+                stats = handle.stats()
+            results[(stream_dtype, chunk_mib)] = dict(
+                identical=all(torch.equal(a, b) for a, b in zip(expected, got)),
+                backing=backing,
+                views=views,
+                private_bytes=stats.host_bytes,
+                registered_bytes=stats.registered_bytes,
+                fallback=stats.registration_fallback,
+            )
+    return results
+
+
+SCENARIOS["cuda_cache_shards"] = cuda_cache_shards
