@@ -326,6 +326,7 @@ def cache_shards(
             entry=checkpoint.directory.name if backing == "host_weight_cache" else None,
             mapping_closed=checkpoint is None or all(shard._map.closed for shard in checkpoint.files),
             pieces=[len(s.pieces) for s in shards],
+            private_blocks=[i for i, s in enumerate(shards) if s.buffer is not None],
             chunks=[s.shards.chunks for s in shards],
             shard_files=files,
             registered=registered,

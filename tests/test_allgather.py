@@ -200,6 +200,36 @@ def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_pat
             assert (got["float8_bytes"] > 0) == (stream_dtype == "fp8")
 
 
+def test_a_padded_image_that_runs_past_its_entry_file_gets_a_private_shard(tmp_path):
+    """64-byte chunks: every piece pads to 512 bytes, so a block's padded image (1024 chunks of
+    2 x 512 bytes: 1 MiB) runs past the whole entry file. The shard is then private, holding the
+    same image bytes the entry's view holds unchunked."""
+    from dlo.backend.block_binding import collect_block, placeholders, shard_block
+    from dlo.backend.plan_binding import BoundPlan
+    from dlo.hotpath.gather import GatherGroup
+    from dlo.planning.offload_plan import resolve_blocks
+
+    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True)
+    model, plan = dlo.load_transformer(_flux_checkpoint(tmp_path), config)
+    bound = BoundPlan(plan)
+    try:
+        bound.bind(model, torch.device("cpu"))
+        block = collect_block(resolve_blocks(model, plan.offload_plan)[-1])
+        group = GatherGroup(None, 0, 2, GatherRole.DP)
+        stand_ins = placeholders([block], torch.device("cpu"))
+        viewed = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=0).source
+        far = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=64).source
+        assert far.shards.padded_bytes > max(f.size for f in bound.weights.checkpoint.files)
+        assert viewed.buffer is None and bound.weights.checkpoint.holds(viewed.pieces[0])
+        assert far.buffer is not None and far.host_bytes == far.shards.shard_bytes
+        (unchunked,) = viewed.pieces  # rank 0: image bytes [0, W)
+        for piece, host in zip(far.shards.pieces(0), far.pieces):
+            if piece.image_start < unchunked.numel():
+                assert torch.equal(host, unchunked[piece.image_start : piece.image_start + piece.nbytes])
+    finally:
+        bound.release()
+
+
 def test_a_rank_that_cannot_use_the_cache_gathers_from_private_shards_with_its_peers(tmp_path):
     """Rank 1 refuses its cache root (writable by others) and keeps the ordinary tensors, as
     rank-local mode does, packing private shards from them: its private pieces and rank 0's
