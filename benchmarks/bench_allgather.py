@@ -384,7 +384,9 @@ def _measured(
     peak_allocated = torch.cuda.max_memory_allocated(device) if ranks.is_cuda else None
     peak_reserved = torch.cuda.max_memory_reserved(device) if ranks.is_cuda else None
     if before is None or after is None:  # resident: nothing streams
-        return Measured(tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, host_pss, 0, 0, None, None, 0, 1, None)
+        return Measured(
+            tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, host_pss, 0, 0, None, None, 0, 1, None
+        )
     link = (after.bytes_streamed - before.bytes_streamed) // iters
     copy_s = after.copy_s - before.copy_s
     return Measured(

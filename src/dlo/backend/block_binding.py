@@ -208,7 +208,9 @@ def _pack(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: Boun
             target.copy_(value)
 
 
-def _shared_image(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan, nbytes: int) -> torch.Tensor | None:
+def _shared_image(
+    block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan, nbytes: int
+) -> torch.Tensor | None:
     """`nbytes` of the mapping from where the block's wire image starts in it, if the mapping
     holds the image as is (every tensor as saved, at its offset in the image from one
     512-aligned start in one file) and those bytes lie inside that file; else None.

@@ -119,12 +119,14 @@ class ShardSource:
     @classmethod
     def private(cls, buffer: HostBuffer, shards: ShardLayout, rank: int) -> ShardSource:
         """Pieces of `buffer`, which holds the rank's shard (its pieces one after another)."""
-        return cls(shards, rank, tuple(buffer.tensor[p.shard_start : p.shard_start + p.nbytes] for p in shards.pieces(rank)), buffer)
+        pieces = tuple(buffer.tensor[p.shard_start : p.shard_start + p.nbytes] for p in shards.pieces(rank))
+        return cls(shards, rank, pieces, buffer)
 
     @classmethod
     def shared(cls, image: torch.Tensor, shards: ShardLayout, rank: int) -> ShardSource:
         """Pieces of `image`, the padded block image where it lies in the shared mapping."""
-        return cls(shards, rank, tuple(image[p.image_start : p.image_start + p.nbytes] for p in shards.pieces(rank)), None)
+        pieces = tuple(image[p.image_start : p.image_start + p.nbytes] for p in shards.pieces(rank))
+        return cls(shards, rank, pieces, None)
 
     @property
     def shard_bytes(self) -> int:
