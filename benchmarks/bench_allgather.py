@@ -15,6 +15,14 @@ that every peak belongs to one variant:
               1/G of each block in pinned host memory, copies its shard over its link and
               the group rebuilds the block with an NCCL all-gather.
 
+With --from-cache DIR, every all-gather variant also runs from the host weight cache (issue 17
+part 4), after the others: rank 0 saves the shape's built model under DIR (once, reused by later
+runs), loads it once with dlo.load_transformer(host_weight_cache=True, cache_dir=DIR/cache),
+publishing the node's entry, and then every rank loads it (mapping that one entry) and streams
+in all-gather mode with its shards read straight from the entry's registered pages, no private
+copy. Its row, "... from cache", sits next to the private-shard one; the built model is dropped
+before it so that no rank holds a private copy of the weights while it runs.
+
 With --stream-dtype fp8 every dlo variant streams scaled float8 blocks (issue 18: in all-gather
 mode the ranks shard and gather the float8 bytes) and the resident variant runs
 dlo.quantize_resident's weights, the model both must equal bit for bit.
@@ -36,13 +44,16 @@ the device. The wave's time per forward is the slowest rank's median. Reported:
               peak HBM (torch.cuda.max_memory_allocated; for dlo variants counted from the
               end of enable(), as handle.stats().peak_device_bytes) plus the device memory in
               use at the end of the timed forwards (cudaMemGetInfo: NCCL's buffers and the
-              CUDA context too).
+              CUDA context too); host Pss per rank (/proc/self/smaps_rollup, read at the end
+              of the timed forwards: a page mapped by both ranks counts half on each) and its
+              sum over the ranks, the node's host RAM for the variant.
 
 Targets (issue 17; issue 8 asked 1.7x and 1.05x): all-gather at least 1.85x faster than
 rank-local on 2 GPUs for Flux with at most 0.005 s/forward of exposed copy (it is
 transfer-bound: each rank moves half the bytes), and at most 1.02x resident for Wan (it is
 compute-bound: the streaming must hide behind compute). With several all-gather variants the
-verdicts are the fastest one's.
+verdicts are the fastest one's. From the cache (part 4): within 3 % of the private-shard
+all-gather's s/forward, and summed host Pss about one copy of the blocks.
 
 Sweeps: --gather-chunk-mib and --num-slots take comma-separated lists; all-gather then runs once
 per combination (named after it), rank-local with the first slot count. Without --stream-dtype
@@ -82,6 +93,14 @@ parallelism over all ranks (one prompt, its sequence split), so "resident" is SP
 CPU smoke test (Gloo, the tiny Wan):
 
   torchrun --nproc-per-node 2 benchmarks/bench_allgather.py --device cpu --shapes tiny --iters 1 --warmup 0
+  torchrun --nproc-per-node 2 benchmarks/bench_allgather.py --device cpu --shapes tiny --iters 1 --warmup 0 \\
+      --from-cache /tmp/dlo-bench-cache
+
+From the cache on 2 GPUs (DIR on local disk; the entry of the Flux shape takes ~7.5 GB, the
+saved checkpoint as much again):
+
+  timeout 560 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py \\
+      --shapes flux --from-cache /tmp/dlo-bench-cache
 
 Rank 0 prints the markdown table last and writes the report as JSON to --json, by default
 $OUT/bench_allgather.json when OUT is set, rewritten after each shape.
@@ -110,6 +129,7 @@ import torch.distributed as dist
 
 # The sibling benchmark's models and helpers (benchmarks/ is sys.path[0] when run as a script).
 from bench_streaming import (
+    DTYPE,
     SHAPES,
     Inputs,
     Shape,
@@ -123,6 +143,7 @@ from bench_streaming import (
 from torch import nn
 
 import dlo
+from dlo.host.memory_accounting import read_smaps_rollup
 
 GB = 1e9
 GIB = 2**30
@@ -130,6 +151,7 @@ GIB = 2**30
 FLUX_SPEEDUP_TARGET = 1.85  # all-gather over rank-local, 2 GPUs
 FLUX_EXPOSED_TARGET_S = 0.005  # all-gather's exposed copy per forward, the slowest rank's
 WAN_RESIDENT_TARGET = 1.02  # all-gather over resident
+CACHE_TIME_TARGET = 1.03  # all-gather from the cache over the private-shard all-gather (issue 17 part 4)
 TORCHRUN_GRACE_S = 30  # torchrun's agent: SIGTERM, then SIGKILL this much later
 
 
@@ -197,35 +219,82 @@ def digest(tensor: torch.Tensor) -> str:
 class Variant:
     """What one measurement runs: `kind` is resident, rank-local or all-gather; the slot count
     and chunk size are the dlo variants' OffloadConfig (an all-gather sweep runs one variant
-    per combination, each named after its settings)."""
+    per combination, each named after its settings). `from_cache`: the model is loaded from
+    the host weight cache (--from-cache) rather than built."""
 
     name: str
     kind: str
     num_slots: int | None = None
     gather_chunk_mib: float | None = None
+    from_cache: bool = False
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """resident, rank-local (the first --num-slots), then all-gather for every combination of
-    --num-slots and --gather-chunk-mib ("all-gather" alone when there is one)."""
+    --num-slots and --gather-chunk-mib ("all-gather" alone when there is one), then, with
+    --from-cache, each all-gather variant again from the cache."""
     sweep = [(slots, chunk) for slots in args.num_slots for chunk in args.gather_chunk_mib]
     gathers = [
         Variant("all-gather" if len(sweep) == 1 else f"all-gather {slots} slots, {chunk:g} MiB chunks", "all-gather", slots, chunk)
         for slots, chunk in sweep
     ]
-    return [Variant("resident", "resident"), Variant("rank-local", "rank-local", args.num_slots[0]), *gathers]
+    cached = [Variant(f"{g.name} from cache", g.kind, g.num_slots, g.gather_chunk_mib, True) for g in gathers]
+    return [
+        Variant("resident", "resident"),
+        Variant("rank-local", "rank-local", args.num_slots[0]),
+        *gathers,
+        *(cached if args.from_cache is not None else []),
+    ]
 
 
-def open_variant(variant: Variant, model: nn.Module, device: torch.device, args: argparse.Namespace) -> dlo.OffloadHandle | None:
-    config = dlo.OffloadConfig(
+def variant_config(variant: Variant, args: argparse.Namespace) -> dlo.OffloadConfig:
+    cache = {}
+    if variant.from_cache:
+        # A benchmark's own directory: any filesystem the user points it at (SPEC's tmpfs refusal is for users' caches).
+        cache = dict(host_weight_cache=True, cache_dir=str(args.from_cache / "cache"), cache_allow_any_filesystem=True)
+    return dlo.OffloadConfig(
         use_allgather=variant.kind == "all-gather", num_slots=variant.num_slots or 2, stream_dtype=args.stream_dtype,
-        fp8_scale=args.fp8_scale, gather_chunk_mib=variant.gather_chunk_mib or 0,
+        fp8_scale=args.fp8_scale, gather_chunk_mib=variant.gather_chunk_mib or 0, **cache,
     )
+
+
+def open_variant(
+    variant: Variant, model: nn.Module, device: torch.device, args: argparse.Namespace, plan: Any = None
+) -> dlo.OffloadHandle | None:
+    """`plan`: the HostWeightPlan of a model loaded from the cache."""
+    config = variant_config(variant, args)
     if variant.kind == "resident":
         model.to(device)
         dlo.quantize_resident(model, config)  # with --stream-dtype: the weights the dlo variants stream
         return None
-    return dlo.enable(model, device, config)
+    return dlo.enable(model, device, config, plan=plan)
+
+
+def checkpoint_dir(shape: Shape, args: argparse.Namespace) -> Path:
+    return args.from_cache / f"{shape.name}-seed{args.seed}"
+
+
+def prepare_cache(shape: Shape, ranks: Ranks, args: argparse.Namespace, built: nn.Module | None) -> None:
+    """Rank 0 saves the shape's model (`built`, or built now) under --from-cache unless an
+    earlier run did, then loads it once through the cache, publishing the node's entry (or
+    finding it): the ranks' loads in the cache variants then map it, none runs the ordinary
+    load. The others wait at a barrier."""
+    if ranks.rank == 0:
+        directory = checkpoint_dir(shape, args)
+        if not directory.is_dir():
+            model = built if built is not None else build_model(shape, args.seed, ranks.device)
+            partial = directory.with_name(directory.name + f".partial-{os.getpid()}")
+            model.save_pretrained(partial, max_shard_size="2GB")
+            partial.rename(directory)
+            del model
+        started = time.perf_counter()
+        config = variant_config(Variant("publish", "all-gather", from_cache=True), args)
+        model, plan = dlo.load_transformer(directory, config, torch_dtype=DTYPE)
+        backing = plan.backing if plan is not None else "none (the cache fell back: see the log)"
+        print(f"{shape.name}: cache entry ready in {time.perf_counter() - started:.1f} s (backing {backing})", flush=True)
+        del model, plan
+        release(ranks.device)
+    align(ranks)
 
 
 def reusable(args: argparse.Namespace) -> bool:
@@ -246,6 +315,7 @@ class Measured:
     peak_reserved: int | None
     device_in_use: int | None  # cudaMemGetInfo: everything on the GPU, NCCL and context too
     host_bytes: int
+    host_pss: int | None  # smaps_rollup's Pss at the end of the timed forwards (None without /proc)
     link_bytes_per_forward: int  # what crossed this rank's host->device link
     delivered_bytes_per_forward: int  # block bytes that landed in this rank's slots
     ledger_h2d_gbps: float | None  # dlo's own rate; in all-gather mode the H2D and gather together
@@ -256,9 +326,13 @@ class Measured:
 
 
 def measure(shape: Shape, variant: Variant, ranks: Ranks, args: argparse.Namespace, model: nn.Module | None) -> Measured:
-    """`model`: the shape's model to reuse (see `reusable`), or None to build one."""
+    """`model`: the shape's model to reuse (see `reusable`), or None to build one (or, for a
+    variant from the cache, to load from it)."""
     device = ranks.device
-    if model is None:
+    plan = None
+    if variant.from_cache:  # the checkpoint saved from the same seed: identical weights
+        model, plan = dlo.load_transformer(checkpoint_dir(shape, args), variant_config(variant, args), torch_dtype=DTYPE)
+    elif model is None:
         model = build_model(shape, args.seed, device)  # one seed on every rank: identical weights
     if args.sp:  # diffusers' Ulysses context parallelism over every rank; dlo then gathers over its SP group
         import diffusers
@@ -269,7 +343,7 @@ def measure(shape: Shape, variant: Variant, ranks: Ranks, args: argparse.Namespa
     if ranks.is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     align(ranks)
-    handle = open_variant(variant, model, device, args)
+    handle = open_variant(variant, model, device, args, plan)
     try:
         outputs: list[torch.Tensor] = []
         seconds: list[float] = []
@@ -285,11 +359,12 @@ def measure(shape: Shape, variant: Variant, ranks: Ranks, args: argparse.Namespa
                 seconds.append(time.perf_counter() - started)
                 outputs.append(output.cpu())
         after = handle.stats() if handle is not None else None
+        host = read_smaps_rollup()
         in_use = None
         if ranks.is_cuda:
             free, total = torch.cuda.mem_get_info(device)
             in_use = total - free
-        return _measured(seconds, outputs, ranks, in_use, before, after, args.iters)
+        return _measured(seconds, outputs, ranks, in_use, host.pss if host is not None else None, before, after, args.iters)
     finally:
         if handle is not None:
             handle.disable()  # collective in all-gather mode: every rank gets here
@@ -300,6 +375,7 @@ def _measured(
     outputs: list[torch.Tensor],
     ranks: Ranks,
     in_use: int | None,
+    host_pss: int | None,
     before: dlo.OffloadStats | None,
     after: dlo.OffloadStats | None,
     iters: int,
@@ -308,7 +384,9 @@ def _measured(
     peak_allocated = torch.cuda.max_memory_allocated(device) if ranks.is_cuda else None
     peak_reserved = torch.cuda.max_memory_reserved(device) if ranks.is_cuda else None
     if before is None or after is None:  # resident: nothing streams
-        return Measured(tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, 0, 0, None, None, 0, 1, None)
+        return Measured(
+            tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, host_pss, 0, 0, None, None, 0, 1, None
+        )
     link = (after.bytes_streamed - before.bytes_streamed) // iters
     copy_s = after.copy_s - before.copy_s
     return Measured(
@@ -318,6 +396,7 @@ def _measured(
         peak_reserved=peak_reserved,
         device_in_use=in_use,
         host_bytes=after.host_bytes,
+        host_pss=host_pss,
         link_bytes_per_forward=link,
         # A rank's shard is 1/G of the padded block: the gather lands G times what it copied.
         delivered_bytes_per_forward=link * after.gather_group_size,
@@ -343,6 +422,7 @@ class RankReport:
     peak_reserved: int | None
     device_in_use: int | None
     host_bytes: int
+    host_pss: int | None
     link_bytes_per_forward: int
     delivered_bytes_per_forward: int
     ledger_h2d_gbps: float | None
@@ -390,6 +470,7 @@ class Row:
     kind: str  # resident, rank-local or all-gather
     num_slots: int | None
     gather_chunk_mib: float | None
+    from_cache: bool
     wave_s: float  # the slowest rank's median: the wave ends when its last rank does
     x_resident: float
     speedup_over_rank_local: float
@@ -397,6 +478,7 @@ class Row:
     link_gbps: float  # summed over ranks / wave_s
     delivered_gbps: float  # block bytes landed in all ranks' slots / wave_s
     host_bytes_per_rank: tuple[int, ...]
+    host_pss_per_rank: tuple[int | None, ...]
     blocks_over_g_bytes: int
     peak_allocated_per_rank: tuple[int | None, ...]
     device_in_use_per_rank: tuple[int | None, ...]
@@ -429,6 +511,7 @@ def make_rows(shape: str, reports: list[dict[Variant, RankReport]], world: int) 
             kind=variant.kind,
             num_slots=variant.num_slots,
             gather_chunk_mib=variant.gather_chunk_mib,
+            from_cache=variant.from_cache,
             wave_s=seconds,
             x_resident=seconds / wave(by_kind["resident"]),
             speedup_over_rank_local=wave(by_kind["rank-local"]) / seconds if "rank-local" in by_kind else float("nan"),
@@ -436,6 +519,7 @@ def make_rows(shape: str, reports: list[dict[Variant, RankReport]], world: int) 
             link_gbps=sum(r.link_bytes_per_forward for r in per) / seconds / GB,
             delivered_gbps=sum(r.delivered_bytes_per_forward for r in per) / seconds / GB,
             host_bytes_per_rank=tuple(r.host_bytes for r in per),
+            host_pss_per_rank=tuple(r.host_pss for r in per),
             blocks_over_g_bytes=blocks_over_g,
             peak_allocated_per_rank=tuple(r.peak_allocated for r in per),
             device_in_use_per_rank=tuple(r.device_in_use for r in per),
@@ -452,8 +536,13 @@ def make_rows(shape: str, reports: list[dict[Variant, RankReport]], world: int) 
 def run_shape(shape: Shape, ranks: Ranks, args: argparse.Namespace) -> list[Row] | None:
     runs: dict[Variant, Measured] = {}
     shared = None  # the dlo variants' model, when they can share one
+    cache_ready = False
     for variant in variants(args):
-        if variant.kind != "resident" and reusable(args) and shared is None:
+        if variant.from_cache and not cache_ready:
+            prepare_cache(shape, ranks, args, shared)
+            shared, cache_ready = None, True  # no private copy of the weights left while the cache variants run
+            release(ranks.device)
+        if variant.kind != "resident" and reusable(args) and shared is None and not variant.from_cache:
             shared = build_model(shape, args.seed, ranks.device)
         runs[variant] = measure(shape, variant, ranks, args, shared)
         release(ranks.device)  # the next variant's peak is its own
@@ -474,6 +563,10 @@ def _per_rank(values: tuple[int | None, ...]) -> str:
     return " / ".join(_gib(v) for v in values)
 
 
+def _sum(values: tuple[int | None, ...]) -> int | None:
+    return None if None in values else sum(v for v in values if v is not None)
+
+
 def _same(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
@@ -482,7 +575,7 @@ def markdown_table(rows: list[Row]) -> str:
     header = (
         "| shape | variant | s/forward (slowest rank) | x resident | speed-up over rank-local | link GB/fwd (sum) "
         "| link GB/s (sum) | delivered GB/s (sum) | exposed s/fwd | host GiB/rank | blocks/G GiB "
-        "| peak HBM GiB/rank | GPU in use GiB/rank | = resident | = rank-local |"
+        "| host Pss GiB/rank | host Pss GiB (sum) | peak HBM GiB/rank | GPU in use GiB/rank | = resident | = rank-local |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
@@ -490,7 +583,8 @@ def markdown_table(rows: list[Row]) -> str:
         cells = [
             r.shape, r.variant, f"{r.wave_s:.4f}", f"{r.x_resident:.2f}", f"{r.speedup_over_rank_local:.2f}",
             f"{r.link_gb_per_forward:.2f}", f"{r.link_gbps:.1f}", f"{r.delivered_gbps:.1f}", exposed,
-            _per_rank(r.host_bytes_per_rank), _gib(r.blocks_over_g_bytes), _per_rank(r.peak_allocated_per_rank),
+            _per_rank(r.host_bytes_per_rank), _gib(r.blocks_over_g_bytes), _per_rank(r.host_pss_per_rank),
+            _gib(_sum(r.host_pss_per_rank)), _per_rank(r.peak_allocated_per_rank),
             _per_rank(r.device_in_use_per_rank), _same(r.equal_to_resident), _same(r.equal_to_rank_local),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -503,8 +597,9 @@ def verdicts(rows: list[Row], world: int) -> list[str]:
     for shape in dict.fromkeys(r.shape for r in rows):
         of_shape = [r for r in rows if r.shape == shape]
         local = next(r for r in of_shape if r.kind == "rank-local")
-        gathers = [r for r in of_shape if r.kind == "all-gather"]
-        parity = local.equal_to_resident and all(g.equal_to_resident and g.equal_to_rank_local for g in gathers)
+        every_gather = [r for r in of_shape if r.kind == "all-gather"]
+        gathers = [r for r in every_gather if not r.from_cache]
+        parity = local.equal_to_resident and all(g.equal_to_resident and g.equal_to_rank_local for g in every_gather)
         repeatable = all(r.repeatable for r in of_shape)
         gather = min(gathers, key=lambda r: r.wave_s)  # the targets: the fastest all-gather variant
         if len(gathers) > 1:
@@ -534,6 +629,37 @@ def verdicts(rows: list[Row], world: int) -> list[str]:
             lines.append(
                 f"wan: all-gather {gather.x_resident:.3f}x resident (target <= {WAN_RESIDENT_TARGET}): "
                 f"{'met' if met else 'NOT met'}"
+            )
+        lines += cache_verdicts(shape, of_shape, world)
+    return lines
+
+
+def cache_verdicts(shape: str, rows: list[Row], world: int) -> list[str]:
+    """Issue 17 part 4, per all-gather variant run from the cache: its time against the same
+    settings' private-shard all-gather, and the node's host RAM (summed Pss) against one copy
+    of the blocks."""
+    lines = []
+    one_copy = block_bytes(SHAPES[shape])
+    for cached in (r for r in rows if r.from_cache):
+        private = next(
+            r for r in rows
+            if r.kind == "all-gather" and not r.from_cache
+            and (r.num_slots, r.gather_chunk_mib) == (cached.num_slots, cached.gather_chunk_mib)
+        )
+        ratio = cached.wave_s / private.wave_s
+        lines.append(
+            f"{shape}: {cached.variant}: {cached.wave_s:.4f} s/forward = {ratio:.3f}x the private-shard all-gather "
+            f"({private.wave_s:.4f}; target <= {CACHE_TIME_TARGET}): {'met' if ratio <= CACHE_TIME_TARGET else 'NOT met'}"
+        )
+        # The resident variant's Pss is the processes' own (libraries, CUDA context): its weights are on the device.
+        base = _sum(next(r for r in rows if r.kind == "resident").host_pss_per_rank)
+        summed, private_summed = _sum(cached.host_pss_per_rank), _sum(private.host_pss_per_rank)
+        if None not in (base, summed, private_summed):
+            lines.append(
+                f"{shape}: {cached.variant}: host Pss summed over the {world} ranks {summed / GIB:.2f} GiB, "
+                f"{(summed - base) / GIB:.2f} GiB above resident's = {(summed - base) / one_copy:.2f} x one copy of "
+                f"the blocks ({one_copy / GIB:.2f} GiB); private shards: {private_summed / GIB:.2f} GiB, "
+                f"{(private_summed - base) / one_copy:.2f} x"
             )
     return lines
 
@@ -576,7 +702,7 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
                 "environment": env,
                 "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp,
                              "num_slots": args.num_slots, "gather_chunk_mib": args.gather_chunk_mib,
-                             "stream_dtype": args.stream_dtype,
+                             "stream_dtype": args.stream_dtype, "from_cache": str(args.from_cache),
                              "fp8_scale": args.fp8_scale},
                 "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
                 "verdicts": verdicts(rows, ranks.world),
@@ -742,6 +868,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="OffloadConfig.stream_dtype of every variant, e.g. fp8; the resident one gets "
                         "dlo.quantize_resident's weights (default: none, bf16 streamed)")
     parser.add_argument("--fp8-scale", default="per_channel", help="OffloadConfig.fp8_scale (default: per_channel)")
+    parser.add_argument(
+        "--from-cache", type=Path, default=None, metavar="DIR",
+        help="also run every all-gather variant from the host weight cache: the shape's model saved under DIR "
+        "(once) and its entry published in DIR/cache; shards read from the one entry's pages (default: off)",
+    )
     parser.add_argument("--sp", action="store_true",
                         help="sequence parallelism: diffusers' enable_parallelism(ContextParallelConfig(ulysses_degree="
                         "world)) on every variant, one prompt split over the ranks; all-gather runs over the SP group")

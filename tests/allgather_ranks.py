@@ -233,20 +233,17 @@ def _sequence_parallel(world: int, name: str, order: str) -> dict:
     )
 
 
-def from_checkpoint(rank: int, world: int, directory: str, cache_dir: str | None = None) -> dict:
-    """Shards built from a checkpoint mapping, or from the host weight cache's mapping of the
-    entry every rank maps (one published for the node); the mapping is closed once they exist."""
+def from_checkpoint(rank: int, world: int, directory: str) -> dict:
+    """Shards built from a checkpoint mapping, which is closed once they exist."""
     import diffusers
 
     reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
     with torch.no_grad():
         for tensor in [*reference.parameters(), *reference.buffers()]:
             tensor.data = tensor.data.clone()
-    cache = dict(host_weight_cache=True, cache_dir=cache_dir, cache_allow_any_filesystem=True) if cache_dir else {}
-    config = dlo.OffloadConfig(use_allgather=True, **cache)
+    config = dlo.OffloadConfig(use_allgather=True)
     model, plan = dlo.load_transformer(directory, config)
     checkpoint = plan._weights.checkpoint
-    backing = plan.backing
     with dlo.enable(model, "cpu", config, plan=plan) as handle:
         got = _tiny_outputs(model, "flux", [rank])
         closed = all(shard._map.closed for shard in checkpoint.files)
@@ -256,8 +253,90 @@ def from_checkpoint(rank: int, world: int, directory: str, cache_dir: str | None
         mapping_closed=closed,
         mapped_bytes=stats.mapped_bytes,
         host_bytes=stats.host_bytes,
-        plan_backing=backing,
     )
+
+
+def _mapped_file(address: int, nbytes: int) -> str | None:
+    """The file whose mapping in this process holds [address, address + nbytes), as
+    /proc/self/maps lists it (None: anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address and address + nbytes <= end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def cache_shards(
+    rank: int,
+    world: int,
+    directory: str,
+    cache_dir: str,
+    chunks_mib: list[float],
+    stream_dtype: str | None = None,
+    refused_rank: int | None = None,
+    fake_driver: bool = False,
+) -> dict:
+    """All-gather from the node's cache entry, one enable() per chunk size of `chunks_mib`
+    (the first load publishes or maps the entry, the next ones map it): outputs against the
+    resident model (quantized with `stream_dtype`) and after disable(), and where each rank's
+    shard pieces live. `refused_rank` gets a cache root it must refuse (writable by others):
+    it falls back to the ordinary load and private shards while its peers read the entry.
+    `fake_driver`: "register" the mapping with tests/fake_driver.py, as CUDA would."""
+    import diffusers
+    from fake_driver import FakeDriver
+
+    from dlo.backend import cuda_registration
+
+    driver = FakeDriver()
+    if fake_driver:
+        cuda_registration.registration_driver = lambda device: driver
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
+    with torch.no_grad():
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.clone()
+    base = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype)
+    dlo.quantize_resident(reference, base)
+    seeds = [10 * rank + step for step in range(2)]
+    expected = _tiny_outputs(reference, "flux", seeds)
+    if rank == refused_rank:
+        cache_dir = f"{cache_dir}-open-{rank}"
+        os.makedirs(cache_dir)
+        os.chmod(cache_dir, 0o777)
+    results = {}
+    for chunk_mib in chunks_mib:
+        config = dataclasses.replace(
+            base, gather_chunk_mib=chunk_mib, host_weight_cache=True, cache_dir=cache_dir, cache_allow_any_filesystem=True
+        )
+        model, plan = dlo.load_transformer(directory, config)
+        backing = plan.backing if plan is not None else None  # None: the cache fell back to the ordinary tensors
+        checkpoint = plan._weights.checkpoint if plan is not None else None
+        with dlo.enable(model, "cpu", config, plan=plan) as handle:
+            got = _tiny_outputs(model, "flux", seeds)
+            shards = [block.source for block in handle._runtime.blocks]
+            files = {_mapped_file(p.data_ptr(), p.numel()) for s in shards for p in s.pieces}
+            registered = all(driver.is_registered(p.data_ptr()) for s in shards for p in s.pieces)
+            stats = handle.stats()
+        after = _tiny_outputs(model, "flux", seeds)
+        results[chunk_mib] = dict(
+            identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, got)),
+            identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, after)),
+            backing=backing,
+            entry=checkpoint.directory.name if backing == "host_weight_cache" else None,
+            mapping_closed=checkpoint is None or all(shard._map.closed for shard in checkpoint.files),
+            pieces=[len(s.pieces) for s in shards],
+            private_blocks=[i for i, s in enumerate(shards) if s.buffer is not None],
+            chunks=[s.shards.chunks for s in shards],
+            shard_files=files,
+            registered=registered,
+            registered_bytes=stats.registered_bytes,
+            private_bytes=stats.host_bytes,
+            mapped_bytes=stats.mapped_bytes,
+            float8_bytes=stats.host_bytes_by_dtype.get("float8_e4m3fn", 0),
+        )
+    results["still_registered"] = len(driver.registered)
+    return results
 
 
 SCENARIOS = {
@@ -267,6 +346,7 @@ SCENARIOS = {
     "stopped_mid_wave": stopped_mid_wave,
     "sp_group": sp_group,
     "from_checkpoint": from_checkpoint,
+    "cache_shards": cache_shards,
 }
 
 
@@ -362,3 +442,51 @@ def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
 
 
 SCENARIOS["cuda_chunked"] = cuda_chunked
+
+
+def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chunks_mib: list[float]) -> dict:
+    """One GPU per rank and an NCCL group: tiny Flux bf16 loaded through the host weight cache
+    (one entry for both ranks), streamed as saved and as float8, unchunked and in chunks of
+    each size of `chunks_mib`; every shard piece a view of the registered entry. Against the
+    resident model loaded from the same checkpoint."""
+    import diffusers
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    nccl = dist.new_group(list(range(world)), backend="nccl")
+    entry = TINY_MODELS["flux"]
+    seeds = [10 * rank + step for step in range(3)]
+
+    def run(model):
+        with torch.inference_mode():
+            return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
+
+    results = {}
+    for stream_dtype in (None, "fp8"):
+        resident = diffusers.FluxTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device)
+        dlo.quantize_resident(resident, dlo.OffloadConfig(stream_dtype=stream_dtype))
+        expected = run(resident)
+        del resident
+        for chunk_mib in [0, *chunks_mib]:
+            config = dlo.OffloadConfig(
+                use_allgather=True, stream_dtype=stream_dtype, gather_chunk_mib=chunk_mib,
+                host_weight_cache=True, cache_dir=cache_dir, cache_allow_any_filesystem=True,
+            )
+            model, plan = dlo.load_transformer(directory, config, torch_dtype=torch.bfloat16)
+            backing = plan.backing if plan is not None else None
+            with dlo.enable(model, device, config, plan=plan, groups=dlo.ParallelGroups(dp=nccl)) as handle:
+                got = run(model)
+                views = all(block.source.buffer is None for block in handle._runtime.blocks)
+                stats = handle.stats()
+            results[(stream_dtype, chunk_mib)] = dict(
+                identical=all(torch.equal(a, b) for a, b in zip(expected, got)),
+                backing=backing,
+                views=views,
+                private_bytes=stats.host_bytes,
+                registered_bytes=stats.registered_bytes,
+                fallback=stats.registration_fallback,
+            )
+    return results
+
+
+SCENARIOS["cuda_cache_shards"] = cuda_cache_shards

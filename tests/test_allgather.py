@@ -164,26 +164,84 @@ def test_shards_from_a_checkpoint_mapping_release_it(tmp_path):
         assert result["host_bytes"] > 0
 
 
-def test_every_rank_shards_from_the_one_cache_entry_of_the_node(tmp_path):
-    """All-gather with the host weight cache: the ranks load at once, one publishes the entry
-    and the other maps it (one entry, whatever the rank), each keeps its 1/G shards and closes
-    the mapping: one copy of the blocks across the node's ranks."""
+def _flux_checkpoint(tmp_path) -> str:
     from dlo.models.tiny import TINY_MODELS
 
     TINY_MODELS["flux"].build(seed=4).save_pretrained(tmp_path / "flux", max_shard_size="100KB")
+    return str(tmp_path / "flux")
+
+
+@pytest.mark.parametrize(
+    ("stream_dtype", "fake_driver"),
+    # bf16 registered by the fake driver, as on CUDA; float8 on the plain CPU path (nothing to register)
+    [(None, True), ("fp8", False)],
+)
+def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_path, stream_dtype, fake_driver):
+    """All-gather with the host weight cache: the ranks load at once, one publishes the entry
+    and the other maps it (one entry: its identity names no rank), and every piece of every
+    rank's shards is a view of that entry's files (registered where the mapping is), with no
+    private copy, unchunked and in chunks (0.03 MiB: 6 and 3 chunks of the tiny Flux blocks,
+    their padding inside the files). Outputs equal resident, during and after disable()."""
     cache = tmp_path / "cache"
-    directory = str(tmp_path / "flux")
-    results, _ = run_ranks(tmp_path, "from_checkpoint", 2, directory=directory, cache_dir=str(cache))
+    kwargs = dict(directory=_flux_checkpoint(tmp_path), cache_dir=str(cache), chunks_mib=[0, 0.03])
+    results, _ = run_ranks(tmp_path, "cache_shards", 2, stream_dtype=stream_dtype, fake_driver=fake_driver, **kwargs)
     assert_no_errors(results)
-    assert len(list((cache / "v1").iterdir())) == 1
+    (key,) = [p.name for p in (cache / "v1").iterdir()]
+    entry_files = {str(p) for p in (cache / "v1" / key).glob("*.safetensors")}
     for result in results.values():
-        assert result["plan_backing"] == "host_weight_cache"
-        assert result["identical"] and result["mapping_closed"] and result["mapped_bytes"] == 0
-    model = TINY_MODELS["flux"].build(seed=4)
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    streamed = sum(align_up(t.numel() * 4) for block in blocks for t in block.parameters())
-    # Each rank: half of every block, rounded up to 512-byte shards (< 512 B more per block).
-    assert sum(r["host_bytes"] for r in results.values()) <= streamed + 2 * 512 * len(blocks)
+        assert result.pop("still_registered") == 0  # disable() unregistered what enable() registered
+        for chunk_mib, got in result.items():
+            assert got["identical_to_resident"] and got["identical_after_disable"]
+            assert got["backing"] == "host_weight_cache" and got["entry"] == key
+            assert got["shard_files"] <= entry_files and got["private_bytes"] == 0 and got["mapped_bytes"] > 0
+            assert got["pieces"] == got["chunks"] and (max(got["chunks"]) > 1) == (chunk_mib > 0)
+            assert got["registered"] == fake_driver and (got["registered_bytes"] > 0) == fake_driver
+            assert got["mapping_closed"]  # by disable()
+            assert (got["float8_bytes"] > 0) == (stream_dtype == "fp8")
+
+
+def test_a_padded_image_that_runs_past_its_entry_file_gets_a_private_shard(tmp_path):
+    """64-byte chunks: every piece pads to 512 bytes, so a block's padded image (1024 chunks of
+    2 x 512 bytes: 1 MiB) runs past the whole entry file. The shard is then private, holding the
+    same image bytes the entry's view holds unchunked."""
+    from dlo.backend.block_binding import collect_block, placeholders, shard_block
+    from dlo.backend.plan_binding import BoundPlan
+    from dlo.hotpath.gather import GatherGroup
+    from dlo.planning.offload_plan import resolve_blocks
+
+    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True)
+    model, plan = dlo.load_transformer(_flux_checkpoint(tmp_path), config)
+    bound = BoundPlan(plan)
+    try:
+        bound.bind(model, torch.device("cpu"))
+        block = collect_block(resolve_blocks(model, plan.offload_plan)[-1])
+        group = GatherGroup(None, 0, 2, GatherRole.DP)
+        stand_ins = placeholders([block], torch.device("cpu"))
+        viewed = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=0).source
+        far = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=64).source
+        assert far.shards.padded_bytes > max(f.size for f in bound.weights.checkpoint.files)
+        assert viewed.buffer is None and bound.weights.checkpoint.holds(viewed.pieces[0])
+        assert far.buffer is not None and far.host_bytes == far.shards.shard_bytes
+        (unchunked,) = viewed.pieces  # rank 0: image bytes [0, W)
+        for piece, host in zip(far.shards.pieces(0), far.pieces):
+            if piece.image_start < unchunked.numel():
+                assert torch.equal(host, unchunked[piece.image_start : piece.image_start + piece.nbytes])
+    finally:
+        bound.release()
+
+
+def test_a_rank_that_cannot_use_the_cache_gathers_from_private_shards_with_its_peers(tmp_path):
+    """Rank 1 refuses its cache root (writable by others) and keeps the ordinary tensors, as
+    rank-local mode does, packing private shards from them: its private pieces and rank 0's
+    views of the entry rebuild the same blocks (no hang, outputs equal resident)."""
+    kwargs = dict(directory=_flux_checkpoint(tmp_path), cache_dir=str(tmp_path / "cache"), chunks_mib=[0.03])
+    results, _ = run_ranks(tmp_path, "cache_shards", 2, refused_rank=1, **kwargs)
+    assert_no_errors(results)
+    shared, private = results[0][0.03], results[1][0.03]
+    assert shared["identical_to_resident"] and private["identical_to_resident"]
+    assert shared["backing"] == "host_weight_cache" and shared["private_bytes"] == 0
+    assert private["backing"] is None and private["private_bytes"] > 0 and private["mapped_bytes"] == 0
+    assert not any(path and path.endswith(".safetensors") for path in private["shard_files"])  # its own memory
 
 
 @pytest.mark.parametrize(

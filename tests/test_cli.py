@@ -148,7 +148,7 @@ def test_help_shows_the_commands_own_default_of_the_host_weight_cache(command, s
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"copies its shards out of it) (default: {shown}) --cache-dir" in text
+    assert f"shards are views of it) (default: {shown}) --cache-dir" in text
     assert "--fp8-skip FP8_SKIP" in text and "the flag once per pattern (default: none)" in text
 
 

@@ -64,3 +64,23 @@ def test_chunked_gathers_over_nccl_are_bit_identical(tmp_path):
             assert got["identical"], (dtype, chunk)
             if chunk:  # really chunked: more collectives than one a load
                 assert got["collectives"] > result[(dtype, 0)]["collectives"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_shards_from_the_registered_cache_entry_over_nccl_are_bit_identical(tmp_path):
+    """Two ranks, one GPU each, NCCL, the host weight cache: both map the one entry, register
+    it, and copy their pieces straight from its pages (no private shard), bf16 and float8,
+    unchunked and chunked; every output equal to the resident model's."""
+    TINY_MODELS["flux"].build(seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "flux")
+    chunks_mib = [0.03]
+    spawn = multiprocessing.get_context("spawn")  # see test_chunked_gathers_over_nccl_are_bit_identical
+    kwargs = dict(directory=str(tmp_path / "flux"), cache_dir=str(tmp_path / "cache"), chunks_mib=chunks_mib)
+    results, _ = run_ranks(tmp_path, "cuda_cache_shards", 2, context=spawn, **kwargs)
+    assert_no_errors(results)
+    assert len(list((tmp_path / "cache" / "v1").iterdir())) == 2  # one entry per streamed dtype, not per rank
+    for result in results.values():
+        assert len(result) == 2 * (1 + len(chunks_mib))
+        for key, got in result.items():
+            assert got["identical"] and got["backing"] == "host_weight_cache", (key, got)
+            assert got["views"] and got["private_bytes"] == 0, (key, got)
+            assert got["registered_bytes"] > 0 and got["fallback"] == "", (key, got)

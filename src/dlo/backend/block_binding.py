@@ -1,5 +1,23 @@
 """Binding one streamed block to its host source: a packed private buffer, the checkpoint or
-cache mapping, or (all-gather mode) this rank's shard."""
+cache mapping, or (all-gather mode) this rank's shard.
+
+[Note: shards from the shared entry]
+With the host weight cache every rank of a node maps the same entry (its identity names no
+rank and no group size), and the entry holds each block as its wire image (See [Note: one
+copy per block]). In all-gather mode a rank's shard is then views of that image in the
+mapping, one per piece `ShardLayout.pieces(rank)` names (See [Note: chunked gathers]), copied
+from straight to the device (the mapping is registered on CUDA): no private copy, one copy of
+the weights in RAM per node, and each rank's link carries its 1/G. The padded image runs up
+to chunks x G x 512 bytes past the block's: into the next block's bytes, or past a file's
+last block into the padding every entry file ends with (FILE_TAIL_BYTES). Those bytes land
+in the slot's padding, which nothing reads. (Padding each block to a multiple of G would put
+G into the layout, hence into the entry's identity; one tail per file does not.) A block
+whose image the mapping does not hold as is (adapters, tensors the entry lacks), a padded
+image that would run past its file (many chunks, a large group), or, with pinned memory on
+CUDA, a mapping that could not be registered gets a private shard of the same image bytes
+instead. Ranks may decide differently (one of them without the cache, say): the image bytes
+each contributes are the same either way, only the unread padding differs.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +31,12 @@ from dlo.errors import EnableError
 from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import quantize_into
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import QuantizedSource
+from dlo.host.tensor_source import QuantizedSource, TensorSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
-from dlo.planning.block_layout import BlockLayout, TensorSpec
+from dlo.planning.block_layout import ALIGNMENT, BlockLayout, TensorSpec
 from dlo.planning.offload_plan import BlockRef
-from dlo.planning.shard_layout import plan_shards
+from dlo.planning.shard_layout import ShardLayout, plan_shards
 from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format, WireLayout, plan_wire_layout, wire_targets
 
@@ -190,6 +208,44 @@ def _pack(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: Boun
             target.copy_(value)
 
 
+def _shared_image(
+    block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan, nbytes: int
+) -> torch.Tensor | None:
+    """`nbytes` of the mapping from where the block's wire image starts in it, if the mapping
+    holds the image as is (every tensor as saved, at its offset in the image from one
+    512-aligned start in one file) and those bytes lie inside that file; else None.
+    See [Note: shards from the shared entry]"""
+    checkpoint = plan.weights.checkpoint
+    quantized = {q.index: q for q in wire.quantized}
+    wanted: list[tuple[str, int, int]] = []  # (tensor of the mapping, its offset in the image, its bytes there)
+    for i, (tensor, placement) in enumerate(zip(block.tensors, layout.placements)):
+        source = plan.planned.get(id(tensor))
+        if source is None or source.adapters(checkpoint):
+            return None
+        q = quantized.get(i)
+        if q is not None and isinstance(source, QuantizedSource):
+            wanted += [
+                (source.data_key, wire.plain_bytes + q.data_offset, q.data_bytes),
+                (source.scale_key, wire.plain_bytes + q.scale_offset, q.scale_bytes),
+            ]
+        elif q is None and isinstance(source, TensorSource) and len(source.keys) == 1:
+            wanted.append((source.keys[0], placement.offset, placement.spec.nbytes))
+        else:
+            return None
+    entries = [checkpoint.tensors[key] for key, _, _ in wanted]
+    if any(e.entry.nbytes != n for e, (_, _, n) in zip(entries, wanted)):
+        return None
+    files = {id(e.file) for e in entries}
+    starts = {e.entry.begin - offset for e, (_, offset, _) in zip(entries, wanted)}
+    if len(files) != 1 or len(starts) != 1:
+        return None
+    (start,) = starts
+    file = entries[0].file
+    if start % ALIGNMENT or start < 0 or start + nbytes > file.size:
+        return None
+    return file.region(start, nbytes)
+
+
 def shard_block(
     block: BlockTensors,
     plan: BoundPlan | None,
@@ -199,21 +255,40 @@ def shard_block(
     fp8: Fp8Format | None,
     chunk_bytes: int,
 ) -> StreamedBlock:
-    """This rank's shard of the block, built without touching the module: the block's wire
-    image (float8 weights quantized, or as the checkpoint stores them) is laid out in a
-    temporary buffer padded as `plan_shards` says, and only this rank's pieces of it are
-    kept (See [Note: chunked gathers]). The caller points the block at placeholders once
-    every rank's setup succeeded."""
+    """This rank's shard of the block, built without touching the module. From the host
+    weight cache, views of the shared entry where it can be (See [Note: shards from the
+    shared entry]); else the block's wire image (float8 weights quantized, or as the
+    checkpoint stores them) is laid out in a temporary buffer padded as `plan_shards` says,
+    and only this rank's pieces of it are kept (See [Note: chunked gathers]). The caller
+    points the block at placeholders once every rank's setup succeeded."""
     layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
     shards = plan_shards(wire.nbytes, group.size, chunk_bytes)
+    # Registered (or device "cpu", or pageable by choice): the device copies from the shared pages.
+    shares = plan is not None and plan.backing == "host_weight_cache" and (plan.direct or not pin)
+    image = _shared_image(block, layout, wire, plan, shards.padded_bytes) if shares else None
+    if image is not None:
+        source = ShardSource.shared(image, shards, group.rank)
+    else:
+        source = _private_shard(block, layout, wire, plan, shards, group.rank, pin)
+    return _streamed(block, layout, wire, source, placeholder)
+
+
+def _private_shard(
+    block: BlockTensors,
+    layout: BlockLayout,
+    wire: WireLayout,
+    plan: BoundPlan | None,
+    shards: ShardLayout,
+    rank: int,
+    pin: bool,
+) -> ShardSource:
+    """The rank's pieces of the block's padded wire image, one after another in a host buffer."""
     whole = torch.zeros(shards.padded_bytes, dtype=torch.uint8)
     _pack(block, layout, wire, plan, whole)
-    host = _host_buffer(block, shards.shard_bytes, pin)
-    for piece in shards.pieces(group.rank):
-        host.tensor[piece.shard_start : piece.shard_start + piece.nbytes].copy_(
-            whole[piece.image_start : piece.image_start + piece.nbytes]
-        )
-    return _streamed(block, layout, wire, ShardSource(host, shards, group.rank), placeholder)
+    source = ShardSource.private(_host_buffer(block, shards.shard_bytes, pin), shards, rank)
+    for piece, host in zip(shards.pieces(rank), source.pieces):
+        host.copy_(whole[piece.image_start : piece.image_start + piece.nbytes])
+    return source
 
 
 def landing_bytes(block: StreamedBlock) -> int:

@@ -36,7 +36,7 @@ from dlo.backend.plan_binding import BoundPlan
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
-from dlo.host.block_sources import MappedSource
+from dlo.host.block_sources import MappedSource, ShardSource
 from dlo.host.fp8_codec import prepare_dequantization
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
@@ -253,10 +253,12 @@ def enable(
             undo.callback(bound_plan.give_back, module)
             bound_plan.bind(module, device)
         blocks = [collect_block(ref, quantized_tensors(module, ref, config)) for ref in streamed_refs]
-        # All-gather mode copies the shards out and closes the mapping; blocks with weights to
-        # quantize are packed into private buffers: neither copies from the mapping.
+        # All-gather mode copies the shards out of a checkpoint mapping and closes it, but reads
+        # them from a cache entry's (See [Note: shards from the shared entry]); blocks with
+        # weights to quantize are packed into private buffers: they never copy from the mapping.
         private_only = bool(blocks) and all(quantizes_privately(b, bound_plan) for b in blocks)
-        if bound_plan is not None and gather_group is None and not private_only:
+        shards_copied = gather_group is not None and bound_plan is not None and bound_plan.backing != "host_weight_cache"
+        if bound_plan is not None and not shards_copied and not private_only:
             bound_plan.register(config, device)
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
@@ -285,15 +287,17 @@ def enable(
         undo.pop_all()  # every step succeeded: keep what they did
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
-    # rank could not get its weights back without its peers. The mapping is not needed any
-    # more: every rank holds its shards.
+    # rank could not get its weights back without its peers. The mapping is released unless
+    # shards view it (See [Note: shards from the shared entry]): private shards do not need it.
     checkpoint = bound_plan.weights.checkpoint if bound_plan is not None else None
+    registration = bound_plan.registration if bound_plan is not None else NOT_APPLICABLE
     if gather_group is not None:
         for block in streamed:
             block.point_at(block.placeholders)
-        if checkpoint is not None:
-            checkpoint.close()
-            checkpoint = None
+        views = any(isinstance(b.source, ShardSource) and b.source.buffer is None for b in streamed)
+        if bound_plan is not None and not views:
+            bound_plan.release()  # a failed unregister keeps the mapping open and is logged
+            checkpoint, registration = None, NOT_APPLICABLE
 
     # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
     hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
@@ -313,7 +317,7 @@ def enable(
         setup_s=time.perf_counter() - started,
         checkpoint=checkpoint,
         backing=_backing(host_plan, gather_group, pin),
-        registration=bound_plan.registration if bound_plan is not None else NOT_APPLICABLE,
+        registration=registration,
         probe=probe,
         residency=tuner,
     )

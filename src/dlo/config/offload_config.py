@@ -104,7 +104,8 @@ class OffloadConfig:
     use_allgather: bool = field(
         default=False,
         metadata={
-            "help": "each rank keeps 1/G of every streamed block in pinned host memory and the ranks rebuild "
+            "help": "each rank keeps 1/G of every streamed block in pinned host memory (or reads it from the host "
+            "weight cache's entry) and the ranks rebuild "
             "blocks with an all-gather (torch.distributed; DP group, else SP group); every rank must run "
             "the blocks in plan order"
         },
@@ -127,8 +128,8 @@ class OffloadConfig:
         default=False,
         metadata={
             "help": "dlo.load_transformer publishes the final weights once per node to a content-addressed "
-            "cache and streams from its shared read-only mapping (all-gather mode: each rank copies its "
-            "shards out of it)"
+            "cache and streams from its shared read-only mapping (all-gather mode too: each rank's shards are "
+            "views of it)"
         },
     )
     cache_dir: str = field(

@@ -28,8 +28,10 @@ def restored_image(image: torch.Tensor, layout: BlockLayout, wire: WireLayout) -
 
 
 @dataclass(frozen=True)
-class _PrivateBuffer:
-    """A source whose bytes live in one private host buffer of this process."""
+class PackedSource:
+    """The block's wire image in one private host buffer (See [Note: fp8 streaming]): a load
+    copies its plain region into the slot, and its landing region, if any, into the landing
+    buffer."""
 
     host: HostBuffer
 
@@ -43,12 +45,6 @@ class _PrivateBuffer:
 
     def release(self) -> None:
         self.host.unpin()
-
-
-@dataclass(frozen=True)
-class PackedSource(_PrivateBuffer):
-    """The block's wire image in one host buffer (See [Note: fp8 streaming]): a load copies
-    its plain region into the slot, and its landing region, if any, into the landing buffer."""
 
     def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
         """The tensors to give back on disable(): see `restored_image`."""
@@ -107,18 +103,47 @@ class MappedSource:
 
 
 @dataclass(frozen=True)
-class ShardSource(_PrivateBuffer):
-    """All-gather mode: this rank's bytes of the block's (padded) wire image, in host memory:
-    its pieces of every chunk, one after another (`shards.pieces(rank)`). A load copies each
-    piece into its place in the slot and the group all-gathers the rest, chunk by chunk.
-    See [Note: chunked gathers]"""
+class ShardSource:
+    """All-gather mode: this rank's bytes of the block's (padded) wire image in host memory,
+    one tensor per piece of `shards.pieces(rank)`, in chunk order. A load copies each piece
+    into its place in the slot and the group all-gathers the rest, chunk by chunk (See [Note:
+    chunked gathers]). The pieces are views of a private buffer (`buffer`) holding them one
+    after another, or, with `buffer` None, of the node's shared cache entry: See [Note: shards
+    from the shared entry] in dlo.backend.block_binding."""
 
     shards: ShardLayout
     rank: int
+    pieces: tuple[torch.Tensor, ...]
+    buffer: HostBuffer | None
+
+    @classmethod
+    def private(cls, buffer: HostBuffer, shards: ShardLayout, rank: int) -> ShardSource:
+        """Pieces of `buffer`, which holds the rank's shard (its pieces one after another)."""
+        pieces = tuple(buffer.tensor[p.shard_start : p.shard_start + p.nbytes] for p in shards.pieces(rank))
+        return cls(shards, rank, pieces, buffer)
+
+    @classmethod
+    def shared(cls, image: torch.Tensor, shards: ShardLayout, rank: int) -> ShardSource:
+        """Pieces of `image`, the padded block image where it lies in the shared mapping."""
+        pieces = tuple(image[p.image_start : p.image_start + p.nbytes] for p in shards.pieces(rank))
+        return cls(shards, rank, pieces, None)
 
     @property
     def shard_bytes(self) -> int:
         return self.shards.shard_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Private bytes only: a shared entry's are page cache, one copy per node."""
+        return self.buffer.nbytes if self.buffer is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer is not None and self.buffer.pinned
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.buffer.unpin()
 
 
 BlockSource = PackedSource | MappedSource | ShardSource

@@ -210,6 +210,12 @@ class SafetensorsFile:
         raw = self._bytes[entry.begin : entry.end]
         return raw.view(entry.dtype).view(entry.shape)
 
+    def region(self, begin: int, nbytes: int) -> torch.Tensor:
+        """Bytes [begin, begin + nbytes) of the file as a uint8 view of the mapping. Never write to it."""
+        if not 0 <= begin <= begin + nbytes <= self.size:
+            raise ValueError(f"bytes [{begin}, {begin + nbytes}) are not inside {self.path} ({self.size} bytes)")
+        return self._bytes[begin : begin + nbytes]
+
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views this mapping (False once closed)."""
         if self._bytes is None:

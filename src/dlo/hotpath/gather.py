@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
-from dlo.host.tensor_source import CopyTask
+from dlo.host.tensor_source import CopyTask, coalesced
 from dlo.hotpath.liveness import RankWatch, group_timeout_s
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
@@ -110,8 +110,10 @@ class BlockGather:
 
     def load(self, slot: DeviceSlot, shard: ShardSource) -> tuple[Any, Any]:
         """Copy this rank's pieces into their places in `slot` and all-gather the others',
-        chunk by chunk (See [Note: chunked gathers]). Returns the (start, end) marks of the
-        whole load."""
+        chunk by chunk (See [Note: chunked gathers]). One host->device copy per chunk, from
+        wherever the piece lives (private shard or cache entry): the fewest that let a chunk's
+        copy overlap the previous chunk's gather. Returns the (start, end) marks of the whole
+        load."""
         transfer = self._transfer
         chunks = self._chunks(slot.buffer, shard)
         if not isinstance(transfer, CudaTransfer):
@@ -120,8 +122,10 @@ class BlockGather:
                 own.copy_(host)
                 self._gather(whole, own)
             return start, transfer.mark()
-        if self.comm_stream is None:  # a group of one: its pieces are the image, a plain copy
-            return transfer.copy_into(slot, shard.host.tensor)
+        if self.comm_stream is None:
+            # A group of one: its pieces lie one after another in the slot and on the host (a
+            # private buffer or the cache entry), so `coalesced` makes them one copy.
+            return transfer.copy_pieces_into(slot, coalesced(CopyTask(own, host) for own, _, host in chunks))
         copy_stream = transfer.copy_stream
         transfer.wait_writable(copy_stream, slot)  # before every chunk's copy, so before every gather
         start = transfer.mark(copy_stream)
@@ -144,7 +148,8 @@ class BlockGather:
         chunks = [self._chunks(landing, shard) for landing in transfer.landings]
 
         def own(k: int) -> list[CopyTask]:
-            return [CopyTask(piece, host) for piece, _, host in chunks[k]]
+            tasks = [CopyTask(piece, host) for piece, _, host in chunks[k]]
+            return tasks if self.size > 1 else coalesced(tasks)  # a group of one: one copy, as in `load`
 
         def gather_chunk(k: int, i: int) -> None:
             piece, whole, _ = chunks[k][i]
@@ -161,9 +166,9 @@ class BlockGather:
             (
                 image[piece.image_start : piece.image_start + piece.nbytes],
                 image[piece.chunk * shards.chunk_bytes : (piece.chunk + 1) * shards.chunk_bytes],
-                shard.host.tensor[piece.shard_start : piece.shard_start + piece.nbytes],
+                host,
             )
-            for piece in shards.pieces(self.rank)
+            for piece, host in zip(shards.pieces(self.rank), shard.pieces)
         ]
 
     def issue_agreement(self, call_index: int, digest: int, poisoned: bool) -> torch.Tensor | None:
