@@ -14,7 +14,10 @@ completion), p50/p95 latency (post -> seen completed), summed Pss (smaps_rollup)
 replicas after the jobs; the 2-vs-1 throughput ratio (target >= 1.9x on 2 GPUs) and summed
 Pss against one copy of the transformer + 2 GiB a replica.
 
-On the GPU machine, from the repository root (diffusers from the wheels in .whl/):
+On the GPU machine, from the repository root (diffusers from the wheels in .whl/). The GPU image
+has neither FastAPI, uvicorn nor prometheus_client: .whl/ must hold them and their dependencies too,
+fetched here with `python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation
+cp --platform manylinux2014_x86_64 -d .whl fastapi uvicorn prometheus_client`:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
