@@ -8,7 +8,10 @@ and Triton's caches kept, so the second compilation reuses the first one's kerne
 configurations they picked by timing — and run it once (equal to the first compilation?); with
 --dlo, a third model compiled the same way and then streamed by dlo.enable (equal to the first?).
 --deterministic also sets torch.use_deterministic_algorithms(True) and, where this torch has
-it, torch._inductor.config.deterministic (no kernel choice by timing).
+it, torch._inductor.config.deterministic (no kernel choice by timing). --kernels DIR writes, per
+compilation that produced new code, the generated wrapper modules (the code that calls every
+kernel, extern GEMMs included) and kernels.json: each Triton kernel's source file and the
+configuration its autotuner runs with, to diff two compilations offline.
 
 On the GPU machine, from the repository root, with diffusers on PYTHONPATH (see bench_compile.py):
 
@@ -19,17 +22,44 @@ On the GPU machine, from the repository root, with diffusers on PYTHONPATH (see 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+from pathlib import Path
 
 import torch
 import torch._dynamo
+from torch._inductor.codecache import PyCodeCache
 from torch._inductor.utils import fresh_inductor_cache
 
 import dlo
 from bench_streaming import SHAPES, build_model, release, to_device
 
 
-def _compiled_outputs(shape_name: str, device: torch.device, calls: int, streamed: bool = False) -> list[torch.Tensor]:
+def _loaded_modules() -> list:
+    modules = PyCodeCache.modules
+    return list(modules.values()) if isinstance(modules, dict) else list(modules)
+
+
+def _write_kernels(modules: list, directory: Path) -> None:
+    """The wrapper modules among `modules` (they define `call`) and the kernels they launch."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kernels = {}
+    for index, module in enumerate(m for m in modules if hasattr(m, "call")):
+        shutil.copy(module.__file__, directory / f"wrapper{index:02d}.py")
+        for name, value in vars(module).items():
+            launchers = getattr(value, "launchers", None)
+            if launchers is None or not hasattr(value, "configs"):
+                continue
+            chosen = str(launchers[0].config) if len(launchers) == 1 else f"{len(launchers)} launchers"
+            kernels[f"{index:02d}/{name}"] = {"file": Path(getattr(value, "filename", "") or "").name, "config": chosen}
+    (directory / "kernels.json").write_text(json.dumps(kernels, indent=1, sort_keys=True) + "\n")
+
+
+def _compiled_outputs(
+    shape_name: str, device: torch.device, calls: int, streamed: bool = False, kernels: Path | None = None
+) -> list[torch.Tensor]:
     shape = SHAPES[shape_name]
+    known = len(_loaded_modules())
     torch._dynamo.reset()
     model = build_model(shape, 0, device)  # built (seeded) on the CPU
     model.compile_repeated_blocks(fullgraph=True)
@@ -41,6 +71,8 @@ def _compiled_outputs(shape_name: str, device: torch.device, calls: int, streame
     with torch.inference_mode():
         for _ in range(calls):
             outputs.append(model(**inputs)[0].cpu())
+    if kernels is not None:
+        _write_kernels(_loaded_modules()[known:], kernels)
     if handle is not None:
         handle.disable()
     del model, handle
@@ -60,6 +92,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3, help="calls of the first compilation (default: 3)")
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--dlo", action="store_true", help="also a third compilation, streamed by dlo")
+    parser.add_argument("--kernels", type=Path, default=None, help="write each compilation's code and kernel choices here")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -70,10 +103,13 @@ def main() -> None:
     rows = []
     with fresh_inductor_cache():
         for name in args.shapes:
-            first = _compiled_outputs(name, device, args.calls)
-            again = _compiled_outputs(name, device, 1)
+            where = (lambda tag: args.kernels / f"{name}-{tag}") if args.kernels is not None else (lambda tag: None)
+            first = _compiled_outputs(name, device, args.calls, kernels=where("first"))
+            again = _compiled_outputs(name, device, 1, kernels=where("again"))
             calls = ", ".join(_compare(first[0], later) for later in first[1:])
-            streamed = _compare(first[0], _compiled_outputs(name, device, 2, streamed=True)[-1]) if args.dlo else "-"
+            streamed = "-"
+            if args.dlo:
+                streamed = _compare(first[0], _compiled_outputs(name, device, 2, True, where("dlo"))[-1])
             rows.append(f"| {name} | {args.deterministic} | {calls} | {_compare(first[0], again[0])} | {streamed} |")
             print(rows[-1], flush=True)
     print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first | dlo vs first |")
