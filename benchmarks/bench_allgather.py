@@ -231,20 +231,19 @@ class Variant:
 
 def variants(args: argparse.Namespace) -> list[Variant]:
     """resident, rank-local (the first --num-slots), then all-gather for every combination of
-    --num-slots and --gather-chunk-mib ("all-gather" alone when there is one), then, with
-    --from-cache, each all-gather variant again from the cache."""
+    --num-slots and --gather-chunk-mib ("all-gather" alone when there is one), with --from-cache
+    each followed at once by the same variant from the cache (a pair run back to back, so drift
+    between them stays small)."""
     sweep = [(slots, chunk) for slots in args.num_slots for chunk in args.gather_chunk_mib]
     gathers = [
         Variant("all-gather" if len(sweep) == 1 else f"all-gather {slots} slots, {chunk:g} MiB chunks", "all-gather", slots, chunk)
         for slots, chunk in sweep
     ]
-    cached = [Variant(f"{g.name} from cache", g.kind, g.num_slots, g.gather_chunk_mib, True) for g in gathers]
-    return [
-        Variant("resident", "resident"),
-        Variant("rank-local", "rank-local", args.num_slots[0]),
-        *gathers,
-        *(cached if args.from_cache is not None else []),
+    pairs = [
+        [g, *([Variant(f"{g.name} from cache", g.kind, g.num_slots, g.gather_chunk_mib, True)] if args.from_cache else [])]
+        for g in gathers
     ]
+    return [Variant("resident", "resident"), Variant("rank-local", "rank-local", args.num_slots[0]), *sum(pairs, [])]
 
 
 def variant_config(variant: Variant, args: argparse.Namespace) -> dlo.OffloadConfig:
@@ -323,6 +322,8 @@ class Measured:
     collectives: int
     gather_group_size: int
     backing: str | None
+    registered_bytes: int  # of a mapping registered with the driver (0: none)
+    registration_fallback: str  # why a mapping was not registered ("" when it was, or none applied)
 
 
 def measure(shape: Shape, variant: Variant, ranks: Ranks, args: argparse.Namespace, model: nn.Module | None) -> Measured:
@@ -385,7 +386,8 @@ def _measured(
     peak_reserved = torch.cuda.max_memory_reserved(device) if ranks.is_cuda else None
     if before is None or after is None:  # resident: nothing streams
         return Measured(
-            tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, host_pss, 0, 0, None, None, 0, 1, None
+            tuple(seconds), outputs, peak_allocated, peak_reserved, in_use, 0, host_pss, 0, 0, None, None, 0, 1, None,
+            0, "",
         )
     link = (after.bytes_streamed - before.bytes_streamed) // iters
     copy_s = after.copy_s - before.copy_s
@@ -405,6 +407,8 @@ def _measured(
         collectives=after.collectives,
         gather_group_size=after.gather_group_size,
         backing=after.backing,
+        registered_bytes=after.registered_bytes,
+        registration_fallback=after.registration_fallback,
     )
 
 
@@ -430,6 +434,8 @@ class RankReport:
     collectives: int
     gather_group_size: int
     backing: str | None
+    registered_bytes: int
+    registration_fallback: str
     repeatable: bool  # every forward of the variant gave the same output
     equal_to_resident: bool | None
     equal_to_rank_local: bool | None
@@ -479,6 +485,8 @@ class Row:
     delivered_gbps: float  # block bytes landed in all ranks' slots / wave_s
     host_bytes_per_rank: tuple[int, ...]
     host_pss_per_rank: tuple[int | None, ...]
+    registered_bytes_per_rank: tuple[int, ...]
+    registration_fallbacks: tuple[str, ...]
     blocks_over_g_bytes: int
     peak_allocated_per_rank: tuple[int | None, ...]
     device_in_use_per_rank: tuple[int | None, ...]
@@ -520,6 +528,8 @@ def make_rows(shape: str, reports: list[dict[Variant, RankReport]], world: int) 
             delivered_gbps=sum(r.delivered_bytes_per_forward for r in per) / seconds / GB,
             host_bytes_per_rank=tuple(r.host_bytes for r in per),
             host_pss_per_rank=tuple(r.host_pss for r in per),
+            registered_bytes_per_rank=tuple(r.registered_bytes for r in per),
+            registration_fallbacks=tuple(r.registration_fallback for r in per),
             blocks_over_g_bytes=blocks_over_g,
             peak_allocated_per_rank=tuple(r.peak_allocated for r in per),
             device_in_use_per_rank=tuple(r.device_in_use for r in per),
@@ -591,7 +601,7 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(rows: list[Row], world: int) -> list[str]:
+def verdicts(rows: list[Row], world: int, is_cuda: bool) -> list[str]:
     """Issue 8's targets, one line each, for the shapes that ran."""
     lines = []
     for shape in dict.fromkeys(r.shape for r in rows):
@@ -630,22 +640,29 @@ def verdicts(rows: list[Row], world: int) -> list[str]:
                 f"wan: all-gather {gather.x_resident:.3f}x resident (target <= {WAN_RESIDENT_TARGET}): "
                 f"{'met' if met else 'NOT met'}"
             )
-        lines += cache_verdicts(shape, of_shape, world)
+        lines += cache_verdicts(shape, of_shape, world, is_cuda)
     return lines
 
 
-def cache_verdicts(shape: str, rows: list[Row], world: int) -> list[str]:
+def cache_verdicts(shape: str, rows: list[Row], world: int, is_cuda: bool) -> list[str]:
     """Issue 17 part 4, per all-gather variant run from the cache: its time against the same
     settings' private-shard all-gather, and the node's host RAM (summed Pss) against one copy
-    of the blocks."""
+    of the streamed blocks (what the private shards of all ranks hold together). No verdict
+    for a variant that did not read the entry: private shard bytes on a rank, or on CUDA an
+    unregistered mapping."""
     lines = []
-    one_copy = block_bytes(SHAPES[shape])
     for cached in (r for r in rows if r.from_cache):
         private = next(
             r for r in rows
             if r.kind == "all-gather" and not r.from_cache
             and (r.num_slots, r.gather_chunk_mib) == (cached.num_slots, cached.gather_chunk_mib)
         )
+        unregistered = is_cuda and not all(cached.registered_bytes_per_rank)
+        if any(cached.host_bytes_per_rank) or unregistered:
+            why = "; ".join(sorted({f for f in cached.registration_fallbacks if f})) or "private shard bytes on a rank"
+            lines.append(f"{shape}: {cached.variant}: fell back to private shards ({why}): no verdict")
+            continue
+        one_copy = sum(private.host_bytes_per_rank)
         ratio = cached.wave_s / private.wave_s
         lines.append(
             f"{shape}: {cached.variant}: {cached.wave_s:.4f} s/forward = {ratio:.3f}x the private-shard all-gather "
@@ -658,7 +675,7 @@ def cache_verdicts(shape: str, rows: list[Row], world: int) -> list[str]:
             lines.append(
                 f"{shape}: {cached.variant}: host Pss summed over the {world} ranks {summed / GIB:.2f} GiB, "
                 f"{(summed - base) / GIB:.2f} GiB above resident's = {(summed - base) / one_copy:.2f} x one copy of "
-                f"the blocks ({one_copy / GIB:.2f} GiB); private shards: {private_summed / GIB:.2f} GiB, "
+                f"the streamed blocks ({one_copy / GIB:.2f} GiB); private shards: {private_summed / GIB:.2f} GiB, "
                 f"{(private_summed - base) / one_copy:.2f} x"
             )
     return lines
@@ -705,13 +722,13 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
                              "stream_dtype": args.stream_dtype, "from_cache": str(args.from_cache),
                              "fp8_scale": args.fp8_scale},
                 "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
-                "verdicts": verdicts(rows, ranks.world),
+                "verdicts": verdicts(rows, ranks.world, ranks.is_cuda),
                 "table": markdown_table(rows),
                 "rows": [asdict(row) for row in rows],
             })
     if ranks.rank == 0:
         print()
-        for line in verdicts(rows, ranks.world):
+        for line in verdicts(rows, ranks.world, ranks.is_cuda):
             print(line)
         if args.json is not None:
             print(f"report: {args.json}")

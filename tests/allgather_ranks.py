@@ -316,7 +316,10 @@ def cache_shards(
             got = _tiny_outputs(model, "flux", seeds)
             shards = [block.source for block in handle._runtime.blocks]
             files = {_mapped_file(p.data_ptr(), p.numel()) for s in shards for p in s.pieces}
-            registered = all(driver.is_registered(p.data_ptr()) for s in shards for p in s.pieces)
+            registered = all(  # a piece's first and last byte: all of it lies in registered memory
+                driver.is_registered(p.data_ptr()) and driver.is_registered(p.data_ptr() + p.numel() - 1)
+                for s in shards for p in s.pieces
+            )
             stats = handle.stats()
         after = _tiny_outputs(model, "flux", seeds)
         results[chunk_mib] = dict(

@@ -1,5 +1,6 @@
 """All-gather mode across real processes and a Gloo group (SPEC §4)."""
 
+import dataclasses
 import math
 import queue as queue_module
 import re
@@ -172,11 +173,12 @@ def _flux_checkpoint(tmp_path) -> str:
 
 
 @pytest.mark.parametrize(
-    ("stream_dtype", "fake_driver"),
-    # bf16 registered by the fake driver, as on CUDA; float8 on the plain CPU path (nothing to register)
-    [(None, True), ("fp8", False)],
+    ("stream_dtype", "fake_driver", "world"),
+    # bf16 registered by the fake driver, as on CUDA; float8 on the plain CPU path (nothing to register);
+    # 3 ranks: every block's padded image then runs into the next block's bytes, which must land unread
+    [(None, True, 2), ("fp8", False, 2), (None, True, 3)],
 )
-def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_path, stream_dtype, fake_driver):
+def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_path, stream_dtype, fake_driver, world):
     """All-gather with the host weight cache: the ranks load at once, one publishes the entry
     and the other maps it (one entry: its identity names no rank), and every piece of every
     rank's shards is a view of that entry's files (registered where the mapping is), with no
@@ -184,7 +186,7 @@ def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_pat
     their padding inside the files). Outputs equal resident, during and after disable()."""
     cache = tmp_path / "cache"
     kwargs = dict(directory=_flux_checkpoint(tmp_path), cache_dir=str(cache), chunks_mib=[0, 0.03])
-    results, _ = run_ranks(tmp_path, "cache_shards", 2, stream_dtype=stream_dtype, fake_driver=fake_driver, **kwargs)
+    results, _ = run_ranks(tmp_path, "cache_shards", world, stream_dtype=stream_dtype, fake_driver=fake_driver, **kwargs)
     assert_no_errors(results)
     (key,) = [p.name for p in (cache / "v1").iterdir()]
     entry_files = {str(p) for p in (cache / "v1" / key).glob("*.safetensors")}
@@ -226,6 +228,42 @@ def test_a_padded_image_that_runs_past_its_entry_file_gets_a_private_shard(tmp_p
         for piece, host in zip(far.shards.pieces(0), far.pieces):
             if piece.image_start < unchunked.numel():
                 assert torch.equal(host, unchunked[piece.image_start : piece.image_start + piece.nbytes])
+    finally:
+        bound.release()
+
+
+def test_float8_data_of_another_float8_dtype_in_the_entry_gets_a_private_shard(tmp_path):
+    """Bytes viewed from the entry are sent as they are, while a private shard converts them:
+    an fp8 entry whose header gave a weight the other float8 dtype (no entry dlo writes does;
+    the header is edited here) must not be viewed, or ranks would gather different blocks."""
+    from dlo.backend.block_binding import collect_block, placeholders, shard_block
+    from dlo.backend.plan_binding import BoundPlan
+    from dlo.hotpath.gather import GatherGroup
+    from dlo.planning.fp8_selection import fp8_format, quantized_tensors
+    from dlo.planning.offload_plan import resolve_blocks
+
+    config = dlo.OffloadConfig(
+        host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True, stream_dtype="fp8"
+    )
+    model, plan = dlo.load_transformer(_flux_checkpoint(tmp_path), config)
+    bound = BoundPlan(plan)
+    try:
+        bound.bind(model, torch.device("cpu"))
+        ref = resolve_blocks(model, plan.offload_plan)[-1]
+        block = collect_block(ref, quantized_tensors(model, ref, config))
+        group = GatherGroup(None, 0, 2, GatherRole.DP)
+        stand_ins = placeholders([block], torch.device("cpu"))
+
+        def shard():
+            return shard_block(block, bound, group, False, stand_ins, fp8_format(config), chunk_bytes=0).source
+
+        assert shard().buffer is None  # the entry's view
+        tensors = bound.weights.checkpoint.tensors
+        key = next(k for k, t in tensors.items() if t.entry.dtype == torch.float8_e4m3fn and k.startswith(ref.name))
+        tensors[key] = dataclasses.replace(
+            tensors[key], entry=dataclasses.replace(tensors[key].entry, dtype=torch.float8_e5m2)
+        )
+        assert shard().buffer is not None
     finally:
         bound.release()
 

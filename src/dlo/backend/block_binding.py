@@ -212,12 +212,15 @@ def _shared_image(
     block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan, nbytes: int
 ) -> torch.Tensor | None:
     """`nbytes` of the mapping from where the block's wire image starts in it, if the mapping
-    holds the image as is (every tensor as saved, at its offset in the image from one
-    512-aligned start in one file) and those bytes lie inside that file; else None.
+    holds the image as is (every tensor as saved, in the dtype the image has there, at its
+    offset in the image from one 512-aligned start in one file) and those bytes lie inside
+    that file; else None. A rank that packs its shard privately converts dtypes; bytes taken
+    as they are must need no conversion, or the ranks would gather different blocks.
     See [Note: shards from the shared entry]"""
     checkpoint = plan.weights.checkpoint
     quantized = {q.index: q for q in wire.quantized}
-    wanted: list[tuple[str, int, int]] = []  # (tensor of the mapping, its offset in the image, its bytes there)
+    # (tensor of the mapping, its dtype in the image, its offset in the image, its bytes there)
+    wanted: list[tuple[str, torch.dtype, int, int]] = []
     for i, (tensor, placement) in enumerate(zip(block.tensors, layout.placements)):
         source = plan.planned.get(id(tensor))
         if source is None or source.adapters(checkpoint):
@@ -225,18 +228,18 @@ def _shared_image(
         q = quantized.get(i)
         if q is not None and isinstance(source, QuantizedSource):
             wanted += [
-                (source.data_key, wire.plain_bytes + q.data_offset, q.data_bytes),
-                (source.scale_key, wire.plain_bytes + q.scale_offset, q.scale_bytes),
+                (source.data_key, q.dtype, wire.plain_bytes + q.data_offset, q.data_bytes),
+                (source.scale_key, torch.float32, wire.plain_bytes + q.scale_offset, q.scale_bytes),
             ]
         elif q is None and isinstance(source, TensorSource) and len(source.keys) == 1:
-            wanted.append((source.keys[0], placement.offset, placement.spec.nbytes))
+            wanted.append((source.keys[0], placement.spec.dtype, placement.offset, placement.spec.nbytes))
         else:
             return None
-    entries = [checkpoint.tensors[key] for key, _, _ in wanted]
-    if any(e.entry.nbytes != n for e, (_, _, n) in zip(entries, wanted)):
+    entries = [checkpoint.tensors[key] for key, _, _, _ in wanted]
+    if any((e.entry.dtype, e.entry.nbytes) != (dtype, n) for e, (_, dtype, _, n) in zip(entries, wanted)):
         return None
     files = {id(e.file) for e in entries}
-    starts = {e.entry.begin - offset for e, (_, offset, _) in zip(entries, wanted)}
+    starts = {e.entry.begin - offset for e, (_, _, offset, _) in zip(entries, wanted)}
     if len(files) != 1 or len(starts) != 1:
         return None
     (start,) = starts

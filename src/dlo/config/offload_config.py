@@ -148,7 +148,8 @@ class OffloadConfig:
         default=0.0,
         metadata={
             "help": "most GiB of a checkpoint or host weight cache mapping this process may register (page-lock) "
-            "for direct copies; above it blocks stream through staging buffers (0: no ceiling besides the OS's)"
+            "for direct copies; above it blocks stream through staging buffers (0: no ceiling besides the OS's); "
+            "in all-gather mode from the cache every rank registers the whole entry"
         },
     )
     pack_threads: int = field(
