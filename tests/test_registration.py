@@ -1,5 +1,11 @@
 """All-or-nothing host registration with a fake driver (SPEC §5.3): the policy, on CPU."""
 
+import ctypes
+import mmap
+import os
+import time
+
+import numpy as np
 import pytest
 
 from fake_driver import FakeDriver
@@ -14,6 +20,7 @@ from dlo.host.registration import (
 )
 
 PAGE = 4096
+_libc = ctypes.CDLL(None, use_errno=True)
 RANGES = [HostRange("a", 0x1000, 0x3000), HostRange("a", 0x9000, 0xA000), HostRange("b", 0x20000, 0x21000)]
 
 
@@ -98,3 +105,30 @@ def test_a_driver_whose_attribute_query_raises_is_a_registration_error():
     with pytest.raises(RegistrationError, match="cudaErrorNoDevice"):
         HostRegistration(driver, RANGES, limit_bytes=0)
     assert driver.registered == {}
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    vector = np.zeros(-(-nbytes // mmap.PAGESIZE), dtype=np.uint8)
+    assert _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_void_p(vector.ctypes.data)) == 0
+    return int((vector & 1).sum())
+
+
+def test_registration_has_the_pages_of_a_cold_mapping_read_ahead(tmp_path):
+    """The fake driver touches no page: only the read-ahead can bring the file in (20 MiB: two
+    whole probe regions and a partial one)."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(20 << 20))
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())  # dirty pages cannot be dropped
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        mapping = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+    address, nbytes = np.frombuffer(mapping, dtype=np.uint8).ctypes.data, len(mapping)
+    pages = nbytes // mmap.PAGESIZE
+    if _resident_pages(address, nbytes) == pages:
+        pytest.skip(f"the filesystem of {tmp_path} keeps dropped pages in memory (tmpfs?): nothing to read ahead")
+    registration = HostRegistration(FakeDriver(), [HostRange(str(path), address, address + nbytes)], limit_bytes=0)
+    deadline = time.monotonic() + 60  # the reads complete asynchronously: wait for them, boundedly
+    while _resident_pages(address, nbytes) < pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(address, nbytes) == pages
+    assert registration.close() == []

@@ -2,8 +2,9 @@
 
 Platform-neutral: a `RegistrationDriver` does the platform calls; `HostRegistration` owns the
 policy. Ranges are page-aligned and merged only within one backing file, checked against the
-ceiling before any driver call, registered read-only one by one; any failure unregisters what
-was registered, in reverse, and reports why, so the caller keeps its staging path. If that
+ceiling before any driver call, read ahead where they are not in memory (`read_ahead`),
+registered read-only one by one; any failure unregisters what was registered, in reverse, and
+reports why, so the caller keeps its staging path. If that
 rollback itself fails, startup must abort: the driver may still own memory the caller would
 otherwise unmap.
 
@@ -13,6 +14,8 @@ this to a host weight cache mapping at enable() and owns the mapping's lifetime.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,6 +74,30 @@ def coalesce(pieces: Iterable[tuple[str, int, int]], page: int) -> list[HostRang
     return merged
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+PROBE_BYTES = 8 << 20  # one page in this many tells whether a region is in memory
+ADVICE_BYTES = 512 << 10  # Linux reads at most the device's readahead maximum per WILLNEED call
+
+
+def read_ahead(ranges: Sequence[HostRange]) -> None:
+    """Have the kernel read the ranges' pages that are not in memory, all at once, before
+    they are registered. cudaHostRegister faults a cold file mapping in page by page, one
+    disk read after another; advised first, the kernel queues the reads together (4 GiB cold on
+    a virtio disk, 8 paired runs: faulted 0.8-1.7 GB/s, advised then faulted 1.3-2.2 GB/s,
+    faster in 7). A region whose probe page is in memory is skipped: a hot 4 GiB costs ~3 ms.
+    Advice only, so results are not checked: the driver faults in whatever was not read."""
+    resident = ctypes.c_ubyte()
+    for host_range in ranges:
+        for start in range(host_range.start, host_range.end, PROBE_BYTES):
+            end = min(start + PROBE_BYTES, host_range.end)
+            if _libc.mincore(start, mmap.PAGESIZE, ctypes.byref(resident)) == 0 and resident.value & 1:
+                continue
+            for advised in range(start, end, ADVICE_BYTES):
+                _libc.madvise(advised, min(ADVICE_BYTES, end - advised), mmap.MADV_WILLNEED)
+
+
 class RegistrationDriver(Protocol):
     def read_only_supported(self) -> bool: ...
 
@@ -102,6 +129,7 @@ class HostRegistration:
         try:
             if not driver.read_only_supported():
                 raise RegistrationError("the device does not support read-only host registration (attribute 113)")
+            read_ahead(ranges)  # registering pins every page: have the missing ones read at once
             for host_range in ranges:
                 code = driver.register(host_range.start, host_range.nbytes, READ_ONLY)
                 if code != 0:
