@@ -16,12 +16,13 @@ that every peak belongs to one variant:
               the group rebuilds the block with an NCCL all-gather.
 
 With --from-cache DIR, every all-gather variant also runs from the host weight cache (issue 17
-part 4), after the others: rank 0 saves the shape's built model under DIR (once, reused by later
-runs), loads it once with dlo.load_transformer(host_weight_cache=True, cache_dir=DIR/cache),
-publishing the node's entry, and then every rank loads it (mapping that one entry) and streams
-in all-gather mode with its shards read straight from the entry's registered pages, no private
-copy. Its row, "... from cache", sits next to the private-shard one; the built model is dropped
-before it so that no rank holds a private copy of the weights while it runs.
+part 4), right after its private-shard twin: rank 0 saves the shape's built model under DIR
+(once, reused by later runs), loads it once with dlo.load_transformer(host_weight_cache=True,
+cache_dir=DIR/cache), publishing the node's entry, and then every rank loads it (mapping that one
+entry) and streams in all-gather mode with its shards read straight from the entry's registered
+pages, no private copy. Its row, "... from cache", sits next to the private-shard one; the built
+model is dropped before it (and built again for a later private variant) so that no rank holds a
+private copy of the weights while it runs.
 
 With --stream-dtype fp8 every dlo variant streams scaled float8 blocks (issue 18: in all-gather
 mode the ranks shard and gather the float8 bytes) and the resident variant runs
@@ -548,9 +549,11 @@ def run_shape(shape: Shape, ranks: Ranks, args: argparse.Namespace) -> list[Row]
     shared = None  # the dlo variants' model, when they can share one
     cache_ready = False
     for variant in variants(args):
-        if variant.from_cache and not cache_ready:
-            prepare_cache(shape, ranks, args, shared)
-            shared, cache_ready = None, True  # no private copy of the weights left while the cache variants run
+        if variant.from_cache:
+            if not cache_ready:
+                prepare_cache(shape, ranks, args, shared)
+                cache_ready = True
+            shared = None  # no private copy of the weights while a cache variant runs: its Pss is the node's RAM
             release(ranks.device)
         if variant.kind != "resident" and reusable(args) and shared is None and not variant.from_cache:
             shared = build_model(shape, args.seed, ranks.device)
