@@ -412,9 +412,9 @@ def chunked(rank: int, world: int, chunks_mib: list[float], stream_dtype: str | 
 SCENARIOS["chunked"] = chunked
 
 
-def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
-    """One GPU per rank and an NCCL group: tiny Flux in bf16 (and streamed as float8) gathered
-    unchunked and in chunks of each size of `chunks_mib`, against the resident model."""
+def _nccl_tiny_flux(rank: int, world: int):
+    """This rank's GPU, an NCCL group of every rank, and a function running a tiny Flux model
+    there on three inputs of this rank's own (bf16, outputs on the CPU)."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     nccl = dist.new_group(list(range(world)), backend="nccl")
@@ -425,9 +425,16 @@ def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
         with torch.inference_mode():
             return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
 
+    return device, nccl, run
+
+
+def cuda_chunked(rank: int, world: int, chunks_mib: list[float]) -> dict:
+    """One GPU per rank and an NCCL group: tiny Flux in bf16 (and streamed as float8) gathered
+    unchunked and in chunks of each size of `chunks_mib`, against the resident model."""
+    device, nccl, run = _nccl_tiny_flux(rank, world)
     results = {}
     for stream_dtype in (None, "fp8"):
-        built = entry.build(seed=1, dtype=torch.bfloat16)
+        built = TINY_MODELS["flux"].build(seed=1, dtype=torch.bfloat16)
         resident = copy.deepcopy(built).to(device)
         dlo.quantize_resident(resident, dlo.OffloadConfig(stream_dtype=stream_dtype))
         expected = run(resident)
@@ -454,16 +461,7 @@ def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chu
     resident model loaded from the same checkpoint."""
     import diffusers
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    nccl = dist.new_group(list(range(world)), backend="nccl")
-    entry = TINY_MODELS["flux"]
-    seeds = [10 * rank + step for step in range(3)]
-
-    def run(model):
-        with torch.inference_mode():
-            return [model(**entry.inputs(seed, torch.bfloat16, device))[0].cpu() for seed in seeds]
-
+    device, nccl, run = _nccl_tiny_flux(rank, world)
     results = {}
     for stream_dtype in (None, "fp8"):
         resident = diffusers.FluxTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device)
