@@ -4,9 +4,8 @@ Platform-neutral: a `RegistrationDriver` does the platform calls; `HostRegistrat
 policy. Ranges are page-aligned and merged only within one backing file, checked against the
 ceiling before any driver call, read ahead where they are not in memory (`read_ahead`),
 registered read-only one by one; any failure unregisters what was registered, in reverse, and
-reports why, so the caller keeps its staging path. If that
-rollback itself fails, startup must abort: the driver may still own memory the caller would
-otherwise unmap.
+reports why, so the caller keeps its staging path. If that rollback itself fails, startup
+must abort: the driver may still own memory the caller would otherwise unmap.
 
 The CUDA driver is `dlo.backend.cuda_registration`; `dlo.backend.mapping_registration` applies
 this to a host weight cache mapping at enable() and owns the mapping's lifetime.
