@@ -392,3 +392,53 @@ def test_disable_frees_the_promoted_blocks_and_slots_while_the_handle_is_kept(ti
     assert runtime() is None and all(memory() is None for memory in promoted)
     assert handle.stats().residency.state == "planned"
 
+
+
+def _all_promoted_without_slots(runtime) -> None:
+    for index in range(len(runtime.blocks)):
+        runtime.promote(index)
+    runtime.replace_slots(0, 0)
+
+
+def test_landing_buffers_go_with_the_slots_and_come_back_with_them(tiny_pair):
+    """float8 blocks land in a landing buffer before their slot: with every block promoted and
+    no slots left, the landing buffers are freed too, and they return with slots."""
+    reference, streamed, entry = tiny_pair("wan")
+    config = dlo.OffloadConfig(stream_dtype="fp8")
+    dlo.quantize_resident(reference, config)
+    expected = outputs(reference, entry, calls=1)
+    with dlo.enable(streamed, "cpu", config) as handle:
+        runtime = handle._runtime
+        landing = runtime.transfer.landings[0].numel()
+        _all_promoted_without_slots(runtime)
+        assert runtime.transfer.landings == () and handle.stats().device_weight_bytes == (
+            sum(memory.numel() for memory in runtime.promoted.values()) + handle._device_weight_bytes
+        )
+        resident = outputs(streamed, entry, calls=1)
+        for index in range(len(runtime.blocks)):
+            runtime.demote(index)
+        runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))
+        assert [buffer.numel() for buffer in runtime.transfer.landings] == [landing]
+        streamed_again = outputs(streamed, entry, calls=1)
+    assert torch.equal(expected[0], resident[0]) and torch.equal(expected[0], streamed_again[0])
+
+
+def test_slots_that_cannot_be_allocated_leave_no_landing_buffer_behind(tiny_pair, monkeypatch):
+    from dlo.hotpath.transfer import SyncTransfer
+
+    _, streamed, _ = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(stream_dtype="fp8")) as handle:
+        runtime = handle._runtime
+        _all_promoted_without_slots(runtime)
+        for index in range(len(runtime.blocks)):
+            runtime.demote(index)
+
+        def out_of_memory(self, nbytes):
+            raise torch.OutOfMemoryError("fake device out of memory")
+
+        monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))
+        assert runtime.transfer.landings == () and runtime.slots == []
+        monkeypatch.undo()
+        runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))  # disable() streams them back

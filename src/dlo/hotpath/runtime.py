@@ -62,25 +62,13 @@ class StreamingRuntime:
         weights, the landing buffer: See [Note: fp8 landing]), as few copies as the mapping's
         layout allows (See [Note: one copy per block])."""
         self.blocks = tuple(blocks)
-        # Per landing buffer, each float8 block's (data, scale) views and, for a mapped block,
-        # its copies into that buffer: made once, like the slot views.
-        self._landed = [
-            [landing_views(landing[b.wire.plain_bytes :], b.wire) if b.wire.quantized else () for b in self.blocks]
-            for landing in transfer.landings
-        ]
-        self._land_tasks = [
-            [
-                b.source.copy_tasks(wire_targets(b.layout, b.wire, landing, landing[b.wire.plain_bytes :]), whole=True)
-                if b.wire.quantized and isinstance(b.source, MappedSource) and (direct or stager is None)
-                else []
-                for b in self.blocks
-            ]
-            for landing in transfer.landings
-        ]
         self.transfer = transfer
         self.ledger = ledger
         self.stager = stager
         self.gather = gather
+        self._landing_bytes = transfer.landings[0].numel() if transfer.landings else 0
+        self._direct_copies = direct
+        self._use_landings()
         self.planner = SlotPlanner(len(self.blocks), len(slots), lockstep=gather is not None)
         # All-gather mode only. See [Note: lockstep schedule]
         self._calls = 0  # agreements issued
@@ -91,11 +79,29 @@ class StreamingRuntime:
         self._next_agreement: Agreement | None = None
         self._plan_digest = plan_digest(len(slots), self.blocks)
         self.pack_s = 0.0
-        self._direct_copies = direct
         self._use_slots(slots)
         self._staged: dict[int, list[tuple[str, int, Future[StagedCopy]]]] = {}
         self._compute_start: dict[int, Any] = {}
         self.promoted: dict[int, torch.Tensor] = {}  # block index -> its own device memory
+
+    def _use_landings(self) -> None:
+        """Per landing buffer, each float8 block's (data, scale) views and, for a mapped block,
+        its copies into that buffer: made once, like the slot views."""
+        landings = self.transfer.landings
+        self._landed = [
+            [landing_views(landing[b.wire.plain_bytes :], b.wire) if b.wire.quantized else () for b in self.blocks]
+            for landing in landings
+        ]
+        direct_or_unstaged = self._direct_copies or self.stager is None
+        self._land_tasks = [
+            [
+                b.source.copy_tasks(wire_targets(b.layout, b.wire, landing, landing[b.wire.plain_bytes :]), whole=True)
+                if b.wire.quantized and isinstance(b.source, MappedSource) and direct_or_unstaged
+                else []
+                for b in self.blocks
+            ]
+            for landing in landings
+        ]
 
     def _use_slots(self, slots: Sequence[DeviceSlot]) -> None:
         self.slots = list(slots)
@@ -269,10 +275,21 @@ class StreamingRuntime:
         self.transfer.synchronize()
         self.planner.resize(count)  # first: it refuses a count it cannot serve
         self._use_slots(())
+        # Without slots nothing streams, so nothing lands: the landing buffers go too, and come
+        # back with slots (See [Note: fp8 landing]).
+        if count == 0 and self.transfer.landings:
+            self.transfer.drop_landings()
+            self._use_landings()
         try:
+            if count and self._landing_bytes and not self.transfer.landings:
+                self.transfer.allocate_landings(self._landing_bytes)
+                self._use_landings()
             slots = [self.transfer.allocate_slot(nbytes) for _ in range(count)]
         except BaseException as failure:
             self.planner.resize(0)
+            if not old_count and self.transfer.landings:  # back to no slots: no landing buffers either
+                self.transfer.drop_landings()
+                self._use_landings()
             try:
                 self._use_slots([self.transfer.allocate_slot(old_bytes) for _ in range(old_count)])
             except BaseException as second:

@@ -16,7 +16,8 @@ and records the slot's "ready". Measured on the H200 (Flux-shaped, benchmarks/RE
 into the slot, through one landing buffer, with two torch kernels per weight (so the next
 copy queued behind the dequantization kernels, which queue behind the compute stream's),
 took 0.101 s. The price is two landing
-buffers of the largest float8 block's wire image (about half a bf16 block each).
+buffers of the largest float8 block's wire image (about half a bf16 block each); they are
+freed with the slots when every block is made resident (`replace_slots(0, ...)`).
 """
 
 from __future__ import annotations
