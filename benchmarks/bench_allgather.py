@@ -252,9 +252,10 @@ def variant_config(variant: Variant, args: argparse.Namespace) -> dlo.OffloadCon
     if variant.from_cache:
         # A benchmark's own directory: any filesystem the user points it at (SPEC's tmpfs refusal is for users' caches).
         cache = dict(host_weight_cache=True, cache_dir=str(args.from_cache / "cache"), cache_allow_any_filesystem=True)
+    chunk = dict(gather_chunk_mib=variant.gather_chunk_mib) if variant.kind == "all-gather" else {}
     return dlo.OffloadConfig(
         use_allgather=variant.kind == "all-gather", num_slots=variant.num_slots or 2, stream_dtype=args.stream_dtype,
-        fp8_scale=args.fp8_scale, gather_chunk_mib=variant.gather_chunk_mib or 0, **cache,
+        fp8_scale=args.fp8_scale, **chunk, **cache,
     )
 
 

@@ -189,7 +189,7 @@ def test_demo_across_two_gloo_ranks(tmp_path):
     saved = tmp_path / "outputs.pt"
     done = subprocess.run(
         [sys.executable, "-m", "dlo.cli.main", "demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--nproc", "2",
-         "--save-outputs", str(saved)],
+         "--gather-chunk-mib", "0.03", "--save-outputs", str(saved)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -220,6 +220,12 @@ def test_out_of_range_counts_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_gather_chunk_size_without_ranks_is_refused_before_any_work(capsys):
+    assert main(["demo", "--device", "cpu", "--gather-chunk-mib", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "gather_chunk_mib=32 sizes all-gather mode's collectives" in err and "use_allgather=True" in err
 
 
 def test_nproc_refuses_options_it_does_not_run(tmp_path, capsys):

@@ -39,9 +39,18 @@ def test_invalid_values_name_the_option(field, value, message):
 
 
 def test_gather_chunk_in_bytes():
-    assert dlo.OffloadConfig(gather_chunk_mib=0).gather_chunk_bytes == 0
-    assert dlo.OffloadConfig(gather_chunk_mib=64).gather_chunk_bytes == 64 * 2**20
-    assert dlo.OffloadConfig(gather_chunk_mib=1e-9).gather_chunk_bytes == 1  # positive stays positive
+    def chunk_bytes(mib):
+        return dlo.OffloadConfig(use_allgather=True, gather_chunk_mib=mib).gather_chunk_bytes
+
+    assert chunk_bytes(0) == 0
+    assert chunk_bytes(64) == 64 * 2**20
+    assert chunk_bytes(1e-9) == 1  # positive stays positive
+
+
+def test_a_chunk_size_without_all_gather_is_refused():
+    with pytest.raises(dlo.ConfigError, match="gather_chunk_mib=32 sizes all-gather mode's collectives .* use_allgather=True"):
+        dlo.OffloadConfig(gather_chunk_mib=32)
+    assert dlo.OffloadConfig().gather_chunk_mib == 64  # the default needs nothing
 
 
 def test_config_error_is_a_value_error():

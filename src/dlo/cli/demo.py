@@ -220,7 +220,7 @@ def save_outputs(path: str, resident: list[torch.Tensor], streamed: list[torch.T
 
 def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args)
-    config = config_from_flags(args)
+    config = config_from_flags(args, **({"use_allgather": True} if args.nproc > 1 else {}))  # the all-gather demo
     for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
         if path:
             check_writable(Path(path).expanduser(), flag)

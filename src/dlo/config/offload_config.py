@@ -34,6 +34,7 @@ class CacheVerify(enum.Enum):
 
 
 AUTO = "auto"  # resident_layers: chosen from measured costs under a memory budget
+GATHER_CHUNK_MIB = 64.0  # gather_chunk_mib's default
 
 
 class Fp8Scale(enum.Enum):
@@ -111,7 +112,7 @@ class OffloadConfig:
         },
     )
     gather_chunk_mib: float = field(
-        default=64.0,
+        default=GATHER_CHUNK_MIB,
         metadata={
             "help": "all-gather mode: MiB of a block gathered per collective, so that the next piece's host->device "
             "copy overlaps the gather of this one (0: one collective per block); every rank must use the same value"
@@ -218,6 +219,11 @@ class OffloadConfig:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not math.isfinite(chunk) or chunk < 0:
             raise ConfigError(
                 f"OffloadConfig.gather_chunk_mib must be a finite number of MiB >= 0 (0: unchunked), got {chunk!r}"
+            )
+        if chunk != GATHER_CHUNK_MIB and not self.use_allgather:
+            raise ConfigError(
+                f"OffloadConfig.gather_chunk_mib={chunk:g} sizes all-gather mode's collectives and does nothing "
+                "without it: set use_allgather=True, or leave gather_chunk_mib unset"
             )
         _require_int("pack_threads", self.pack_threads, minimum=0)
         _require_bool("host_weight_cache", self.host_weight_cache)
