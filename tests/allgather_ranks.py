@@ -329,7 +329,7 @@ def cache_shards(
             entry=checkpoint.directory.name if backing == "host_weight_cache" else None,
             mapping_closed=checkpoint is None or all(shard._map.closed for shard in checkpoint.files),
             pieces=[len(s.pieces) for s in shards],
-            private_blocks=[i for i, s in enumerate(shards) if s.buffer is not None],
+            private_blocks=[i for i, s in enumerate(shards) if not s.views_entry],
             chunks=[s.shards.chunks for s in shards],
             shard_files=files,
             registered=registered,
@@ -477,7 +477,7 @@ def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chu
             backing = plan.backing if plan is not None else None
             with dlo.enable(model, device, config, plan=plan, groups=dlo.ParallelGroups(dp=nccl)) as handle:
                 got = run(model)
-                views = all(block.source.buffer is None for block in handle._runtime.blocks)
+                views = all(block.source.views_entry for block in handle._runtime.blocks)
                 stats = handle.stats()
             results[(stream_dtype, chunk_mib)] = dict(
                 identical=all(torch.equal(a, b) for a, b in zip(expected, got)),

@@ -222,8 +222,8 @@ def test_a_padded_image_that_runs_past_its_entry_file_gets_a_private_shard(tmp_p
         viewed = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=0).source
         far = shard_block(block, bound, group, False, stand_ins, None, chunk_bytes=64).source
         assert far.shards.padded_bytes > max(f.size for f in bound.weights.checkpoint.files)
-        assert viewed.buffer is None and bound.weights.checkpoint.holds(viewed.pieces[0])
-        assert far.buffer is not None and far.host_bytes == far.shards.shard_bytes
+        assert viewed.views_entry and bound.weights.checkpoint.holds(viewed.pieces[0])
+        assert not far.views_entry and far.host_bytes == far.shards.shard_bytes
         (unchunked,) = viewed.pieces  # rank 0: image bytes [0, W)
         for piece, host in zip(far.shards.pieces(0), far.pieces):
             if piece.image_start < unchunked.numel():
@@ -257,13 +257,13 @@ def test_float8_data_of_another_float8_dtype_in_the_entry_gets_a_private_shard(t
         def shard():
             return shard_block(block, bound, group, False, stand_ins, fp8_format(config), chunk_bytes=0).source
 
-        assert shard().buffer is None  # the entry's view
+        assert shard().views_entry
         tensors = bound.weights.checkpoint.tensors
         key = next(k for k, t in tensors.items() if t.entry.dtype == torch.float8_e4m3fn and k.startswith(ref.name))
         tensors[key] = dataclasses.replace(
             tensors[key], entry=dataclasses.replace(tensors[key].entry, dtype=torch.float8_e5m2)
         )
-        assert shard().buffer is not None
+        assert not shard().views_entry
     finally:
         bound.release()
 

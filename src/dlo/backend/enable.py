@@ -294,7 +294,7 @@ def enable(
     if gather_group is not None:
         for block in streamed:
             block.point_at(block.placeholders)
-        views = any(isinstance(b.source, ShardSource) and b.source.buffer is None for b in streamed)
+        views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
         if bound_plan is not None and not views:
             bound_plan.release()  # a failed unregister keeps the mapping open and is logged
             checkpoint, registration = None, NOT_APPLICABLE

@@ -133,6 +133,11 @@ class ShardSource:
         return self.shards.shard_bytes
 
     @property
+    def views_entry(self) -> bool:
+        """The pieces are views of the shared cache entry (no private buffer)."""
+        return self.buffer is None
+
+    @property
     def host_bytes(self) -> int:
         """Private bytes only: a shared entry's are page cache, one copy per node."""
         return self.buffer.nbytes if self.buffer is not None else 0
