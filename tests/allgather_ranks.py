@@ -336,6 +336,7 @@ def cache_shards(
             registered_bytes=stats.registered_bytes,
             private_bytes=stats.host_bytes,
             mapped_bytes=stats.mapped_bytes,
+            stats_backing=stats.backing,
             float8_bytes=stats.host_bytes_by_dtype.get("float8_e4m3fn", 0),
         )
     results["still_registered"] = len(driver.registered)

@@ -195,6 +195,7 @@ def test_every_rank_shards_from_views_of_the_one_cache_entry_of_the_node(tmp_pat
         for chunk_mib, got in result.items():
             assert got["identical_to_resident"] and got["identical_after_disable"]
             assert got["backing"] == "host_weight_cache" and got["entry"] == key
+            assert got["stats_backing"] == "host_weight_cache shards"
             assert got["shard_files"] <= entry_files and got["private_bytes"] == 0 and got["mapped_bytes"] > 0
             assert got["pieces"] == got["chunks"] and (max(got["chunks"]) > 1) == (chunk_mib > 0)
             assert got["registered"] == fake_driver and (got["registered_bytes"] > 0) == fake_driver
@@ -278,6 +279,7 @@ def test_a_rank_that_cannot_use_the_cache_gathers_from_private_shards_with_its_p
     shared, private = results[0][0.03], results[1][0.03]
     assert shared["identical_to_resident"] and private["identical_to_resident"]
     assert shared["backing"] == "host_weight_cache" and shared["private_bytes"] == 0
+    assert (shared["stats_backing"], private["stats_backing"]) == ("host_weight_cache shards", "shards")
     assert private["backing"] is None and private["private_bytes"] > 0 and private["mapped_bytes"] == 0
     assert not any(path and path.endswith(".safetensors") for path in private["shard_files"])  # its own memory
 

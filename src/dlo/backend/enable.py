@@ -157,10 +157,11 @@ def _stager(
     return Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
 
 
-def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool) -> str:
-    """Where the streamed blocks live on the host, for stats and reports."""
+def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool, views: bool) -> str:
+    """Where the streamed blocks live on the host, for stats and reports. `views`: shards
+    view the cache entry (See [Note: shards from the shared entry])."""
     if gather_group is not None:
-        return "shards"
+        return "host_weight_cache shards" if views else "shards"
     if host_plan is not None:
         return host_plan.backing
     return "pinned" if pin else "pageable"
@@ -291,10 +292,10 @@ def enable(
     # shards view it (See [Note: shards from the shared entry]): private shards do not need it.
     checkpoint = bound_plan.weights.checkpoint if bound_plan is not None else None
     registration = bound_plan.registration if bound_plan is not None else NOT_APPLICABLE
+    views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
     if gather_group is not None:
         for block in streamed:
             block.point_at(block.placeholders)
-        views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
         if bound_plan is not None and not views:
             bound_plan.release()  # a failed unregister keeps the mapping open and is logged
             checkpoint, registration = None, NOT_APPLICABLE
@@ -316,7 +317,7 @@ def enable(
         device_weight_bytes=device_weight_bytes,
         setup_s=time.perf_counter() - started,
         checkpoint=checkpoint,
-        backing=_backing(host_plan, gather_group, pin),
+        backing=_backing(host_plan, gather_group, pin, views),
         registration=registration,
         probe=probe,
         residency=tuner,

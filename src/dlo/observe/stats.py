@@ -69,7 +69,8 @@ class OffloadStats:
         float32 scales appear here (see [Note: fp8 streaming]).
     backing: where the streamed blocks live on the host: "pinned" or "pageable" (private
         packed copies), "checkpoint_mmap", "host_weight_cache" (shared read-only mappings),
-        or "shards" (all-gather mode: this rank's 1/G).
+        or "shards" (all-gather mode: this rank's 1/G; "host_weight_cache shards" when they are
+        views of the node's cache entry).
     mapped_bytes: size of the read-only checkpoint mapping blocks stream from (shared page
         cache, not private memory);
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
