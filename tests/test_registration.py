@@ -132,3 +132,10 @@ def test_registration_has_the_pages_of_a_cold_mapping_read_ahead(tmp_path):
         time.sleep(0.05)
     assert _resident_pages(address, nbytes) == pages
     assert registration.close() == []
+
+
+def test_read_ahead_pieces_follow_the_disk_queue_or_the_usual_floor(tmp_path):
+    from dlo.host.registration import ADVICE_FLOOR_BYTES, PROBE_BYTES, advice_bytes
+
+    assert advice_bytes(os.makedev(0, 65000)) == ADVICE_FLOOR_BYTES  # no block device: no queue to read
+    assert ADVICE_FLOOR_BYTES <= advice_bytes(os.stat(tmp_path).st_dev) <= PROBE_BYTES

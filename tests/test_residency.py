@@ -442,3 +442,22 @@ def test_slots_that_cannot_be_allocated_leave_no_landing_buffer_behind(tiny_pair
         assert runtime.transfer.landings == () and runtime.slots == []
         monkeypatch.undo()
         runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))  # disable() streams them back
+
+
+def test_slots_lost_for_good_take_the_landing_buffers_with_them(tiny_pair, monkeypatch):
+    from dlo.hotpath.transfer import SyncTransfer
+
+    _, streamed, _ = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(stream_dtype="fp8")) as handle:
+        runtime = handle._runtime
+        assert runtime.transfer.landings  # streaming through 2 slots
+
+        def out_of_memory(self, nbytes):
+            raise torch.OutOfMemoryError("fake device out of memory")
+
+        monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+        with pytest.raises(dlo.StreamingError, match="and so did allocating the 2 slots of before"):
+            runtime.replace_slots(3, max(block.layout.nbytes for block in runtime.blocks))
+        assert runtime.transfer.landings == () and runtime.slots == []
+        monkeypatch.undo()
+        runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))  # disable() streams them back

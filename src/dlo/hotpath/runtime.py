@@ -131,6 +131,14 @@ class StreamingRuntime:
             for b in self.blocks
         ]
 
+    def _drop_landings_without_slots(self) -> None:
+        """Without slots nothing streams, so nothing lands: the landing buffers go too, and
+        replace_slots() makes them again with slots (See [Note: fp8 landing]). The device is
+        idle (replace_slots synchronized it)."""
+        if not self.slots and self.transfer.landings:
+            self.transfer.drop_landings()
+            self._use_landings()
+
     @property
     def slot_bytes(self) -> int:
         """The most device memory the slots hold at once."""
@@ -275,11 +283,8 @@ class StreamingRuntime:
         self.transfer.synchronize()
         self.planner.resize(count)  # first: it refuses a count it cannot serve
         self._use_slots(())
-        # Without slots nothing streams, so nothing lands: the landing buffers go too, and come
-        # back with slots (See [Note: fp8 landing]).
-        if count == 0 and self.transfer.landings:
-            self.transfer.drop_landings()
-            self._use_landings()
+        if count == 0:
+            self._drop_landings_without_slots()
         try:
             if count and self._landing_bytes and not self.transfer.landings:
                 self.transfer.allocate_landings(self._landing_bytes)
@@ -287,16 +292,15 @@ class StreamingRuntime:
             slots = [self.transfer.allocate_slot(nbytes) for _ in range(count)]
         except BaseException as failure:
             self.planner.resize(0)
-            if not old_count and self.transfer.landings:  # back to no slots: no landing buffers either
-                self.transfer.drop_landings()
-                self._use_landings()
             try:
                 self._use_slots([self.transfer.allocate_slot(old_bytes) for _ in range(old_count)])
             except BaseException as second:
+                self._drop_landings_without_slots()
                 raise StreamingError(
                     f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
                     f"{old_count} slots of before ({second}): no block can stream until disable()"
                 ) from second
+            self._drop_landings_without_slots()
             self.planner.resize(old_count)
             raise
         self._use_slots(slots)

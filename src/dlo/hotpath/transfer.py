@@ -87,13 +87,16 @@ class CudaTransfer:
         self.landings = (aligned_empty(nbytes, self.device), aligned_empty(nbytes, self.device))
         self._landed = [torch.cuda.Event(), torch.cuda.Event()]
         self._drained = [torch.cuda.Event(), torch.cuda.Event()]
+        for drained in self._drained:  # as for a slot: the first copy waits for work queued on the memory
+            drained.record(self.compute_stream())
         # High priority: its short kernels take SMs as the compute stream's blocks retire,
         # instead of queueing behind a whole GEMM.
         self._dequant_stream = torch.cuda.Stream(self.device, priority=-1)
 
     def drop_landings(self) -> None:
-        """Free the landing buffers (a failed enable(); the device must be idle)."""
+        """Free the landing buffers (a failed enable(), or no slots left); the device must be idle."""
         self.landings = ()
+        self._dequant_stream, self._landed, self._drained = None, [], []
 
     def land_into(
         self,
