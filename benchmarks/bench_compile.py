@@ -8,7 +8,8 @@ Variants, one at a time, each freed before the next (so every peak belongs to on
                       the reference of the regional rows and of "x compiled resident".
   resident+regional/again  the same, compiled a second time: a control that shows whether two
                       compilations of one resident model give equal outputs (inductor picks
-                      some kernel configurations by timing them, see --inductor-cache).
+                      some kernel configurations by timing them, see --inductor-cache and
+                      --inductor-deterministic).
   dlo+regional        compile_repeated_blocks(fullgraph=True), then dlo.enable(model, device).
   resident+full       the blocks dlo would stream given dlo's call boundary (isolate(), no
                       streaming), then model.compile(): the reference of dlo+full, whose graphs
@@ -261,6 +262,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fresh: each variant compiles with empty inductor/Triton caches; shared: one cache per shape, "
         "so later variants reuse the kernel configurations earlier ones picked by timing (default: fresh)",
     )
+    parser.add_argument(
+        "--inductor-deterministic", action="store_true",
+        help="torch._inductor.config.deterministic: no kernel configuration chosen by timing where it changes "
+        "numerics (reduction block sizes), so two compilations of one model pick the same kernels",
+    )
+    parser.add_argument(
+        "--deterministic-algorithms", action="store_true",
+        help="torch.use_deterministic_algorithms(True) too (it also filters inductor's reduction configurations)",
+    )
     out = os.environ.get("OUT")
     parser.add_argument(
         "--json", type=Path, default=Path(out) / "bench_compile.json" if out else None,
@@ -303,6 +313,8 @@ def measure_all(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
+    torch._inductor.config.deterministic = args.inductor_deterministic
+    torch.use_deterministic_algorithms(args.deterministic_algorithms)
     print(" | ".join(f"{k} {v}" for k, v in environment(device).items()), flush=True)
     chosen = ["resident+regional", *(v for v in args.variants if v != "resident+regional")]
     variants = [v for v in chosen if device.type == "cuda" or v not in SKIPPED_ON_CPU]
@@ -322,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
                 "environment": environment(device),
                 "settings": {
                     "warmup": args.warmup, "iters": args.iters, "seed": args.seed, "mode": args.mode,
-                    "inductor_cache": args.inductor_cache,
+                    "inductor_cache": args.inductor_cache, "inductor_deterministic": args.inductor_deterministic,
+                    "deterministic_algorithms": args.deterministic_algorithms,
                 },
                 "notes": notes,
                 "table": markdown_table(rows),

@@ -6,7 +6,8 @@ In one process, for one shape of bench_streaming.py: compile the resident model
 equal to each other?), then build and compile the same model again — dynamo reset, inductor's
 and Triton's caches kept, so the second compilation reuses the first one's kernels and the
 configurations they picked by timing — and run it once (equal to the first compilation?); with
---dlo, a third model compiled the same way and then streamed by dlo.enable (equal to the first?).
+--dlo, a third model compiled the same way and then streamed by dlo.enable (equal to the first?
+to the second?).
 --deterministic also sets torch.use_deterministic_algorithms(True) and, where this torch has
 it, torch._inductor.config.deterministic (no kernel choice by timing). --kernels DIR writes, per
 compilation that produced new code, the generated wrapper modules (the code that calls every
@@ -107,13 +108,15 @@ def main() -> None:
             first = _compiled_outputs(name, device, args.calls, kernels=where("first"))
             again = _compiled_outputs(name, device, 1, kernels=where("again"))
             calls = ", ".join(_compare(first[0], later) for later in first[1:])
-            streamed = "-"
+            streamed = ["-", "-"]
             if args.dlo:
-                streamed = _compare(first[0], _compiled_outputs(name, device, 2, True, where("dlo"))[-1])
-            rows.append(f"| {name} | {args.deterministic} | {calls} | {_compare(first[0], again[0])} | {streamed} |")
+                dlo_output = _compiled_outputs(name, device, 2, True, where("dlo"))[-1]
+                streamed = [_compare(first[0], dlo_output), _compare(again[0], dlo_output)]
+            cells = [name, str(args.deterministic), calls, _compare(first[0], again[0]), *streamed]
+            rows.append("| " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-    print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first | dlo vs first |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | deterministic | later calls vs call 1 | second compilation vs first | dlo vs first | dlo vs second |")
+    print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -9,7 +9,8 @@ registered with cudaHostRegisterReadOnly like a cache entry; a pinned buffer of 
 gets the same bytes. For each copy size, consecutive slices of the source are copied into one
 device buffer, one cudaMemcpyAsync each on a side stream, --rounds times over the source; the
 rate is bytes over the CUDA-event time. Source start offsets: 0 (page-aligned) and 512 (the
-alignment of a block image inside a cache entry).
+alignment of a block image inside a cache entry). --device-load runs D2D copies on another stream
+while the timed copies run (device-memory traffic like a forward's dequantization and compute).
 
 On the GPU machine, from the repository root: PYTHONPATH=$PWD/src python3 benchmarks/registered_copy_rate.py
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +32,46 @@ from dlo.host.registration import READ_ONLY
 MIB = 2**20
 
 
-def copy_rate(source: torch.Tensor, target: torch.Tensor, size: int, offset: int, rounds: int) -> float:
+class DeviceLoad:
+    """Device-memory traffic on its own stream while the timed copies run, as dequantization
+    and compute kernels make it in a streamed forward: D2D copies of a 1 GiB buffer, enqueued
+    (from a timed sample) to last longer than `seconds`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.source = torch.empty(2**30, dtype=torch.uint8, device=device)
+        self.target = torch.empty_like(self.source)
+        started = time.perf_counter()
+        for _ in range(20):
+            self.target.copy_(self.source)
+        torch.cuda.synchronize(device)
+        self.copy_s = (time.perf_counter() - started) / 20
+
+    def start(self, seconds: float) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(int(seconds * 1.5 / self.copy_s) + 1):
+                self.target.copy_(self.source)
+
+
+def copy_rate(
+    source: torch.Tensor, target: torch.Tensor, size: int, offset: int, rounds: int, load: DeviceLoad | None
+) -> float:
     """GB/s of copying `source` slice by slice (`size` bytes from `offset`) into `target`."""
     stream = torch.cuda.Stream()
     count = (source.numel() - offset) // size
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         target[:size].copy_(source[offset : offset + size], non_blocking=True)  # warm-up
+        if load is not None:
+            stream.synchronize()
+            load.start(rounds * count * size / 50e9)
         start.record(stream)
         for _ in range(rounds):
             for k in range(count):
                 begin = offset + k * size
                 target[:size].copy_(source[begin : begin + size], non_blocking=True)
         end.record(stream)
-    end.synchronize()
+    torch.cuda.synchronize()
     return rounds * count * size / (start.elapsed_time(end) / 1e3) / 1e9
 
 
@@ -53,6 +81,9 @@ def main() -> None:
     parser.add_argument("--file-gib", type=float, default=4.0)
     parser.add_argument("--sizes", default="32,85,170,340,680", help="copy sizes in MiB, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--device-load", action="store_true", help="D2D copies on another stream during the timed copies"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     nbytes = int(args.file_gib * 2**30)
@@ -69,19 +100,21 @@ def main() -> None:
     if driver is None or isinstance(driver, str) or driver.register(mapped.data_ptr(), nbytes, READ_ONLY) != 0:
         raise SystemExit(f"registering the mapping failed: {driver}")
     target = torch.empty(max(int(s) for s in args.sizes.split(",")) * MIB, dtype=torch.uint8, device=device)
+    load = DeviceLoad(device) if args.device_load else None
     rows = []
     try:
         for size_mib in (int(s) for s in args.sizes.split(",")):
             for offset in (0, 512):
                 rates = {
-                    name: copy_rate(source, target, size_mib * MIB, offset, args.rounds)
+                    name: copy_rate(source, target, size_mib * MIB, offset, args.rounds, load)
                     for name, source in (("pinned", pinned), ("registered mapping", mapped))
                 }
                 rows.append((size_mib, offset, rates["pinned"], rates["registered mapping"]))
                 print(rows[-1], flush=True)
     finally:
         driver.unregister(mapped.data_ptr())
-    print(f"\n{os.path.basename(__file__)} --file-gib {args.file_gib} --sizes {args.sizes} --rounds {args.rounds}")
+    load_flag = " --device-load" if args.device_load else ""
+    print(f"\n{os.path.basename(__file__)} --file-gib {args.file_gib} --sizes {args.sizes} --rounds {args.rounds}{load_flag}")
     print("| copy MiB | source offset | pinned GB/s | registered mapping GB/s | mapping / pinned |")
     print("|---|---|---|---|---|")
     for size_mib, offset, pinned_rate, mapped_rate in rows:
