@@ -114,12 +114,14 @@ def parity(
     )
 
 
-def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0) -> list:
+def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0, num_slots: int = 2) -> list:
     """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
-    and the third call fails on every rank before any block collective."""
+    and the third call fails on every rank before any block collective. Then the
+    collectives each rank issued, and disable() (which gathers every block: collectives)."""
     model = TINY_MODELS["sd3"].build(seed=1)
-    dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True, gather_chunk_mib=gather_chunk_mib))
-    outcomes = []
+    config = dlo.OffloadConfig(use_allgather=True, gather_chunk_mib=gather_chunk_mib, num_slots=num_slots)
+    handle = dlo.enable(model, "cpu", config)
+    outcomes: list = []
     for call in range(3):
         skip = [1] if (rank == 1 and call == 1) else None
         try:
@@ -128,7 +130,30 @@ def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0) -> list:
             outcomes.append("ok")
         except dlo.StreamingError as err:
             outcomes.append(f"StreamingError: {err}")
+    outcomes.append(handle.stats().collectives)
+    handle.disable()
+    outcomes.append("disabled")
     return outcomes
+
+
+def slots_kept_whole(rank: int, world: int) -> dict:
+    """Flux (blocks of two sizes) in all-gather mode with slot allocation failing on rank 1
+    after enable(): no load may allocate there (a failed allocation would put the ranks on
+    different collectives), so every call still equals resident."""
+    reference = TINY_MODELS["flux"].build(seed=1)
+    streamed = copy.deepcopy(reference)
+    expected = _tiny_outputs(reference, "flux", [0, 1, 2])
+    handle = dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True))
+    if rank == 1:
+
+        def refuse(nbytes):
+            raise torch.OutOfMemoryError(f"test: no {nbytes} bytes")
+
+        handle._runtime.transfer.allocate_slot = refuse
+    got = _tiny_outputs(streamed, "flux", [0, 1, 2])
+    collectives = handle.stats().collectives
+    handle.disable()
+    return dict(identical=all(torch.equal(a, b) for a, b in zip(expected, got)), collectives=collectives)
 
 
 def die_mid_wave(rank: int, world: int) -> str:
@@ -346,6 +371,7 @@ def cache_shards(
 SCENARIOS = {
     "parity": parity,
     "diverge": diverge,
+    "slots_kept_whole": slots_kept_whole,
     "die_mid_wave": die_mid_wave,
     "stopped_mid_wave": stopped_mid_wave,
     "sp_group": sp_group,

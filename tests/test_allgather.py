@@ -98,14 +98,26 @@ def test_three_slots_and_resident_layers_in_allgather_mode(tmp_path):
         assert len(result["block_bytes"]) == 2  # 4 blocks, 2 resident on every rank, 2 sharded
 
 
-@pytest.mark.parametrize("chunk_mib", [64.0, 0.01])  # sd3's blocks: unchunked, and 10 and 15 chunks
-def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_path, chunk_mib):
-    results, _ = run_ranks(tmp_path, "diverge", 2, gather_chunk_mib=chunk_mib)
+# sd3's 4 blocks: unchunked, and in 10 and 15 chunks; with 4 slots every block stays loaded,
+# so a rank that left the schedule must end the call holding what its peer holds.
+@pytest.mark.parametrize(("chunk_mib", "num_slots"), [(64.0, 2), (0.01, 2), (64.0, 4)])
+def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_path, chunk_mib, num_slots):
+    results, _ = run_ranks(tmp_path, "diverge", 2, gather_chunk_mib=chunk_mib, num_slots=num_slots)
     assert_no_errors(results)
     assert results[0][:2] == ["ok", "ok"]  # its peer's remaining collectives were issued for it
     assert results[1][0] == "ok" and "where the agreed schedule has 'transformer_blocks.1'" in results[1][1]
     for rank in (0, 1):
         assert "all-gather lockstep broken" in results[rank][2] and "left the schedule" in results[rank][2]
+        assert results[rank][4] == "disabled"  # disable()'s gathers matched: nothing was left over
+    assert results[0][3] == results[1][3]  # the same collectives on both ranks
+
+
+def test_allgather_slots_are_never_reallocated_in_a_call(tmp_path):
+    """Flux's two block sizes would resize slots between phases (rank-local mode does): with
+    allocation failing on rank 1 after enable(), both ranks still stream exactly."""
+    results, _ = run_ranks(tmp_path, "slots_kept_whole", 2)
+    assert_no_errors(results)
+    assert results[0] == results[1] and results[0]["identical"]
 
 
 def test_a_rank_that_dies_mid_wave_makes_the_others_fail_with_a_clear_error(tmp_path):

@@ -39,6 +39,9 @@ from dlo.planning.wire_layout import landing_views, wire_targets
 # run may still be landing), and the new one is written only after the compute stream's work
 # queued so far (`allocate_slot` records the slot free there), so memory the allocator hands
 # over between streams is never written and read at once.
+# In all-gather mode slots keep the full size: there a load may fail only in its collective,
+# which fails the whole group. An allocation failing on one rank would leave that rank one
+# collective behind its peers, each then matching the other's next collective with the wrong one.
 _SHRINK_BELOW = 0.8
 
 
@@ -150,7 +153,7 @@ class StreamingRuntime:
         See [Note: slots per size class]"""
         need = self.blocks[index].slot_bytes
         size = self.slots[slot_index].buffer.numel()
-        if need <= size and need >= _SHRINK_BELOW * size:
+        if need <= size and (need >= _SHRINK_BELOW * size or self.gather is not None):
             return
         if need > self.slot_capacity:
             raise StreamingError(f"streamed block {self.blocks[index].name!r} is larger than the slots")
@@ -345,10 +348,6 @@ class StreamingRuntime:
         assert self._cursor is not None
         if self._cursor < len(self.blocks):
             self._leave_schedule()
-            # Every rank must issue the same first loads: a rank that ended early may hold
-            # other blocks in its slots than its peers, so it forgets them (peers reload the
-            # next call's first blocks anyway when there are more blocks than slots).
-            self.planner.forget(*range(len(self.slots)))
         self._cursor = None
         self._next_agreement = self._issue_agreement(preload=True)
 
@@ -378,26 +377,21 @@ class StreamingRuntime:
         self._cursor += 1
 
     def _leave_schedule(self) -> None:
-        """Issue the rest of the call's collectives into a scratch buffer, so peers that
-        follow the schedule finish their call, and poison the next agreement."""
+        """Issue the rest of the call's loads as peers that follow the schedule issue them,
+        and poison the next agreement. The same planner steps in the same order: the same
+        collectives, and slots that end the call holding what the peers' hold, so the next
+        call's first loads match too (with as many slots as blocks, peers load none)."""
         assert self.gather is not None and self._cursor is not None
         self._poisoned = True  # first: even if what follows fails, the next agreement fails
-        remaining = [i for i in range(self._cursor, len(self.blocks)) if self.planner.slot_of(i) is None]
-        if remaining:
-            # An error path, so simple over fast: wait for all device work, then use slot 0 as
-            # scratch (no new allocation, which could fail after an out-of-memory) and forget
-            # what the slots held.
-            self.transfer.synchronize()
-            for index in remaining:
-                source = self.blocks[index].source
-                assert isinstance(source, ShardSource)
-                self._fit_slot(0, index)
-                if self.blocks[index].wire.quantized:  # gathered in a landing buffer, not dequantized
-                    self.gather.load_landed(self.slots[0], source, lambda k: None)
-                else:
-                    self.gather.load(self.slots[0], source)
-                self.transfer.synchronize()
-            self.planner.forget(*range(len(self.slots)))
+        for index in range(self._cursor, len(self.blocks)):
+            if self.planner.is_resident(index):
+                continue
+            start = self.planner.begin(index)
+            for load in (start.demand, *start.prefetch):
+                if load is not None:
+                    self._load(load)
+            self.transfer.mark_free(self.slots[start.slot])
+            self.planner.end(index)
 
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode."""
