@@ -1,5 +1,8 @@
 """Bad input to enable() and misuse of an enabled module: each a named error, nothing lost."""
 
+import threading
+from concurrent.futures import Future
+
 import pytest
 import torch
 from torch import nn
@@ -242,7 +245,6 @@ def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
 
 
 def test_a_keyboard_interrupt_inside_a_block_leaves_the_next_call_exact():
-    """torch runs no forward hook for a BaseException: the next call releases the slot."""
     model = Stack(depth=4)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -259,6 +261,54 @@ def test_a_keyboard_interrupt_inside_a_block_leaves_the_next_call_exact():
             model(x)
         for _ in range(2):
             assert torch.equal(model(x), expected)
+
+
+def test_a_keyboard_interrupt_after_a_block_started_releases_its_slot_at_the_next_call(monkeypatch):
+    """Ctrl-C between the block's start and its call (the compute mark of a recorded
+    timeline): nothing ends the block, so it still counts as running, and the next call
+    must release its slot (else, with 2 slots, a later block finds no slot to load into)."""
+    from dlo.hotpath.transfer import SyncTransfer
+
+    model = Stack(depth=4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(record_timeline=True)), torch.no_grad():
+        assert torch.equal(model(x), expected)
+        marks = {"n": 0}
+        real_mark = SyncTransfer.mark
+
+        def interrupted(self, *args):
+            marks["n"] += 1
+            if marks["n"] == 1:
+                raise KeyboardInterrupt
+            return real_mark(self, *args)
+
+        monkeypatch.setattr(SyncTransfer, "mark", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        monkeypatch.setattr(SyncTransfer, "mark", real_mark)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+
+
+def test_a_failed_staged_load_waits_for_the_slots_other_staged_loads():
+    """Two staged loads queued for one slot, the first failed: the second still runs on the
+    stager thread and would write the slot later, so nothing may reuse the slot before it ended."""
+    model = Stack(depth=4)
+    with dlo.enable(model, "cpu") as handle:
+        runtime = handle._runtime
+        failed, running = Future(), Future()
+        failed.set_exception(RuntimeError("packing failed"))
+        runtime._staged[0] = [("blocks.0", 1, failed), ("blocks.1", 1, running)]
+        finisher = threading.Timer(0.3, running.set_exception, args=(RuntimeError("cancelled"),))
+        finisher.start()
+        try:
+            with pytest.raises(RuntimeError, match="packing failed"):
+                runtime._finish_staged(0)
+            assert running.done()
+        finally:
+            finisher.join()
 
 
 def test_a_dropped_handle_still_guards_the_module_and_a_dropped_module_is_freed():

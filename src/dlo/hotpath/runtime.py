@@ -281,7 +281,7 @@ class StreamingRuntime:
         streamed block then raises a StreamingError) and the error says so."""
         if self.gather is not None:
             raise StreamingError("the slots cannot be replaced in all-gather mode: every load there is a collective")
-        old_count, old_bytes = len(self.slots), (self.slots[0].buffer.numel() if self.slots else 0)
+        old_count, old_bytes = len(self.slots), self.slot_capacity  # a slot's buffer may be a smaller class's
         self.drain()
         self.transfer.synchronize()
         self.planner.resize(count)  # first: it refuses a count it cannot serve
@@ -476,7 +476,14 @@ class StreamingRuntime:
         return source.copy_tasks(wire_targets(block.layout, block.wire, staging, staging[block.wire.plain_bytes :]))
 
     def _finish_staged(self, slot_index: int) -> None:
-        for name, nbytes, future in self._staged.pop(slot_index, ()):
+        """Wait for every staged load queued for the slot, all of them even when one failed
+        (a job left running would write the slot after its next, unstaged, load), then raise
+        the first failure."""
+        jobs = self._staged.pop(slot_index, ())
+        failures = [error for _, _, future in jobs if (error := future.exception()) is not None]
+        if failures:
+            raise failures[0]
+        for name, nbytes, future in jobs:
             staged = future.result()
             self.pack_s += staged.pack_s
             self._copy_end[slot_index] = staged.ready
