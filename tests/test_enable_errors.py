@@ -217,6 +217,35 @@ def test_a_slot_that_cannot_be_allocated_puts_every_placed_tensor_back(monkeypat
         assert torch.equal(model(x), expected)
 
 
+@pytest.mark.parametrize("step", ["OutsideUseProbe", "OffloadHandle"])
+def test_an_interrupt_in_enables_last_steps_leaves_the_module_as_it_was(monkeypatch, step):
+    """Ctrl-C while enable() installs the block calls and probes, or builds the handle: every
+    step is undone (no streamed call or hook left behind, the weights back), so the module
+    runs as before and can be enabled again."""
+    import dlo.backend.enable as enable_module
+    from dlo.hotpath.compiled_call import StreamedCall
+
+    model = Stack(depth=4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    hooks_before = {name: len(sub._forward_pre_hooks) for name, sub in model.named_modules()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(enable_module, step, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dlo.enable(model, "cpu")
+    monkeypatch.undo()
+    assert not any(type(block._compiled_call_impl) is StreamedCall for block in model.blocks)
+    assert {name: len(sub._forward_pre_hooks) for name, sub in model.named_modules()} == hooks_before
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with dlo.enable(model, "cpu"), torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
 def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
     """The copy engine fails once mid-call: that call raises, and every later call is exact
     (the planner forgets the slots whose copies may not have happened)."""

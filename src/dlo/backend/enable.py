@@ -285,43 +285,47 @@ def enable(
         tuner = None
         if budget is not None:
             tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
+
+        # All-gather mode releases the mapping below unless shards view it (See [Note: shards
+        # from the shared entry]): private shards do not need it.
+        views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
+        keeps_mapping = bound_plan is not None and (gather_group is None or views)
+        # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
+        hooks: list[StreamedCallHandle] = []
+        undo.callback(lambda: [hook.remove() for hook in reversed(hooks)])
+        for index, ref in enumerate(streamed_refs):
+            hooks.append(StreamedCallHandle(ref.module, runtime, index))
+        probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
+        undo.callback(probe.remove)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        handle = OffloadHandle(
+            module=module,
+            device=device,
+            config=config,
+            plan=offload_plan,
+            runtime=runtime,
+            hooks=hooks,
+            managed=[module, *(ref.module for ref in refs)],
+            resident_blocks=resident_count,
+            device_weight_bytes=device_weight_bytes,
+            setup_s=time.perf_counter() - started,
+            checkpoint=bound_plan.weights.checkpoint if keeps_mapping else None,
+            backing=_backing(host_plan, gather_group, pin, views),
+            registration=bound_plan.registration if keeps_mapping else NOT_APPLICABLE,
+            probe=probe,
+            residency=tuner,
+        )
         undo.pop_all()  # every step succeeded: keep what they did
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
-    # rank could not get its weights back without its peers. The mapping is released unless
-    # shards view it (See [Note: shards from the shared entry]): private shards do not need it.
-    checkpoint = bound_plan.weights.checkpoint if bound_plan is not None else None
-    registration = bound_plan.registration if bound_plan is not None else NOT_APPLICABLE
-    views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
+    # rank could not get its weights back without its peers.
     if gather_group is not None:
         for block in streamed:
             block.point_at(block.placeholders)
         if bound_plan is not None and not views:
             bound_plan.release()  # a failed unregister keeps the mapping open and is logged
-            checkpoint, registration = None, NOT_APPLICABLE
-
-    # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
-    hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
-    probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return OffloadHandle(
-        module=module,
-        device=device,
-        config=config,
-        plan=offload_plan,
-        runtime=runtime,
-        hooks=hooks,
-        managed=[module, *(ref.module for ref in refs)],
-        resident_blocks=resident_count,
-        device_weight_bytes=device_weight_bytes,
-        setup_s=time.perf_counter() - started,
-        checkpoint=checkpoint,
-        backing=_backing(host_plan, gather_group, pin, views),
-        registration=registration,
-        probe=probe,
-        residency=tuner,
-    )
+    return handle
 
 
 def _auto_residency(
