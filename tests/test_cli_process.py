@@ -100,7 +100,7 @@ def test_help_explains_prompt_and_seed(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--prompt PROMPT the text describing the image or video to generate" in text
-    assert "--seed SEED seed of the initial noise; same seed, same output (default: 0)" in text
+    assert "--seed SEED seed of the initial noise, 0 to 18446744073709551615; same seed, same output (default: 0)" in text
 
 
 @pytest.mark.parametrize("action", ["verify", "rm"])

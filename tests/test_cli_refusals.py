@@ -1,14 +1,19 @@
 """Bad flags and bad pipelines are refused before any weight loads: one line `dlo: error: ...`,
 status 2, naming the flag and what it allows."""
 
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import diffusers
 import pytest
 
 import dlo
+from dlo.cli import model_source
+from dlo.cli.generate_job import MAX_SEED
 from dlo.cli.main import main
 from dlo.models.tiny import TinyModel
 
@@ -23,6 +28,16 @@ def weights_never_load(monkeypatch):
     monkeypatch.setattr(dlo, "load_transformer", loaded)
     monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", classmethod(loaded))
     monkeypatch.setattr(TinyModel, "build", loaded)
+
+
+@pytest.fixture
+def hub_never_asked(monkeypatch):
+    """Looking a hub id up (the cache, or a download of tens of GB) fails the test."""
+
+    def looked_up(repo_id, cache_only):
+        raise AssertionError(f"the hub was asked for {repo_id} before the refusal")
+
+    monkeypatch.setattr(model_source, "_hub_snapshot", looked_up)
 
 
 def refusal(argv, capsys) -> str:
@@ -54,6 +69,15 @@ def refusal(argv, capsys) -> str:
         ("flux", ["--height", "100000", "--width", "100000"], "--height/--width/--frames 100000x100000: 39062500 transformer tokens, over the limit of 131072"),
         ("flux", ["--height", "64", "--width", "64", "--max-tokens", "15"], "64x64: 16 transformer tokens, over the limit of 15"),
         ("flux", ["--resident-layers", "100"], "--resident-layers 100: the transformer has 5 blocks; give 0 to 5"),
+        ("flux", ["--seed", "-1"], f"argument --seed: must be from 0 to {MAX_SEED}, got -1"),
+        ("flux", ["--seed", str(2**64)], f"argument --seed: must be from 0 to {MAX_SEED}, got {2**64}"),
+        ("flux", ["--nproc", "3", "--parallel", "dp", "--seed", str(MAX_SEED - 1)],
+         f"--seed {MAX_SEED - 1}: with --parallel dp rank r uses --seed + r, and rank 2's would be over {MAX_SEED}; "
+         f"give at most {MAX_SEED - 2}"),
+        ("flux", ["--guidance", "nan"], "argument --guidance: must be a finite number, got nan"),
+        ("flux", ["--guidance=-inf"], "argument --guidance: must be a finite number, got -inf"),
+        # the name fits the filesystem's 255 bytes, the partial file written beside it does not
+        ("flux", ["--output", "{tmp}/" + "a" * 240 + ".png"], "then renamed, and that file cannot be created (File name too long); give a shorter name"),
     ],
 )
 def test_generate_refuses_before_loading(pipeline, flags, line, tiny_flux_dir, tiny_wan_dir, tmp_path, weights_never_load, capsys):
@@ -65,6 +89,86 @@ def test_generate_refuses_before_loading(pipeline, flags, line, tiny_flux_dir, t
     argv = ["generate", str(directory), "--prompt", "x", "--device", "cpu", *output, *flags]
     assert line.format(tmp=tmp_path) in refusal(argv, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "is-a-dir.png"]  # the probe left nothing
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--output", "{tmp}/x.mp3"], "--output {tmp}/x.mp3: write one of .png, .jpg, .jpeg, .webp (images) or .mp4, .gif, .webp (videos)"),
+        (["--device", "xla"], "--device xla: dlo streams to 'cuda' devices"),
+        (["--device", "cuda:99"], "--device cuda:99 but "),  # no CUDA here, or fewer devices
+        (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["--num-slots", "0"], "--num-slots must be >= 2, got 0"),
+        (["--resident", "auto", "--nproc", "2", "--parallel", "dp"], "--resident-layers auto needs rank-local mode"),
+        (["--gather-chunk-mib", "32"], "--gather-chunk-mib 32 sizes all-gather mode's collectives and does nothing without it: set --use-allgather"),
+        (["--nproc", "2", "--parallel", "dp", "--device", "cpu:1"], "--device cpu:1: with --nproc each rank takes its own device"),
+        (["--seed", str(2**64)], f"argument --seed: must be from 0 to {MAX_SEED}"),
+        (["--nproc", "2", "--parallel", "dp", "--seed", str(MAX_SEED)], f"give at most {MAX_SEED - 1}"),
+    ],
+)
+def test_generate_refuses_what_the_flags_alone_show_before_asking_the_hub(flags, line, tmp_path, hub_never_asked, weights_never_load, capsys):
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    output = [] if "--output" in flags else ["--output", str(tmp_path / "x.png")]
+    argv = ["generate", "some-org/some-model", "--prompt", "x", *output, *flags]
+    assert line.format(tmp=tmp_path) in refusal(argv, capsys)
+    assert list(tmp_path.iterdir()) == []  # the probe left nothing
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--max-queue", "-1"], "--max-queue -1: give 0 or more"),
+        (["--timeout-s", "nan"], "--timeout-s nan: give a number of seconds > 0"),
+        (["--timeout-s", "inf"], "--timeout-s inf: give a number of seconds > 0"),
+        (["--timeout-s", "0"], "--timeout-s 0.0: give a number of seconds > 0"),
+        (["--keep-videos-s", "0"], "--keep-videos-s 0.0: give a number of seconds > 0"),
+        (["--keep-videos-s", "nan"], "--keep-videos-s nan: give a number of seconds > 0"),
+        (["--port", "0"], "argument --port: must be from 1 to 65535, got 0"),
+        (["--port", "70000"], "argument --port: must be from 1 to 65535, got 70000"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_anything_loads(flags, line, hub_never_asked, weights_never_load, capsys):
+    assert line in refusal(["serve", "some-org/some-model", "--device", "cpu", *flags], capsys)
+
+
+@contextlib.contextmanager
+def permissions_apply():
+    """Root passes every permission check: as root, run the body with the effective uid of
+    `nobody` (the real uid stays root, to switch back); as anyone else, as is."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def test_an_existing_output_in_a_directory_that_takes_no_new_file_is_refused_and_kept(hub_never_asked, capsys):
+    # Outside pytest's tmp_path: its parents are closed to other users.
+    base = tempfile.mkdtemp(prefix="dlo-readonly-dir-")
+    directory = os.path.join(base, "out")
+    existing = os.path.join(directory, "keep.png")
+    try:
+        os.chmod(base, 0o755)
+        os.mkdir(directory)
+        with open(existing, "wb") as file:
+            file.write(b"old")
+        os.chmod(existing, 0o666)  # the file itself can be written, by anyone
+        os.chmod(directory, 0o555)  # but no file can be created beside it
+        with permissions_apply():
+            line = refusal(["generate", "some-org/some-model", "--prompt", "x", "--output", existing], capsys)
+        assert line == (
+            f"dlo: error: --output {existing}: it is written as .keep.dlo-partial-{os.getpid()}.png beside it, then "
+            f"renamed, and that file cannot be created (Permission denied); make {directory} writable, or write elsewhere"
+        )
+        with open(existing, "rb") as file:
+            assert file.read() == b"old"
+        assert os.listdir(directory) == ["keep.png"]
+    finally:
+        os.chmod(directory, 0o755)
+        shutil.rmtree(base)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,9 @@
 """`dlo generate` and `dlo.enable_pipeline` on tiny but complete local pipelines."""
 
+import errno
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +11,9 @@ import torch
 from PIL import Image
 
 import dlo
+from dlo.cli import model_source
 from dlo.cli.main import main
+from dlo.cli.media_output import write_image
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
 
 diffusers = pytest.importorskip("diffusers")
@@ -62,12 +67,67 @@ def test_generate_writes_an_mp4(tiny_wan_dir, tmp_path):
     assert frames.shape[0] == 5 and frames.shape[1:3] == (32, 32)
 
 
+@pytest.fixture
+def no_mp4_encoder(monkeypatch):
+    """imageio-ffmpeg absent: its import fails (a None in sys.modules), as in an install without it."""
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+
+
 @pytest.mark.parametrize("suffix", [".gif", ".webp"])
-def test_generate_writes_an_animation_without_an_mp4_encoder(tiny_wan_dir, tmp_path, suffix):
+def test_generate_writes_an_animation_without_an_mp4_encoder(tiny_wan_dir, tmp_path, suffix, no_mp4_encoder):
     out = tmp_path / f"clip{suffix}"
     assert main(["generate", str(tiny_wan_dir), "--prompt", "a cat", "--device", "cpu", "--output", str(out), *flags("wan")]) == 0
     animation = Image.open(out)
     assert animation.n_frames == 5 and animation.size == (32, 32)
+
+
+def test_mp4_without_an_encoder_is_refused_with_the_alternatives_before_the_model_is_looked_up(
+    tmp_path, monkeypatch, capsys, no_mp4_encoder
+):
+    def looked_up(repo_id, cache_only):
+        raise AssertionError("the hub was asked before the refusal")
+
+    monkeypatch.setattr(model_source, "_hub_snapshot", looked_up)
+    assert main(["generate", "some-org/a-video-model", "--prompt", "x", "--output", str(tmp_path / "a.mp4")]) == 2
+    assert capsys.readouterr().err == (
+        f"dlo: error: --output {tmp_path / 'a.mp4'}: no MP4 encoder (pip install imageio-ffmpeg); write an animated "
+        ".webp or .gif instead\n"
+    )
+
+
+class FailingImage:
+    """An image whose encoder writes part of the file, then fails with `error`."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def save(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"half an image")
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()], ids=["failed", "interrupted"])
+def test_a_failed_or_interrupted_write_keeps_the_existing_output(tmp_path, error):
+    existing = tmp_path / "keep.png"
+    existing.write_bytes(b"the old image")
+    with pytest.raises(type(error)):
+        write_image(FailingImage(error), existing)
+    assert existing.read_bytes() == b"the old image"
+    assert list(tmp_path.iterdir()) == [existing]  # no partial file left
+
+
+def test_an_interrupted_generate_keeps_the_existing_output(tiny_flux_dir, tmp_path, monkeypatch, capsys):
+    def interrupted(image, path, *args, **kwargs):
+        Path(path).write_bytes(b"half an image")
+        raise KeyboardInterrupt  # Ctrl-C while the encoder writes
+
+    monkeypatch.setattr(Image.Image, "save", interrupted)
+    existing = tmp_path / "keep.png"
+    existing.write_bytes(b"the old image")
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--output", str(existing), *flags("flux")]
+    assert main(argv) == 130 and capsys.readouterr().err.endswith("dlo: interrupted\n")
+    assert existing.read_bytes() == b"the old image"
+    assert list(tmp_path.iterdir()) == [existing]
 
 
 def test_enable_pipeline_matches_the_plain_pipeline(tiny_wan_dir):
@@ -90,7 +150,7 @@ def test_enable_pipeline_matches_the_plain_pipeline(tiny_wan_dir):
         ("unknown", "a.png", "unknown pipeline 'NoSuchPipeline'"),
         ("bad_json", "a.png", "model_index.json is not readable JSON"),
         ("unet", "a.png", "has no transformer component"),
-        ("flux", "a.mp3", "makes an image; write one of .png"),
+        ("flux", "a.mp3", "write one of .png, .jpg, .jpeg, .webp (images) or .mp4, .gif, .webp (videos)"),
         ("flux", "a.mp4", "makes an image"),
         ("wan", "a.png", "makes a video; write one of .mp4"),
         ("flux", "missing-dir/a.png", "directory {tmp}/missing-dir does not exist"),
@@ -123,21 +183,6 @@ def test_enable_pipeline_needs_a_transformer():
 
     with pytest.raises(dlo.ConfigError, match="has no transformer component"):
         dlo.enable_pipeline(NotAPipeline(), "cpu")
-
-
-def test_mp4_without_an_encoder_is_refused_with_the_alternatives(tiny_wan_dir, tmp_path):
-    import subprocess
-    import sys
-
-    # A real failed import in a fresh interpreter: imageio_ffmpeg is absent there.
-    code = (
-        "import sys; sys.modules['imageio_ffmpeg'] = None; from dlo.cli.main import main; "
-        f"sys.exit(main(['generate', {str(tiny_wan_dir)!r}, '--prompt', 'x', '--device', 'cpu', "
-        f"'--output', {str(tmp_path / 'a.mp4')!r}]))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead" in done.stderr
 
 
 def test_pipeline_components_go_to_the_device_while_they_fit_the_room_left():

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import torch
 
 from dlo.backend.device import resolve_device
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
+from dlo.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +22,10 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ConfigError as err:
+        raise ConfigError(in_flag_terms(str(err), {"device"})) from None
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
 
@@ -77,4 +82,31 @@ def config_from_flags(args: argparse.Namespace, **decided: object) -> OffloadCon
     fields = dataclasses.fields(OffloadConfig)
     given = {spec.name: getattr(args, spec.name) for spec in fields if spec.name in vars(args)} | decided
     unused = {spec.name for spec in fields if spec.type == "tuple[str, ...]" and given.get(spec.name) is None}
-    return OffloadConfig(**{name: value for name, value in given.items() if name not in unused})  # defaults
+    try:
+        return OffloadConfig(**{name: value for name, value in given.items() if name not in unused})  # defaults
+    except ConfigError as err:
+        raise ConfigError(in_flag_terms(str(err), {spec.name for spec in fields if spec.name in vars(args)})) from None
+
+
+# A field named in a library message, as `OffloadConfig.name`, `name=value` or (names with an
+# underscore, never a plain word) bare `name`; a value quoted or not.
+_NAMED = re.compile(r"(OffloadConfig\.)?\b([a-z][a-z0-9_]*)\b(=('[^']*'|[^\s,;)]+))?")
+
+
+def in_flag_terms(message: str, names: set[str]) -> str:
+    """A library error in this command's terms: the option names among `names` become their flags
+    (`OffloadConfig.num_slots` -> `--num-slots`, `use_allgather=False` -> `--no-use-allgather`,
+    `device='cuda'` -> `--device cuda`), so the line names what to change on the command line."""
+
+    def flag(match: re.Match) -> str:
+        prefix, name, assigned, value = match.groups()
+        if name not in names or not (prefix or assigned or "_" in name):
+            return match.group(0)
+        option = "--" + name.replace("_", "-")
+        if value is None:
+            return option
+        if value in ("True", "False"):
+            return option if value == "True" else f"--no-{option[2:]}"
+        return option + " " + value.strip("'")
+
+    return _NAMED.sub(flag, message)

@@ -11,13 +11,13 @@ import torch
 from dlo.backend.pipeline import STREAMED_COMPONENTS
 from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
+from dlo.cli.generate_job import MAX_SEED, GenerateJob, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
-from dlo.cli.media_output import check_output_kind
+from dlo.cli.media_output import check_output_kind, check_output_suffix
 from dlo.cli.model_source import resolve_model
 from dlo.cli.model_target import build_on_meta, check_resident_layers
-from dlo.cli.output_path import check_writable
-from dlo.cli.parallel_run import check_sequence_split, parallel_run_from_flags
+from dlo.cli.output_path import check_publishable
+from dlo.cli.parallel_run import ParallelRun, check_sequence_split, parallel_run_from_flags
 from dlo.cli.pipeline_loading import check_components
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
@@ -87,16 +87,25 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     return given
 
 
+def check_seed(seed: int, parallel: ParallelRun) -> None:
+    """--seed is 0 to MAX_SEED (the parser's type); in DP the last rank's seed + rank too."""
+    last = parallel.seed(seed, parallel.nproc - 1)
+    if last > MAX_SEED:
+        raise ConfigError(
+            f"--seed {seed}: with --parallel dp rank r uses --seed + r, and rank {parallel.nproc - 1}'s would be over "
+            f"{MAX_SEED}; give at most {MAX_SEED - (parallel.nproc - 1)}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    # Every check reads flags, configs and headers only; weights load after the last one.
+    # Every check reads flags, configs and headers only; weights load after the last one. Those of
+    # the flags alone come first: a hub id's lookup may download tens of GB.
     parallel = parallel_run_from_flags(args)
+    check_seed(args.seed, parallel)
     output = Path(args.output).expanduser()
+    check_output_suffix(output)
     for path in parallel.outputs(output):
-        check_writable(path, "--output")  # before a hub id's download too
-    model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
-    cls, index = pipeline_class(model_dir)
-    video = "num_frames" in inspect.signature(cls.__call__).parameters
-    check_output_kind(output, video)
+        check_publishable(path, "--output")
     device, dtype = device_and_dtype(args)
     if parallel.mode is not None and ":" in args.device:
         raise ConfigError(
@@ -105,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         )
     use_allgather = args.use_allgather if args.use_allgather is not None else parallel.mode is not None
     config = config_from_flags(args, use_allgather=use_allgather)
+    model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
+    cls, index = pipeline_class(model_dir)
+    video = "num_frames" in inspect.signature(cls.__call__).parameters
+    check_output_kind(output, video)
     rules = read_call_rules(model_dir, cls)
     request = checked_request(rules, args, dtype)
     check_sequence_split(parallel, model_dir, index, rules, request)

@@ -17,6 +17,8 @@ from dlo.cli.media_output import write_image, write_video
 from dlo.cli.parallel_run import Parallel, ParallelRun, enable_context_parallel
 from dlo.cli.pipeline_loading import load_pipeline
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one wraps onto these)
+
 
 def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device | str) -> str:
     rows = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -12,6 +13,7 @@ from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
+from dlo.cli.generate_job import MAX_SEED
 from dlo.cli.library_noise import quiet_other_libraries
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
@@ -26,11 +28,32 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"dlo: error: {message} (see `{self.prog} --help`)\n")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def bounded_int(low: int, high: int | None = None):
+    """An argparse type: an integer from `low` (to `high`), refused in one line naming the range."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if high is None and value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's "invalid integer value: 'x'"
+    return parse
+
+
+positive_int = bounded_int(1)
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
+
+
+finite_float.__name__ = "number"
 
 
 def _add_verbose(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
@@ -102,9 +125,12 @@ def _add_generate(commands) -> None:
     parser.add_argument("--height", type=int, help="pixels; a multiple the pipeline sets (default: the pipeline's)")
     parser.add_argument("--width", type=int, help="pixels; a multiple the pipeline sets (default: the pipeline's)")
     parser.add_argument("--frames", type=int, help="video pipelines: number of frames, e.g. 4k+1 for Wan")
-    parser.add_argument("--guidance", type=float, help="guidance scale (default: the pipeline's)")
+    parser.add_argument("--guidance", type=finite_float, help="guidance scale (default: the pipeline's)")
     parser.add_argument("--max-sequence-length", type=int, help="text tokens (default and maximum: the pipeline's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise; same seed, same output (default: 0)")
+    parser.add_argument(
+        "--seed", type=bounded_int(0, MAX_SEED), default=0,
+        help=f"seed of the initial noise, 0 to {MAX_SEED}; same seed, same output (default: 0)",
+    )
     parser.add_argument("--fps", type=positive_int, default=16, help="video frame rate (default: 16)")
     parser.add_argument(
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
@@ -168,7 +194,7 @@ def _add_serve(commands) -> None:
         help="CUDA device indices; replica k streams to the (k mod count)-th listed (default: every replica on --device)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--port", type=bounded_int(1, 65535), default=8000, help="port (default: 8000)")
     parser.add_argument(
         "--max-queue", type=int, default=8, metavar="N",
         help="requests waiting beyond one per replica; more get 429 (default: 8)",

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from dlo.cli.output_path import partial_sibling
 from dlo.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -23,24 +24,34 @@ def has_mp4_encoder() -> bool:
     return True
 
 
-def check_output_kind(path: Path, video: bool) -> None:
-    """Refuse, before any model is loaded, an output format this pipeline cannot write."""
+def check_output_suffix(path: Path) -> None:
+    """Refuse, from the flag alone (before a model is looked up), a suffix no pipeline writes,
+    or an MP4 without its encoder."""
     suffix = path.suffix.lower()
-    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
-    kind = "a video" if video else "an image"
-    if suffix not in allowed:
-        raise ConfigError(f"--output {path}: this pipeline makes {kind}; write one of {', '.join(allowed)}")
+    if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+        raise ConfigError(
+            f"--output {path}: write one of {', '.join(IMAGE_SUFFIXES)} (images) or {', '.join(VIDEO_SUFFIXES)} (videos)"
+        )
     if suffix == ".mp4" and not has_mp4_encoder():
         raise ConfigError(
             f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
         )
 
 
+def check_output_kind(path: Path, video: bool) -> None:
+    """Refuse, before any model is loaded, an output format this pipeline cannot write."""
+    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+    if path.suffix.lower() not in allowed:
+        kind = "a video" if video else "an image"
+        raise ConfigError(f"--output {path}: this pipeline makes {kind}; write one of {', '.join(allowed)}")
+
+
 @contextlib.contextmanager
 def _published(path: Path) -> Iterator[Path]:
     """A sibling temp file (same suffix: the encoders pick the format by it) renamed onto `path`
-    once complete: an interrupted or failed write leaves nothing behind."""
-    partial = path.with_name(f".{path.stem}.dlo-partial-{os.getpid()}{path.suffix}")
+    once complete: an interrupted or failed write leaves nothing behind, and an existing `path`
+    as it was. See [Note: publishing beside the output]."""
+    partial = partial_sibling(path)
     try:
         yield partial
         os.replace(partial, path)

@@ -1,4 +1,12 @@
-"""Proving, before any work, that a file the run will write can be written."""
+"""Proving, before any work, that a file the run will write can be written.
+
+[Note: publishing beside the output]
+An output written through a partial sibling renamed onto it (media_output) needs more than
+the output itself being writable: the directory must take a new entry, under a name some 20
+characters longer. An existing, writable file in a read-only directory, or a name near the
+filesystem's limit, pass the probe of the file alone and fail the write, after the generation.
+check_publishable also creates and removes that sibling, under the name the write will use.
+"""
 
 from __future__ import annotations
 
@@ -30,3 +38,24 @@ def check_writable(path: Path, flag: str) -> None:
     os.close(fd)
     if not existed:
         path.unlink()
+
+
+def partial_sibling(path: Path) -> Path:
+    """Where the output is written before it is renamed onto `path` (by this process). The same
+    suffix: the encoders pick the format by it. See [Note: publishing beside the output]."""
+    return path.with_name(f".{path.stem}.dlo-partial-{os.getpid()}{path.suffix}")
+
+
+def check_publishable(path: Path, flag: str) -> None:
+    """check_writable, and the partial sibling the write goes through created and removed."""
+    check_writable(path, flag)
+    partial = partial_sibling(path)
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CLOEXEC | os.O_CREAT | os.O_EXCL, 0o644))
+    except OSError as err:
+        fix = "give a shorter name" if err.errno == errno.ENAMETOOLONG else f"make {path.parent} writable, or write elsewhere"
+        raise ConfigError(
+            f"{flag} {path}: it is written as {partial.name} beside it, then renamed, and that file cannot be created "
+            f"({os.strerror(err.errno)}); {fix}"
+        ) from None
+    partial.unlink()
