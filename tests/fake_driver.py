@@ -3,7 +3,14 @@
 
 class FakeDriver:
     def __init__(
-        self, read_only=True, fail_register_at=None, fail_unregister=(), raise_at=None, unpinned=(), stuck=False
+        self,
+        read_only=True,
+        fail_register_at=None,
+        fail_unregister=(),
+        raise_at=None,
+        unpinned=(),
+        stuck=False,
+        raises=RuntimeError,
     ):
         self.calls = []
         self.registered = {}  # address -> nbytes
@@ -11,6 +18,7 @@ class FakeDriver:
         self.fail_register_at = fail_register_at  # index of the register call that fails
         self.fail_unregister = list(fail_unregister)  # addresses whose next unregister fails (once each)
         self.raise_at = raise_at  # index of the register call that raises
+        self.raises = raises  # what it raises (KeyboardInterrupt: Ctrl-C during registration)
         self.unpinned = set(unpinned)  # probe addresses that never read as registered
         self.stuck = stuck  # every unregister fails
         self.cleared = []
@@ -24,7 +32,7 @@ class FakeDriver:
         index = sum(1 for c in self.calls if c[0] == "register")
         self.calls.append(("register", address, nbytes, flags))
         if index == self.raise_at:
-            raise RuntimeError("driver exploded")
+            raise self.raises("driver exploded")
         if index == self.fail_register_at:
             return 2  # cudaErrorMemoryAllocation
         self.registered[address] = nbytes

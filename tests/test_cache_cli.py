@@ -48,6 +48,16 @@ def test_a_missing_cache_root_is_an_error_naming_it_and_is_not_created(tmp_path,
     assert not root.exists()
 
 
+def test_a_cache_root_that_is_a_symlink_is_an_error_naming_its_target(tmp_path, capsys):
+    real = tmp_path / "real"
+    publish(real)
+    (tmp_path / "link").symlink_to(real)
+    assert main(["cache", "ls", *cache(tmp_path / "link")]) == 2
+    assert error_line(capsys) == (
+        f"dlo: error: the cache root {tmp_path / 'link'} is a symlink: set --cache-dir / OffloadConfig.cache_dir to {real}"
+    )
+
+
 def test_the_missing_root_error_from_a_real_process(tmp_path):
     root = tmp_path / "typo"
     command = [sys.executable, "-m", "dlo.cli.main", "cache", "ls", *cache(root)]

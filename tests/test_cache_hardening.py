@@ -254,6 +254,21 @@ def test_a_cache_directory_that_is_not_private_is_refused_when_used(tmp_path, na
     assert raised.value.code == "invalid_configuration" and reason in raised.value.reason
 
 
+def test_a_cache_root_that_is_a_symlink_is_refused_and_nothing_is_written_through_it(tmp_path, caplog):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "cache").symlink_to(real)
+    with caplog.at_level(logging.WARNING):
+        _, plan = dlo.load_transformer(save(tmp_path, "a", seed=2), cached(tmp_path))
+    assert plan is None and fallback_codes(caplog) == ["invalid_configuration"]
+    message = f"the cache root {tmp_path / 'cache'} is a symlink: set --cache-dir / OffloadConfig.cache_dir to {real}"
+    assert message in caplog.text
+    identity = {"name": "new"}
+    with pytest.raises(CacheUnavailable, match="is a symlink") as raised:  # the store refuses it too
+        EntryStore(tmp_path / "cache").publish(digest_of(identity), {"w": torch.ones(1)}, identity)
+    assert raised.value.code == "invalid_configuration" and os.listdir(real) == []
+
+
 def test_a_lock_file_planted_as_a_symlink_is_refused_not_followed(tmp_path):
     identity = {"name": "new"}
     key = digest_of(identity)

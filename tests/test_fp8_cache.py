@@ -2,6 +2,7 @@
 other load maps it, and streaming from it equals the quantized model run resident. See
 [Note: fp8 streaming]"""
 
+import json
 import logging
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 import dlo
+from dlo.host.cache.identity import without_content
+from dlo.host.cache.manifest import MANIFEST
 from dlo.models.tiny import TINY_MODELS
 
 pytest.importorskip("diffusers")
@@ -80,13 +83,20 @@ def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_pa
     assert dtypes["blocks.0.attn1.to_q.bias"] == "F32" and dtypes["proj_out.weight"] == "F32"
 
 
-def test_the_stream_format_is_part_of_the_entry_identity(tmp_path):
+def test_the_stream_format_is_part_of_the_entry_identity(tmp_path, caplog):
+    """Each format's load identity is its own (the content differs anyway: the identities must
+    too, or one format's warm start would find the other's entry and load cold)."""
     directory = tmp_path / "wan"
     TINY_MODELS["wan"].build(seed=2).save_pretrained(directory)
-    for fields in (dict(stream_dtype="fp8"), dict(stream_dtype="fp8", fp8_scale="per_tensor"), {}):
-        dlo.load_transformer(directory, cached(tmp_path, **fields))
+    with caplog.at_level(logging.WARNING):
+        for fields in (dict(stream_dtype="fp8"), dict(stream_dtype="fp8", fp8_scale="per_tensor"), {}):
+            dlo.load_transformer(directory, cached(tmp_path, **fields))
+    assert "not warm-starting" not in caplog.text
     scales = sorted(d.get("blocks.0.attn1.to_q.weight_scale", "-") for d in entry_dtypes(tmp_path).values())
     assert len(scales) == 3 and scales.count("F32") == 2 and scales.count("-") == 1
+    manifests = [json.loads((entry / MANIFEST).read_text()) for entry in (tmp_path / "cache" / "v1").iterdir()]
+    loads = {json.dumps(without_content(manifest["identity"]), sort_keys=True) for manifest in manifests}
+    assert len(loads) == 3
 
 
 def test_resident_blocks_of_a_float8_entry_hold_the_dequantized_weights(tmp_path):

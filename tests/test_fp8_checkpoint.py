@@ -2,9 +2,12 @@
 `scale_weight`, ModelOpt / compressed-tensors' `weight_scale`) stream as stored and equal
 the model dequantized independently from the file. See [Note: fp8 streaming]"""
 
+import json
+import os
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import dlo
 from dlo.models.tiny import TINY_MODELS
@@ -86,12 +89,46 @@ def test_float8_weights_dlo_cannot_dequantize_exactly_are_refused_by_name(tmp_pa
     assert raised.value.kind == dlo.CheckpointErrorKind.FP8_SCALES
 
 
+def _shard(directory, index_lists_scales=True):
+    """The checkpoint in two shards and an index; without `index_lists_scales`, the index a
+    converter that added scales to the shards left as it was."""
+    path = directory / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    path.unlink()
+    names = sorted(state)
+    weight_map = {}
+    for number, keys in enumerate([names[: len(names) // 2], names[len(names) // 2 :]], 1):
+        shard = f"diffusion_pytorch_model-0000{number}-of-00002.safetensors"
+        save_file({key: state[key] for key in keys}, directory / shard)
+        weight_map.update({key: shard for key in keys if index_lists_scales or not key.endswith("weight_scale")})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+
+
 @pytest.mark.parametrize("fields", [dict(checkpoint_mmap=False), dict(host_weight_cache=True)])
-def test_a_float8_checkpoint_is_never_loaded_the_ordinary_way(tmp_path, fields):
-    """diffusers' loader would cast the float8 values and drop the scales: wrong weights."""
+@pytest.mark.parametrize("index", [None, "stale"], ids=["one-file", "shards-with-an-index-without-the-scales"])
+def test_a_float8_checkpoint_is_never_loaded_the_ordinary_way(tmp_path, fields, index):
+    """diffusers' loader would cast the float8 values and drop the scales: wrong weights.
+    Every file's header counts, also where the index is inconsistent (dlo's mapping refuses
+    such an index, diffusers' loader does not)."""
     directory, _ = write_fp8_checkpoint(tmp_path)
+    if index == "stale":
+        _shard(directory, index_lists_scales=False)
+    config = dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(dlo.ConfigError, match="holds float8 weights, which dlo reads only from the checkpoint mapping"):
-        dlo.load_transformer(directory, dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache")))
+        dlo.load_transformer(directory, config, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fields", [dict(checkpoint_mmap=False), dict(host_weight_cache=True)])
+def test_a_safetensors_header_that_cannot_be_read_is_refused_before_the_ordinary_loader(tmp_path, fields):
+    """Whether the files hold float8 cannot be told: refused by name, nothing loaded."""
+    directory, _ = write_fp8_checkpoint(tmp_path)
+    _shard(directory)
+    os.truncate(directory / "diffusion_pytorch_model-00002-of-00002.safetensors", 4)  # a partial copy
+    with pytest.raises(dlo.CheckpointError, match="00002-of-00002.safetensors: truncated") as raised:
+        dlo.load_transformer(directory, dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache")), torch.bfloat16)
+    assert raised.value.kind == dlo.CheckpointErrorKind.TRUNCATED
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("stream_dtype", [None, "fp8"])

@@ -223,6 +223,23 @@ def test_a_checkpoint_rewritten_with_its_size_and_mtime_kept_is_not_warm_started
     assert torch.equal(model.blocks[0].attn1.to_q.weight, torch.full_like(model.blocks[0].attn1.to_q.weight, 7.0))
 
 
+def test_a_checkpoint_of_pickled_weights_falls_back_and_its_new_weights_are_loaded(tmp_path, caplog):
+    """diffusers' loader reads diffusion_pytorch_model.bin when there is no safetensors file;
+    the load identity does not stamp it, so a cached load would warm-start the old weights."""
+    directory = tmp_path / "wan"
+    TINY_MODELS["wan"].build(seed=2).save_pretrained(directory, safe_serialization=False)
+    with caplog.at_level(logging.WARNING):
+        _, plan = dlo.load_transformer(directory, cached(tmp_path), torch.float32)
+    assert plan is None and fallback_codes(caplog) == ["unsupported_load_format"] and entries(tmp_path) == []
+    assert "safe_serialization=True" in caplog.text
+    new = TINY_MODELS["wan"].build(seed=7).state_dict()
+    torch.save(new, directory / "diffusion_pytorch_model.bin")  # only the weights change
+    model, plan = dlo.load_transformer(directory, cached(tmp_path), torch.float32)
+    loaded = model.state_dict()
+    assert plan is None and sorted(loaded) == sorted(new)
+    assert all(torch.equal(loaded[name], new[name]) for name in new)
+
+
 def test_a_corrupted_entry_is_not_warm_started(tmp_path, caplog):
     directory = save(tmp_path, "wan")
     dlo.load_transformer(directory, cached(tmp_path))

@@ -70,6 +70,15 @@ def test_a_driver_exception_is_wrapped_after_the_rollback():
     assert driver.registered == {}
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_during_registration_rolls_back_and_propagates_unchanged(interrupt):
+    """Ctrl-C must stop the run (`dlo: interrupted`), not become a staging fallback."""
+    driver = FakeDriver(raise_at=1, raises=interrupt)
+    with pytest.raises(interrupt):
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x1000] and driver.registered == {}
+
+
 def test_a_tensor_that_does_not_read_as_pinned_rolls_back():
     driver = FakeDriver()
     with pytest.raises(RegistrationError, match="do not read as pinned"):

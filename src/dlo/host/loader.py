@@ -17,7 +17,7 @@ from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_con
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import FLOAT8, CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
-from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
+from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
 from dlo.planning.offload_plan import OffloadPlan, discover
 from dlo.planning.tensor_walk import owned_tensors
@@ -35,17 +35,12 @@ def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | Non
     return None
 
 
-def _holds_float8(directory: Path) -> bool:
-    """Whether the safetensors checkpoint has float8 tensors (False when there is none that
-    dlo can read: the ordinary loader then says what is wrong)."""
-    try:
-        checkpoint = Checkpoint(directory)
-    except CheckpointError:
-        return False
-    try:
-        return any(source.entry.dtype in FLOAT8 for source in checkpoint.tensors.values())
-    finally:
-        checkpoint.close()
+def _float8_file(directory: Path) -> Path | None:
+    """The first safetensors file of the directory holding float8 tensors, or None. Every
+    file's header is read, whatever an index lists (a stale index may leave the scales out);
+    any header that cannot be read raises `CheckpointError`."""
+    headers = {path: read_entries(path) for path in sorted(directory.glob("*.safetensors")) if path.is_file()}
+    return next((path for path, entries in headers.items() if any(e.dtype in FLOAT8 for e in entries.values())), None)
 
 
 def _check_scales(checkpoint: Checkpoint, sources: CheckpointSources) -> None:
@@ -152,10 +147,10 @@ def load_transformer(
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
     # scales: diffusers' loader would cast the float8 values and drop the scales.
-    float8 = _holds_float8(directory)
-    if float8 and (config.host_weight_cache or not config.checkpoint_mmap):
+    float8_file = _float8_file(directory)
+    if float8_file is not None and (config.host_weight_cache or not config.checkpoint_mmap):
         raise ConfigError(
-            f"{directory} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
+            f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
             "checkpoint_mmap=True and host_weight_cache=False (the file is already half the size of bf16)"
         )
     if config.host_weight_cache:
@@ -171,9 +166,9 @@ def load_transformer(
                 raise
             plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
             return result.skeleton.eval(), plan
-        if float8:
+        if float8_file is not None:
             raise ConfigError(
-                f"{directory} holds float8 weights, which dlo reads only from the checkpoint mapping, and the "
+                f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping, and the "
                 f"mapping was refused ({result.code}: {result.reason})"
             )
         logger.warning(

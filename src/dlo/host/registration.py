@@ -4,8 +4,9 @@ Platform-neutral: a `RegistrationDriver` does the platform calls; `HostRegistrat
 policy. Ranges are page-aligned and merged only within one backing file, checked against the
 ceiling before any driver call, read ahead where they are not in memory (`read_ahead`),
 registered read-only one by one; any failure unregisters what was registered, in reverse, and
-reports why, so the caller keeps its staging path. If that rollback itself fails, startup
-must abort: the driver may still own memory the caller would otherwise unmap.
+reports why, so the caller keeps its staging path. An interrupt (Ctrl-C, SystemExit) is
+rolled back the same way and re-raised as it is: it stops the run. If that rollback itself
+fails, startup must abort: the driver may still own memory the caller would otherwise unmap.
 
 The CUDA driver is `dlo.backend.cuda_registration`; `dlo.backend.mapping_registration` applies
 this to a host weight cache mapping at enable() and owns the mapping's lifetime.
@@ -184,8 +185,8 @@ class HostRegistration:
                 raise RegistrationCleanupError(
                     f"rollback after a failed registration ({err}) could not unregister: {'; '.join(failures)}", self
                 ) from err
-            if isinstance(err, RegistrationError):
-                raise
+            if isinstance(err, RegistrationError) or not isinstance(err, Exception):
+                raise  # Ctrl-C or SystemExit, rolled back, still stops the run
             raise RegistrationError(f"host registration failed: {err!r}") from err
 
     @property

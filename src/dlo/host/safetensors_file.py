@@ -175,6 +175,19 @@ def parse_header(path: Path, prefix: bytes, file_size: int) -> tuple[dict[str, T
     return {e.key: e for e in entries}, metadata
 
 
+def _read_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    head = os.pread(fd, 8, 0)
+    header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    prefix = head + os.pread(fd, min(header_len, HEADER_SIZE_CAP + 1, max(size - 8, 0)), 8)
+    return parse_header(path, prefix, size)
+
+
+def read_entries(path: Path) -> dict[str, TensorEntry]:
+    """The validated header of the file at `path`, without mapping it."""
+    with open(path, "rb") as handle:
+        return _read_header(path, handle.fileno(), os.fstat(handle.fileno()).st_size)[0]
+
+
 class SafetensorsFile:
     """One validated file, mapped read-only and shared (MAP_SHARED, PROT_READ)."""
 
@@ -188,10 +201,7 @@ class SafetensorsFile:
                 handle = stack.enter_context(open(self.path, "rb"))
             fd = handle.fileno()
             size = os.fstat(fd).st_size
-            head = os.pread(fd, 8, 0)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            prefix = head + os.pread(fd, min(header_len, HEADER_SIZE_CAP + 1, max(size - 8, 0)), 8)
-            self.entries, self.metadata = parse_header(self.path, prefix, size)
+            self.entries, self.metadata = _read_header(self.path, fd, size)
             self.size = size
             # Empty files cannot be mapped; a valid header makes the file at least 8 bytes.
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

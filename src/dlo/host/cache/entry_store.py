@@ -180,7 +180,9 @@ def _parse_temp_name(name: str) -> tuple[str, LeftoverKind | int] | None:
 
 class EntryStore:
     def __init__(self, root: str | Path, hash_threads: int | None = None) -> None:
-        self.root = Path(root).expanduser().resolve()
+        path = Path(root).expanduser()
+        # Only the parents are resolved: a root that is a symlink stays one, and is refused.
+        self.root = path.resolve() if path.name in ("", "..") else path.parent.resolve() / path.name
         self.hash_threads = hash_threads or max(1, len(os.sched_getaffinity(0)))
 
     def entry_path(self, key: str) -> Path:

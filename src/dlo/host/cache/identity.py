@@ -30,6 +30,7 @@ import torch
 import dlo
 from dlo.config import Topology
 from dlo.host.cache.entry_layout import LAYOUT_VERSION
+from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME
 from dlo.host.preflight import Fallback
 
 SCHEMA_VERSION = 3  # 2: the load identity names the config and the checkpoint files; 3: and their ctime
@@ -77,7 +78,8 @@ def code_hash(model_class: type) -> str:
 
 
 def checkpoint_files(directory: Path) -> list[list]:
-    """[name, size, mtime_ns, ctime_ns, device, inode] of every file the ordinary loader reads."""
+    """[name, size, mtime_ns, ctime_ns, device, inode] of every file the ordinary loader reads
+    from a safetensors checkpoint (see `_load_format_fallback`)."""
     files = []
     for path in sorted(Path(directory).resolve().iterdir()):
         if path.is_file() and path.suffix in (".safetensors", ".json"):
@@ -85,6 +87,19 @@ def checkpoint_files(directory: Path) -> list[list]:
             # ctime too: a rewrite that keeps size and mtime (cp -p, rsync --inplace -t) changes it
             files.append([path.name, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_dev, info.st_ino])
     return files
+
+
+def _load_format_fallback(directory: Path) -> Fallback | None:
+    """`unsupported_load_format` unless diffusers' loader reads safetensors weights here: it
+    prefers them (the index, else the single file) and otherwise reads pickled `.bin` files,
+    which `checkpoint_files` does not stamp, so new weights there would warm-start the old entry."""
+    if (directory / INDEX_NAME).is_file() or (directory / WEIGHTS_NAME).is_file():
+        return None
+    return Fallback(
+        "unsupported_load_format",
+        f"{directory} has no {WEIGHTS_NAME} nor {INDEX_NAME}: the cache takes only safetensors weights "
+        "(re-save the model with save_pretrained(..., safe_serialization=True))",
+    )
 
 
 def load_identity(
@@ -97,7 +112,11 @@ def load_identity(
     revision: str | None = None,
 ) -> dict | Fallback:
     """Everything of the identity but the content digest (see [Note: warm start identity]),
-    or `unstable_identity` if the config or the loader inputs are not JSON-stable."""
+    `unsupported_load_format` if the weights are not safetensors, or `unstable_identity` if
+    the config or the loader inputs are not JSON-stable."""
+    unsupported = _load_format_fallback(Path(model_dir))
+    if unsupported is not None:
+        return unsupported
     try:
         config = json.loads(json.dumps(model_config, sort_keys=True, allow_nan=False))
         inputs = json.loads(json.dumps(loader_inputs, sort_keys=True, allow_nan=False))

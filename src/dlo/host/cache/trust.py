@@ -91,6 +91,8 @@ def root_refusal(root: Path, allow_any_filesystem: bool, create: bool = True) ->
         reason = private_dir_reason(root, create)
     except OSError as err:
         return f"cannot create the cache root {root}: {err}"
+    if reason is not None and os.path.islink(root):
+        return f"the cache root {root} is a symlink: set --cache-dir / OffloadConfig.cache_dir to {os.path.realpath(root)}"
     if reason is not None:
         return reason
     kind = filesystem_type(root)
