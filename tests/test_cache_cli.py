@@ -5,6 +5,7 @@ belonged to an entry, and each refusal is one line with status 2."""
 import os
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import dlo
 from dlo.cli.main import main
+from dlo.host.cache import entry_store
 from dlo.host.cache.entry_store import EntryStore
 from dlo.host.cache.identity import digest_of
 from dlo.models.tiny import TINY_MODELS
@@ -125,6 +127,37 @@ def test_gc_removes_a_dead_writers_temp_dir_but_not_a_live_ones(tmp_path, capsys
     live.mkdir(mode=0o700)
     assert main(["cache", "gc", "--max-size", "1G", *cache(tmp_path)]) == 0
     assert not stale.exists() and live.exists()
+
+
+def test_gc_in_another_pid_namespace_leaves_a_writer_at_work_alone(tmp_path, capsys, monkeypatch):
+    """A container sharing the cache does not see the writer's pid: gc must not take its temp
+    dir for a dead writer's while the writer holds its key's lock."""
+    hashing, resume = threading.Event(), threading.Event()
+    digests = entry_store.file_digests
+
+    def paused(handles, threads):  # the writer, between writing its shards and hashing them
+        hashing.set()
+        assert resume.wait(timeout=60)
+        return digests(handles, threads)
+
+    monkeypatch.setattr(entry_store, "file_digests", paused)
+    monkeypatch.setattr(entry_store, "_pid_alive", lambda pid: False)  # every pid is of another namespace
+    key = digest_of({"name": "written"})
+    outcome = []
+    writer = threading.Thread(
+        target=lambda: outcome.append(EntryStore(tmp_path).publish(key, {"w": torch.ones(1024)}, {"name": "written"}))
+    )
+    writer.start()
+    try:
+        assert hashing.wait(timeout=60)
+        (temp,) = os.listdir(tmp_path / ".tmp")
+        assert main(["cache", "gc", "--max-size", "1G", *cache(tmp_path)]) == 0
+        assert os.listdir(tmp_path / ".tmp") == [temp] and f"removed .tmp/{temp}" not in capsys.readouterr().out
+    finally:
+        resume.set()
+        writer.join(timeout=60)
+    assert len(outcome) == 1 and os.listdir(tmp_path / "v1") == [key]
+    assert os.listdir(tmp_path / ".tmp") == []
 
 
 def test_rm_force_with_a_timeout_on_a_busy_entry_says_it_timed_out(tmp_path, capsys):

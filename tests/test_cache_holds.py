@@ -1,17 +1,21 @@
 """Holds (SPEC §5.2): an entry in use is never evicted, whatever the interleaving of a
 process taking a hold with another listing or evicting; only holds proved dead are removed."""
 
+import fcntl
 import multiprocessing
 import os
 import signal
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import torch
 
 from dlo.cli.main import main
+from dlo.host.cache import holds
 from dlo.host.cache.entry_store import EntryStore
-from dlo.host.cache.holds import PENDING
+from dlo.host.cache.holds import PENDING, PENDING_GRACE_S
 from dlo.host.cache.identity import digest_of
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,15 +65,50 @@ def test_a_hold_being_taken_is_never_removed_by_listing_or_eviction(tmp_path, ca
     assert store.keys() == [] and not (tmp_path / ".users" / key).exists()
 
 
-def test_a_pending_hold_of_a_dead_process_is_removed(tmp_path):
+def test_a_pending_hold_is_judged_by_its_age_not_its_pid(tmp_path):
+    """A process of another container (PID namespace) between creating and locking its hold
+    file: its pid is not alive here, yet it is a user; once the file is older than any hold
+    takes to lock, it is dead."""
     key = published(tmp_path)
-    dead = CONTEXT.Process(target=os.getpid)
-    dead.start()
-    dead.join()
+    gone = CONTEXT.Process(target=os.getpid)
+    gone.start()
+    gone.join()
     users = tmp_path / ".users" / key
     users.mkdir(mode=0o700, parents=True)
-    (users / f"{PENDING}{dead.pid}.{'0' * 32}").touch()
-    assert EntryStore(tmp_path).evict(key) and not users.exists()
+    pending = users / f"{PENDING}{gone.pid}.{'0' * 32}"
+    pending.touch()
+    store = EntryStore(tmp_path)
+    assert store.users(key) == 1 and not store.evict(key)
+    assert hold_files(tmp_path, key) == [pending.name] and store.keys() == [key]
+    past = time.time() - PENDING_GRACE_S - 1
+    os.utime(pending, (past, past))
+    assert store.users(key) == 0 and store.evict(key) and not users.exists()
+
+
+def test_a_hold_renamed_into_place_while_eviction_looks_at_it_is_counted(tmp_path, monkeypatch):
+    """The holder locks its pending file and renames it between the eviction's listing and its
+    look at that file: the file is looked up again under its final name."""
+    key = published(tmp_path)
+    users = tmp_path / ".users" / key
+    users.mkdir(mode=0o700, parents=True)
+    name = f"{os.getpid()}.{uuid.uuid4().hex}"
+    holder = os.open(users / f"{PENDING}{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    look = holds._state
+
+    def holder_steps_first(path, remove_dead):
+        if path.name == f"{PENDING}{name}":  # after the listing, before the look
+            fcntl.flock(holder, fcntl.LOCK_SH)
+            os.rename(path, users / name)
+        return look(path, remove_dead)
+
+    monkeypatch.setattr(holds, "_state", holder_steps_first)
+    store = EntryStore(tmp_path)
+    try:
+        assert not store.evict(key)
+        assert hold_files(tmp_path, key) == [name] and store.keys() == [key] and store.users(key) == 1
+    finally:
+        os.close(holder)
+    assert store.evict(key) and store.keys() == []
 
 
 def test_a_killed_holder_is_proved_dead_and_a_live_one_kept(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Eviction that never removes an entry in use, `dlo cache` commands, and trust checks."""
 
+import gc
 import logging
 import os
 import threading
@@ -19,12 +20,16 @@ from dlo.models.tiny import TINY_MODELS
 SHM = Path("/dev/shm")
 
 
+def saved_wan(tmp_path):
+    directory = tmp_path / "wan"
+    TINY_MODELS["wan"].build(seed=2).save_pretrained(directory)
+    return directory, dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def loaded(tmp_path):
     """A model loaded through the cache: its plan holds the entry until disable()."""
-    directory = tmp_path / "wan"
-    TINY_MODELS["wan"].build(seed=2).save_pretrained(directory)
-    config = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"))
+    directory, config = saved_wan(tmp_path)
     model, plan = dlo.load_transformer(directory, config)
     (key,) = EntryStore(config.cache_dir).keys()
     return model, plan, config, key
@@ -50,6 +55,25 @@ def test_ls_shows_the_users(loaded, capsys):
     assert main(["cache", "ls", "--cache-dir", config.cache_dir]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(key[:16])][0]
     assert "WanTransformer3DModel" in row and row.rstrip().endswith("1")
+
+
+def test_a_plan_never_enabled_holds_the_entry_until_its_mapping_is_collected(tmp_path, caplog):
+    directory, config = saved_wan(tmp_path)
+    model, plan = dlo.load_transformer(directory, config)  # published, then mapped
+    store = EntryStore(config.cache_dir)
+    (key,) = store.keys()
+    del plan
+    gc.collect()
+    assert store.users(key) == 1  # the model's parameters still view the entry
+    del model
+    gc.collect()
+    assert store.users(key) == 0
+    with caplog.at_level(logging.INFO, logger="dlo"):
+        model, plan = dlo.load_transformer(directory, config)
+    assert "warm start from cache entry" in caplog.text and store.users(key) == 1
+    del model, plan
+    gc.collect()
+    assert store.users(key) == 0 and store.evict(key)
 
 
 def publish(store, name, tensors):

@@ -1,12 +1,15 @@
 """Streaming straight from checkpoint mappings is bit-identical to ordinary loading (SPEC §5.1)."""
 
+import gc
 import json
 import logging
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import dlo
+from dlo.host.checkpoint import INDEX_NAME, Checkpoint
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
@@ -186,3 +189,32 @@ def test_private_tensors_of_a_mapped_block_are_streamed_and_given_back(tmp_path)
     with dlo.enable(model, "cpu", plan=plan):
         assert torch.equal(run(model, "wan", torch.float32, seeds=(1,))[0], expected[0])
     assert torch.equal(model.blocks[1].gain, torch.full((32,), 1.5))
+
+
+def test_a_release_tied_to_the_mapping_runs_once_when_it_is_gone(tmp_path):
+    """Two shards: the release waits for the last view of either, and close() then a later
+    collection release once (a second os.close of a hold could close a reused descriptor)."""
+    for name in ("a", "b"):
+        save_file({name: torch.ones(4)}, tmp_path / f"{name}.safetensors")
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}))
+    released = []
+    dropped = Checkpoint(tmp_path)
+    dropped.release_with_mapping(lambda: released.append("dropped"))
+    a, b = dropped.view("a"), dropped.view("b")
+    del dropped
+    gc.collect()
+    assert released == []  # both files are still viewed
+    del a
+    gc.collect()
+    assert released == []
+    del b
+    gc.collect()
+    assert released == ["dropped"]
+    closed = Checkpoint(tmp_path)
+    closed.release_with_mapping(lambda: released.append("closed"))
+    view = closed.view("a")
+    closed.close()
+    assert released == ["dropped", "closed"]
+    del closed, view
+    gc.collect()
+    assert released == ["dropped", "closed"]

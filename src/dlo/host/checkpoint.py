@@ -110,7 +110,7 @@ class Checkpoint:
         self.directory = Path(directory)
         self.files: list[SafetensorsFile] = []
         self.tensors: dict[str, SourceTensor] = {}
-        self.on_close: list[Callable[[], None]] = []  # e.g. release a cache entry's hold
+        self._releases: list[_Release] = []
         try:
             weight_map = _weight_map(self.directory) if opened is None else None
             if opened is not None:
@@ -146,9 +146,40 @@ class Checkpoint:
         """Whether `tensor` views one of the mapped files."""
         return any(shard.holds(tensor) for shard in self.files)
 
+    def release_with_mapping(self, release: Callable[[], None]) -> None:
+        """Call `release` (e.g. of a cache entry's hold) once the files are unmapped: at
+        close(), or, for a checkpoint dropped unclosed (a plan never enabled), once it and
+        every view of its files are collected: a model still using the views keeps it."""
+        once = _Release(release, len(self.files))
+        self._releases.append(once)
+        for shard in self.files:
+            shard.when_collected(once.one_collected)
+
     def close(self) -> None:
         for shard in self.files:
             shard.close()
-        callbacks, self.on_close = self.on_close, []
-        for callback in callbacks:
-            callback()
+        releases, self._releases = self._releases, []
+        for once in releases:
+            once.now()
+
+
+class _Release:
+    """Runs `call` once: at close() (`now`) or when the last of `files` mappings is collected,
+    whichever comes first. Both may run in a garbage collector's finalizer, in any thread:
+    list.pop is atomic, so exactly one caller takes the call."""
+
+    def __init__(self, call: Callable[[], None], files: int) -> None:
+        self._call = [call]
+        self._mapped = [None] * files
+
+    def now(self) -> None:
+        try:
+            call = self._call.pop()
+        except IndexError:
+            return  # already released
+        call()
+
+    def one_collected(self) -> None:
+        self._mapped.pop()
+        if not self._mapped:
+            self.now()

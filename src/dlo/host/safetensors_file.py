@@ -17,6 +17,8 @@ import mmap
 import os
 import struct
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -232,6 +234,11 @@ class SafetensorsFile:
             return False
         start = self._bytes.data_ptr()
         return tensor.device.type == "cpu" and start <= tensor.data_ptr() < start + self.size
+
+    def when_collected(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the mapping is collected: this object and every view of it
+        are gone (a view keeps the mapping alive, see close())."""
+        weakref.finalize(self._map, callback)
 
     def close(self) -> None:
         """Unmap, now: views taken earlier must not be used afterwards. (torch.frombuffer

@@ -5,6 +5,7 @@ tensors (SPEC §5.2). Any failure keeps (or restores) the ordinary tensors."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -123,7 +124,8 @@ def _publish_and_map(
         return Fallback(err.code, err.reason)
     try:
         entry = store.publish(key, published, identity, config.cache_lock_timeout_s, verify=verify, images=images)
-        entry.checkpoint.on_close.append(lambda: os.close(hold))  # from here, closing the entry releases the hold
+        # From here the hold lasts as long as the mapping: closing it or dropping it releases the hold.
+        entry.checkpoint.release_with_mapping(functools.partial(os.close, hold))
     except CacheUnavailable as err:
         os.close(hold)
         return Fallback(err.code, err.reason)
@@ -236,7 +238,7 @@ def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv
         logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], entry)
         return None
     checkpoint = entry.checkpoint
-    checkpoint.on_close.append(lambda: os.close(hold))
+    checkpoint.release_with_mapping(functools.partial(os.close, hold))
     try:
         model = skeleton(cls, model_config, fuse_qkv)
         persistent = _persistent(model)

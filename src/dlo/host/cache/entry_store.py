@@ -17,6 +17,12 @@ at any point leaves at most a temp dir, which the next lock holder removes once 
 gone. Readers validate without the lock (entries never change in place); a corrupt entry is
 moved aside under the lock before a new one takes its name.
 
+[Note: writers in other containers]
+A writer holds its key's lock for as long as its temp dir exists, so a temp dir is removed
+only by whoever holds that lock. Its pid cannot tell: processes in several containers (PID
+namespaces) may share one cache, and a live writer's pid is not visible in another one. The
+pid only sorts temp dirs for `dlo cache ls`, which takes no lock.
+
 [Note: validate what you map]
 Nothing read from disk is trusted: a key must be a key before it becomes a path, file names
 must be plain names, and the manifest's every field is type-checked (manifest.py). The entry
@@ -83,7 +89,7 @@ class Entry:
 class LeftoverKind(enum.Enum):
     CORRUPT = "corrupt"  # an invalid entry moved aside by the writer that replaced it
     EVICTED = "evicted"  # an evicted entry whose removal was interrupted
-    DEAD_WRITER = "dead_writer"  # the temp dir of a writer that is gone
+    DEAD_WRITER = "dead_writer"  # the temp dir of a writer whose pid is gone (here)
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,16 @@ def _tensors_problem(checkpoint: Checkpoint, index: Mapping[str, Mapping]) -> st
         if found != listed or not entry.aligned:
             return f"{name!r} is {found} in the files, {listed} in the manifest"
     return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _parse_temp_name(name: str) -> tuple[str, LeftoverKind | int] | None:
@@ -264,7 +280,9 @@ class EntryStore:
         return True
 
     def leftovers(self) -> list[Leftover]:
-        """Directories under .tmp nothing will use again; changes nothing."""
+        """Directories under .tmp nothing will use again; changes nothing. A writer's temp
+        dir is listed once its pid is gone here, and removed only under its key's lock: see
+        [Note: writers in other containers]."""
         tmp = self._dir(".tmp", create=False)
         found = []
         for name in sorted(os.listdir(tmp)) if tmp is not None else []:
@@ -273,7 +291,7 @@ class EntryStore:
                 continue
             key, kind = parsed
             if isinstance(kind, int):
-                if holds.pid_alive(kind):
+                if _pid_alive(kind):
                     continue  # a writer at work
                 kind = LeftoverKind.DEAD_WRITER
             found.append(Leftover(tmp / name, key, kind))
@@ -289,7 +307,14 @@ class EntryStore:
         Never waits for a lock, never removes anything in use. Returns what it removed."""
         removed = []
         for leftover in self.leftovers():
-            shutil.rmtree(leftover.path, ignore_errors=True)
+            if leftover.kind is LeftoverKind.DEAD_WRITER:
+                try:
+                    with self._lock(leftover.key, timeout_s=0):  # See [Note: writers in other containers]
+                        shutil.rmtree(leftover.path, ignore_errors=True)
+                except CacheUnavailable:
+                    continue  # its writer is at work (in another PID namespace)
+            else:
+                shutil.rmtree(leftover.path, ignore_errors=True)
             removed.append(str(leftover.path.relative_to(self.root)))
         users = self._dir(".users", create=False)
         for name in os.listdir(users) if users is not None else []:

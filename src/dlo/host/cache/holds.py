@@ -6,11 +6,16 @@ long as the process maps the entry; the kernel drops the flock when the process 
 [Note: hold visibility]
 A hold file becomes visible under its final name `<pid>.<uuid>` only once it is flocked: it
 is created as `.pending.<pid>.<uuid>`, locked, then renamed. So a visible hold whose flock can
-be taken is proved dead, and only such files (and pending ones whose pid is gone) are ever
-removed. A pending file of a live pid counts as a user even when unlocked: its process is
-between creating and locking it. A process that holds a key before it validates or publishes
-the entry cannot lose the entry to an eviction that counted users before the hold appeared:
-the eviction's rename of the entry then comes first, and the validation sees no entry.
+be taken is proved dead, and only such files (and pending ones left unlocked for longer than
+any hold takes) are ever removed. A pending file counts as a user for its first
+PENDING_GRACE_S seconds even when unlocked: its process is between creating and locking it.
+Its age, not its pid, tells: a cache shared by containers (PID namespaces) sees pids that are
+not its own. A pending file that vanishes while a sweep looks at it is looked up again under
+its final name: the rename may have just happened. Removing a pending file never removes a
+user: its process then fails to rename it and does not use the entry. A process that holds a
+key before it validates or publishes the entry cannot lose the entry to an eviction that
+counted users before the hold appeared: the eviction's rename of the entry then comes first,
+and the validation sees no entry.
 """
 
 from __future__ import annotations
@@ -18,46 +23,28 @@ from __future__ import annotations
 import enum
 import fcntl
 import os
+import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.host.cache.trust import FILE_MODE, SAFE_OPEN, private_dir_reason
 from dlo.host.cache.unavailable import CacheUnavailable, failure_code
 
 PENDING = ".pending."
+PENDING_GRACE_S = 60.0  # creating and locking a hold file takes microseconds
 
 
 class HoldState(enum.Enum):
-    LIVE = "live"  # flocked, or pending in a live process
-    DEAD = "dead"  # proved: its flock was free (and, if pending, its pid is gone)
+    LIVE = "live"  # flocked, or pending for less than PENDING_GRACE_S
+    DEAD = "dead"  # proved: its flock was free (and, if pending, for PENDING_GRACE_S)
     GONE = "gone"  # removed by someone else while we looked
 
 
-@dataclass(frozen=True)
-class HoldName:
-    pid: int
-    pending: bool
-
-
-def parse_hold_name(name: str) -> HoldName | None:
-    """The pid a hold file's name gives and whether it is still pending; None if the name
-    is not one dlo writes (such files are neither counted nor removed)."""
-    pending = name.startswith(PENDING)
+def is_hold_name(name: str) -> bool:
+    """Whether `name` is one dlo gives hold files, pending or not (other files are neither
+    counted nor removed)."""
     parts = name.removeprefix(PENDING).split(".")
-    if len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 32:
-        return None
-    return HoldName(int(parts[0]), pending)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return len(parts) == 2 and parts[0].isdigit() and len(parts[1]) == 32
 
 
 def hold(users: Path) -> int:
@@ -87,17 +74,19 @@ def hold(users: Path) -> int:
 
 
 def _state(path: Path, remove_dead: bool) -> HoldState:
-    parsed = parse_hold_name(path.name)
+    pending = path.name.startswith(PENDING)
     try:
         fd = os.open(path, os.O_RDONLY | SAFE_OPEN)
     except FileNotFoundError:
+        if pending:  # renamed into place since the listing? See [Note: hold visibility]
+            return _state(path.with_name(path.name.removeprefix(PENDING)), remove_dead)
         return HoldState.GONE
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return HoldState.LIVE
-        if parsed.pending and pid_alive(parsed.pid):
+        if pending and time.time() - os.fstat(fd).st_mtime < PENDING_GRACE_S:
             return HoldState.LIVE  # between its creation and its flock
         if remove_dead:
             path.unlink(missing_ok=True)  # under our exclusive flock: nobody holds it
@@ -113,7 +102,7 @@ def hold_states(users: Path, remove_dead: bool) -> list[HoldState]:
         names = os.listdir(users)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return [_state(users / name, remove_dead) for name in names if parse_hold_name(name) is not None]
+    return [_state(users / name, remove_dead) for name in names if is_hold_name(name)]
 
 
 def count_users(users: Path) -> int:
