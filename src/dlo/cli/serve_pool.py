@@ -298,15 +298,16 @@ class ReplicaPool:
             self._on_progress.pop(job_id, None)
             failed_starts = dead.failed_starts + (not dead.ready)
             unanswerable: list[tuple[int, Future[Done] | None]] = []
+            refusal = ""
             if self._closing.is_set() or failed_starts >= _FAILED_STARTS:
                 logger.error("dlo serve: replica %d exited (code %s); not started again", index, dead.process.exitcode)
                 dead.ready, dead.given_up = False, True
                 if all(r.given_up for r in self._replicas) and not self._closing.is_set():
-                    self._refusal = (
+                    self._refusal = refusal = (
                         f"no replica can run jobs: each failed to load the pipeline {_FAILED_STARTS} times in a row "
                         f"(the last: {self._load_error or 'it exited while loading'}); fix that and restart dlo serve"
                     )
-                    logger.error("dlo serve: %s", self._refusal)
+                    logger.error("dlo serve: %s", refusal)
                     # No replica will take the queued jobs: they fail now (answered, and not pending).
                     unanswerable = [(job.job_id, self._drop_queued(job.job_id)) for job in list(self._queue)]
             else:
@@ -320,7 +321,7 @@ class ReplicaPool:
             error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; {again}"
             _resolve(future, Done(job_id, error=error))
         for queued_id, queued in unanswerable:
-            _resolve(queued, Done(queued_id, error=self._refusal))
+            _resolve(queued, Done(queued_id, error=refusal))
 
     def close(self) -> None:
         """Stop reading, ask every ready replica to stop (after its current job), kill the ones
