@@ -81,7 +81,8 @@ def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
     import dlo
 
     port = free_port()
-    placement = ["--device", "cpu"] if args.tiny else (["--devices", "0,1"] if gpus >= 2 else ["--devices", "0"])
+    # One replica: cuda:0 (dlo serve refuses listed devices that would get no replica).
+    placement = ["--device", "cpu"] if args.tiny else ["--devices", "0,1" if gpus >= 2 and replicas >= 2 else "0"]
     argv = [
         sys.executable, "-c", LAUNCH, "serve", str(directory), "--port", str(port), "--replicas", str(replicas),
         "--cache-dir", str(args.dir / "cache"), "--max-queue", str(args.requests),

@@ -2,9 +2,11 @@
 host weight cache, requests over real HTTP (urllib), images compared with the plain pipeline."""
 
 import base64
+import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -47,6 +49,17 @@ def server(tiny_flux_dir, tmp_path_factory):
         yield running.base, cache
 
 
+@pytest.fixture(scope="module")
+def queue_server(server, tiny_flux_dir, tmp_path_factory):
+    """A second server, with a queue place and a long timeout, on a copy of the pipeline (its
+    last test breaks it), started as `dlo serve .` in that directory, on the first one's cache."""
+    directory = tmp_path_factory.mktemp("pipelines") / "flux-copy"
+    shutil.copytree(tiny_flux_dir, directory)
+    log_dir = tmp_path_factory.mktemp("serve-queue-log")
+    with running_server(".", server[1], log_dir, _flags(max_queue=1, timeout_s=120), cwd=directory) as running:
+        yield running, directory
+
+
 def _image(item: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB"))
 
@@ -77,10 +90,14 @@ def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
         (dict(size="²x64"), "size"),
         (dict(seed=-1), "seed"),
         (dict(colour="red"), "colour"),
+        (dict(guidance_scale=float("nan")), "guidance_scale"),  # json.dumps writes NaN, as json.loads reads it
+        (dict(guidance_scale=float("-inf")), "guidance_scale"),
+        (dict(guidance_scale=1e308), "guidance_scale"),
+        (dict(negative_prompt="x" * 10_001), "negative_prompt"),
     ],
     ids=[
         "no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "steps-over-max", "size-unicode-digit",
-        "seed-negative", "unknown-field",
+        "seed-negative", "unknown-field", "guidance-nan", "guidance-minus-inf", "guidance-huge", "negative-prompt-long",
     ],
 )
 def test_bad_requests_are_400_naming_the_field(server, change, param):
@@ -126,6 +143,9 @@ def test_a_full_queue_answers_429_and_a_timed_out_request_frees_its_slot_when_do
         worker, held = _start(base, REQUEST)
         status, answer, headers = _call(f"{base}/v1/images/generations", REQUEST)  # one replica, no queue
         assert status == 429 and int(headers["Retry-After"]) >= 1 and "queue is full" in answer["error"]["message"]
+        # Checked before queueing: a bad request is a 400 even when there is no place for it.
+        status, answer, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "size": "63x64"})
+        assert status == 400 and answer["error"]["param"] == "size"
         worker.join(timeout=120)
         assert held["answer"][0] == 504 and f"no result in {TIMEOUT_S} s" in held["answer"][1]["error"]["message"]
         # Timed out, but the replica still has the job: it keeps its place until done.
@@ -190,39 +210,50 @@ def test_a_client_that_hangs_up_stops_its_request_waiting(server):
     assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
 
 
-def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(server, tiny_flux_dir, tmp_path):
-    """A second server, with a queue place, on the first one's cache (a warm start): the
-    replica (stopped) holds one request, a second waits in the queue, its client hangs up,
-    and the queue is empty again while the first request is still held."""
-    _, cache = server
-    with running_server(tiny_flux_dir, cache, tmp_path, _flags(max_queue=1, timeout_s=120)) as (base, _):
-        replica = _call(f"{base}/health")[1]["replica_pids"][0]
-        os.kill(replica, signal.SIGSTOP)
-        try:
-            worker, held = _start(base, REQUEST)
-            client = _send_raw(base, REQUEST)
-            _wait_for_pending(base, 2)
-            assert _metrics(base)["dlo_serve_queue_depth"] == 1
-            client.close()
-            _wait_for_pending(base, 1)
-            values = _metrics(base)
-            assert values["dlo_serve_queue_depth"] == 0 and values['dlo_serve_requests_total{status="499"}'] == 1
-        finally:
-            os.kill(replica, signal.SIGCONT)
-        worker.join(timeout=120)
-        assert held["answer"][0] == 200
+def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(queue_server):
+    """The replica (stopped) holds one request, a second waits in the queue, its client hangs
+    up, and the queue is empty again while the first request is still held."""
+    (base, _, _), _ = queue_server
+    replica = _call(f"{base}/health")[1]["replica_pids"][0]
+    before = _metrics(base).get('dlo_serve_requests_total{status="499"}', 0)
+    os.kill(replica, signal.SIGSTOP)
+    try:
+        worker, held = _start(base, REQUEST)
+        client = _send_raw(base, REQUEST)
+        _wait_for_pending(base, 2)
+        assert _metrics(base)["dlo_serve_queue_depth"] == 1
+        client.close()
+        _wait_for_pending(base, 1)
+        values = _metrics(base)
+        assert values["dlo_serve_queue_depth"] == 0 and values['dlo_serve_requests_total{status="499"}'] == before + 1
+    finally:
+        os.kill(replica, signal.SIGCONT)
+    worker.join(timeout=120)
+    assert held["answer"][0] == 200
+
+
+def test_models_names_the_directory_served_as_dot(queue_server):
+    (base, _, _), directory = queue_server
+    status, body, _ = _call(f"{base}/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [directory.name]
 
 
 def test_metrics_count_requests_steps_and_what_each_replica_streams(server):
+    """Deltas over one request (the module's server has served others): counted once each."""
     base, _ = server
+    before = _metrics(base)
     assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
     values = _metrics(base)
-    assert values['dlo_serve_requests_total{status="200"}'] >= 1
-    assert values["dlo_serve_steps_total"] >= REQUEST["num_inference_steps"]
-    assert values['dlo_serve_replica_bytes_streamed{replica="0"}'] > 0
+
+    def delta(name: str) -> float:
+        return values.get(name, 0) - before.get(name, 0)
+
+    assert delta('dlo_serve_requests_total{status="200"}') == 1
+    assert delta("dlo_serve_steps_total") == REQUEST["num_inference_steps"]
+    assert delta("dlo_serve_request_seconds_count") == 1
+    assert delta('dlo_serve_replica_bytes_streamed{replica="0"}') > 0
     assert values['dlo_serve_replica_host_pss_bytes{replica="0"}'] > 0
     assert values["dlo_serve_queue_depth"] == 0 and values["dlo_serve_busy_replicas"] == 0
-    assert values["dlo_serve_request_seconds_count"] >= 1
 
 
 def test_models_lists_the_pipeline(server, tiny_flux_dir):
@@ -231,24 +262,74 @@ def test_models_lists_the_pipeline(server, tiny_flux_dir):
     assert status == 200 and [m["id"] for m in body["data"]] == [tiny_flux_dir.name]
 
 
-def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(server):
-    base, _ = server
+def _in_thread(base: str, body: dict) -> tuple[threading.Thread, dict]:
+    """An image request in a thread; its (status, body, headers) in answer["answer"] once joined."""
+    answer: dict = {}
+    worker = threading.Thread(target=lambda: answer.update(answer=_call(f"{base}/v1/images/generations", body)))
+    worker.start()
+    return worker, answer
+
+
+@contextlib.contextmanager
+def _killed_at_the_end(replica: int):
+    """The replica is stopped (SIGSTOP) inside, so the jobs it takes wait there, and killed
+    (SIGKILL) at the end, also when the block fails (a stopped replica would hang the teardown)."""
+    os.kill(replica, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(replica, signal.SIGKILL)
+
+
+def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(queue_server):
+    """The replica (stopped) holds one request, a second is queued; the replica is killed: the
+    first gets 500 saying so, the queued one waits for the restarted replica and gets its image."""
+    (base, _, _), _ = queue_server
     before = _call(f"{base}/health")[1]
-    worker, slow = _start(base, {**REQUEST, "num_inference_steps": SLOW_STEPS})
-    time.sleep(0.5)  # into the denoising loop
-    os.kill(before["replica_pids"][0], signal.SIGKILL)
-    worker.join(timeout=120)
-    status, answer, _ = slow["answer"]
+    with _killed_at_the_end(before["replica_pids"][0]):
+        running, killed = _in_thread(base, REQUEST)
+        _wait_for_pending(base, 1)
+        queued, survivor = _in_thread(base, {**REQUEST, "seed": 3})
+        _wait_for_pending(base, 2)
+    running.join(timeout=120)
+    status, answer, _ = killed["answer"]
     assert status == 500 and f"replica 0 died (exit code {-signal.SIGKILL})" in answer["error"]["message"]
-    # Restarted: /health says 503 until the new replica has loaded (longer than TIMEOUT_S here).
+    # Restarted: /health says 503 until the new replica has loaded.
     deadline = time.monotonic() + 120
     while (health := _call(f"{base}/health"))[0] != 200:
         assert health[0] == 503 and time.monotonic() < deadline
         time.sleep(0.2)
     assert health[1]["restarts"] == before["restarts"] + 1
     assert health[1]["replica_pids"][0] != before["replica_pids"][0]
-    status, body, _ = _call(f"{base}/v1/images/generations", REQUEST)
+    queued.join(timeout=120)
+    status, body, _ = survivor["answer"]
     assert status == 200 and len(body["data"]) == 1
+
+
+def test_once_every_replica_is_given_up_jobs_fail_and_are_refused_and_sigterm_exits(queue_server):
+    """The queue server's last test. Its pipeline directory loses model_index.json, so every
+    restart fails to load; the replica (stopped) holds one request, a second is queued, and
+    the replica is killed. After 3 failed restarts: the queued request gets 500 saying no
+    replica can run it, a new one 503, /health 503; the log says why the loads failed; and
+    SIGTERM (nothing left to drain) exits 0."""
+    (base, process, log), directory = queue_server
+    (directory / "model_index.json").rename(directory / "model_index.json.away")
+    with _killed_at_the_end(_call(f"{base}/health")[1]["replica_pids"][0]):
+        running, killed = _in_thread(base, REQUEST)
+        _wait_for_pending(base, 1)
+        queued, refused = _in_thread(base, REQUEST)
+        _wait_for_pending(base, 2)
+    running.join(timeout=120)
+    assert killed["answer"][0] == 500 and "it was restarted" in killed["answer"][1]["error"]["message"]
+    queued.join(timeout=120)
+    status, answer, _ = refused["answer"]
+    assert status == 500 and "no replica can run jobs: each failed to load the pipeline 3 times" in answer["error"]["message"]
+    status, answer, _ = _call(f"{base}/v1/images/generations", REQUEST)
+    assert status == 503 and "no replica can run jobs" in answer["error"]["message"]
+    assert _call(f"{base}/health")[0] == 503
+    assert "replica 0 could not load the pipeline:" in log.read_text()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
 
 
 def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
@@ -267,6 +348,26 @@ def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     assert pipeline_kwargs(ImageRequest(prompt="a"), rules, limits, frozenset(taken)) == {
         "prompt": "a", "num_inference_steps": 28
     }
+
+
+def test_max_sequence_length_is_bounded_where_the_pipeline_gives_no_default(tiny_flux_dir):
+    """Flux's signature bounds it at 512; a pipeline whose default is None (HunyuanDiT) has
+    only the request's own bound, the largest default of any diffusers pipeline (4096)."""
+    import dataclasses
+
+    import diffusers
+    from pydantic import ValidationError
+
+    from dlo.cli.call_rules import read_call_rules
+    from dlo.cli.serve_requests import ImageRequest, Limits, pipeline_kwargs
+
+    rules = dataclasses.replace(read_call_rules(tiny_flux_dir, diffusers.FluxPipeline), max_sequence_length=None)
+    limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
+    taken = frozenset({"prompt", "num_inference_steps", "max_sequence_length"})
+    request = ImageRequest(prompt="a", max_sequence_length=4096)
+    assert pipeline_kwargs(request, rules, limits, taken)["max_sequence_length"] == 4096
+    with pytest.raises(ValidationError, match="max_sequence_length"):
+        ImageRequest(prompt="a", max_sequence_length=4097)
 
 
 def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir):
@@ -300,8 +401,9 @@ def test_devices_are_assigned_round_robin():
         (["--devices", "0,2"], 2, "--devices 0,2: there are 2 CUDA device(s), indices 0 to 1"),
         (["--devices", "0,x"], 2, "--devices '0,x': give CUDA device indices separated by commas"),
         (["--devices", "0", "--device", "cpu"], 2, "--devices 0 with --device cpu: give one of them"),
+        (["--devices", "0,1,2,3"], 4, "--devices 0,1,2,3 with --replicas 3: 1 listed device(s) would get no replica"),
     ],
-    ids=["no-cuda", "index-too-high", "not-indices", "with-device"],
+    ids=["no-cuda", "index-too-high", "not-indices", "with-device", "more-devices-than-replicas"],
 )
 def test_devices_that_cannot_be_honoured_are_refused_before_anything_loads(
     flags, cuda_devices, message, monkeypatch, capsys, tmp_path

@@ -18,7 +18,7 @@ from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
 from plain_pipeline import plain_pipeline
-from serve_process import call, fetch, running_server
+from serve_process import call, fetch, post_in_two_parts, running_server
 
 WAN = {**GENERATE_DEFAULTS["wan"], "guidance_scale": 1.0}  # 1: one transformer pass a step, no guidance
 VIDEO = {
@@ -185,6 +185,7 @@ def test_without_a_format_the_video_is_an_mp4_of_the_frames_asked(server, tmp_pa
 def test_cancelling_a_running_job_frees_its_replica(server, reference):
     """The job would run ENDLESS_STEPS steps: only the cancel ends it within the deadlines."""
     base = server.base
+    steps_before = _metric(base, "dlo_serve_steps_total")
     status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "num_inference_steps": ENDLESS_STEPS})
     assert status == 200
     _wait_for(base, job["id"], lambda j: j["status"] == "running" and j["steps_done"] >= 2, "made progress")
@@ -192,6 +193,8 @@ def test_cancelling_a_running_job_frees_its_replica(server, reference):
     assert status == 200 and cancelled["status"] == "cancelled"
     _idle(base)  # the replica stopped between two steps
     assert _metric(base, "dlo_serve_busy_replicas") == 0
+    # The steps it ran count, cancelled or not (at least those it reported before the cancel).
+    assert _metric(base, "dlo_serve_steps_total") - steps_before >= cancelled["steps_done"] >= 2
     assert call(f"{base}/v1/videos/{job['id']}")[1]["status"] == "cancelled"
     assert fetch(f"{base}/v1/videos/{job['id']}/content")[0] == 409
     status, job, _ = call(f"{base}/v1/videos", {**VIDEO, "seed": 3})
@@ -338,7 +341,7 @@ def test_two_replicas_map_one_copy_of_the_blocks_from_the_cache(server, wide_wan
     directory, block_bytes = wide_wan
     baseline = max(_private_dirty(pid) for pid in call(f"{server.base}/health")[1]["replica_pids"])
     cache = tmp_path / "cache"
-    with running_server(directory, cache, tmp_path, ["--replicas", "2", "--max-queue", "0"]) as (base, _):
+    with running_server(directory, cache, tmp_path, ["--replicas", "2", "--max-queue", "0"]) as (base, _, _):
         pids = call(f"{base}/health")[1]["replica_pids"]
         with _stopped(pids):  # both replicas idle at the 2 submits: one job each
             ids = [call(f"{base}/v1/videos", {**VIDEO, "seed": k})[1]["id"] for k in range(2)]
@@ -361,21 +364,27 @@ def test_two_replicas_map_one_copy_of_the_blocks_from_the_cache(server, wide_wan
 
 def test_sigterm_drains_the_held_jobs_then_exits_0(server):
     """The module's last test: it stops the module's server. Both replicas stopped, 3 jobs
-    held (2 running, 1 queued), then SIGTERM: POSTs get 503 naming the drain, /health 503.
+    held (2 running, 1 queued), a 4th request's headers sent (there is a place for it), then
+    SIGTERM: once /health is 503 the 4th request's body comes, and it is refused 503 naming the
+    drain (admission is the pool's, not decided at its headers), as is any new POST.
     Replica 0 resumes: its job and the queued one complete and can be fetched, while the
     server waits for replica 1's; that one resumes too, and the server exits 0 by itself."""
-    base, process = server
+    base, process, _ = server
     pids = call(f"{base}/health")[1]["replica_pids"]
     with _stopped(pids[1:]):
         with _stopped(pids[:1]):
             ids = [call(f"{base}/v1/videos", {**VIDEO, "seed": k})[1]["id"] for k in range(3)]
+            send_body = post_in_two_parts(base, "/v1/videos", VIDEO)
+            time.sleep(0.5)  # the headers are read: the app has started on the request
             process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
-            while (answer := call(f"{base}/v1/videos", VIDEO))[0] != 503:
-                assert answer[0] == 429 and time.monotonic() < deadline  # full until the signal is handled
+            while call(f"{base}/health")[0] != 503:
+                assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert "draining" in answer[1]["error"]["message"]
-            assert call(f"{base}/health")[0] == 503
+            status, answer = send_body()
+            assert status == 503 and "draining" in answer["error"]["message"]
+            status, answer, _ = call(f"{base}/v1/videos", VIDEO)
+            assert status == 503 and "draining" in answer["error"]["message"]
         deadline = time.monotonic() + 120
         while (done := [i for i in ids if call(f"{base}/v1/videos/{i}")[1]["status"] == "completed"]) != ids[::2]:
             assert len(done) < 2 and time.monotonic() < deadline, done

@@ -7,14 +7,13 @@ from recent job times. An image request waits at most `timeout_s` (504; the job 
 runs to its end). A client that hangs up stops waiting too: its job is dropped if still queued
 (logged as 499). A video request answers at once with a job (serve_videos.py) to poll, fetch,
 cancel or delete. A replica that dies fails only the job it was running (saying so) and is
-restarted. While `draining` is set, new jobs get 503; the jobs already held run to their end.
+restarted. While the pool refuses jobs (SIGTERM's drain, or no replica left), new jobs get 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -25,12 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlo.cli.call_rules import CallRules
 from dlo.cli.media_output import has_mp4_encoder
-from dlo.cli.serve_pool import QueueFull, ReplicaPool
+from dlo.cli.serve_pool import QueueFull, ReplicaPool, Unavailable
 from dlo.cli.serve_replica import VideoFile, VideoFormat
 from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, VideoRequest, pipeline_kwargs
 from dlo.cli.serve_videos import VideoJobs, VideoShape, VideoStatus
-
-DRAINING = "the server is draining (it got SIGTERM): it finishes the jobs it holds and takes no new ones"
 
 
 async def _hung_up(connection: Request) -> None:
@@ -58,9 +55,9 @@ def _unknown_video(video_id: str) -> JSONResponse:
 
 def make_app(
     pool: ReplicaPool, videos: VideoJobs, rules: CallRules, limits: Limits, parameters: frozenset[str],
-    model_name: str, draining: threading.Event,
+    model_name: str,
 ) -> FastAPI:
-    """`parameters`: the names the pipeline's __call__ takes; `draining`: set on SIGTERM."""
+    """`parameters`: the names the pipeline's __call__ takes."""
     app = FastAPI(title="dlo serve")
     video_format = "mp4" if has_mp4_encoder() else "webp"  # for a video request without `format`
 
@@ -81,8 +78,10 @@ def make_app(
 
     @app.middleware("http")
     async def count(request, call_next):
-        if draining.is_set() and request.method == "POST":  # polls, fetches and deletes still work
-            response = _error(503, None, DRAINING)
+        # Before the body is read; a refusal that comes later is the pool's, in submit.
+        refusal = pool.refusal
+        if refusal is not None and request.method == "POST":  # polls, fetches and deletes still work
+            response = _error(503, None, refusal)
         else:
             response = await call_next(request)
         if request.url.path.startswith("/v1/"):
@@ -100,6 +99,8 @@ def make_app(
             job_id, future = pool.submit(kwargs, request.seed, request.n)
         except QueueFull as full:
             return _queue_full(full)
+        except Unavailable as refused:
+            return _error(503, None, str(refused))
         result = asyncio.ensure_future(asyncio.wrap_future(future))
         hung_up = asyncio.ensure_future(_hung_up(connection))
         finished, _ = await asyncio.wait({result, hung_up}, timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -133,6 +134,8 @@ def make_app(
             return videos.submit(kwargs, shape)
         except QueueFull as full:
             return _queue_full(full)
+        except Unavailable as refused:
+            return _error(503, None, str(refused))
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(video_id: str):
@@ -164,8 +167,9 @@ def make_app(
 
     @app.get("/health")
     async def health():
-        if draining.is_set():
-            return _error(503, None, DRAINING)
+        refusal = pool.refusal
+        if refusal is not None:
+            return _error(503, None, refusal)
         if pool.replicas == 0:
             return _error(503, None, "no replica is ready")
         return {"status": "ok", "replicas": pool.replicas, "pending": pool.pending, "restarts": pool.restarts,

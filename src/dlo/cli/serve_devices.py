@@ -26,6 +26,11 @@ def replica_devices(devices: str | None, device: str, replicas: int) -> list[str
         indices = []
     if not indices or min(indices) < 0:
         raise ConfigError(f"--devices {devices!r}: give CUDA device indices separated by commas, e.g. 0,1")
+    if replicas < len(indices):
+        raise ConfigError(
+            f"--devices {devices} with --replicas {replicas}: {len(indices) - replicas} listed device(s) would "
+            f"get no replica; give --replicas {len(indices)} (or a multiple of it)"
+        )
     if not torch.cuda.is_available():
         raise ConfigError(
             f"--devices {devices}: this torch sees no CUDA device; leave --devices out to serve on --device cpu"

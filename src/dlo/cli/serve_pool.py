@@ -4,7 +4,9 @@ bounded FIFO, and the metrics they feed.
 The pool holds at most `replicas + max_queue` jobs (beyond that QueueFull, with a Retry-After
 derived from recent job times); a job can be forgotten (its requester left: dropped if still
 queued) or cancelled (dropped if queued, else its replica stops between two steps). A replica
-that dies fails only the job it was running, saying so, and is restarted.
+that dies fails only the job it was running, saying so, and is restarted; once every replica
+is given up (it failed to load `_FAILED_STARTS` times in a row) the queued jobs fail and new
+ones are refused (Unavailable), as they are once the server stops admitting (SIGTERM's drain).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class QueueFull(Exception):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"the queue is full; retry in {retry_after_s} s")
         self.retry_after_s = retry_after_s
+
+
+class Unavailable(Exception):
+    """The pool takes no new jobs (draining, or no replica can run them); the text says why."""
 
 
 _FAILED_STARTS = 3  # restarts in a row that never became ready before a replica is given up
@@ -81,6 +87,7 @@ class _Replica:
     ready: bool = False
     job_id: int | None = None  # the job it runs
     failed_starts: int = 0  # restarts in a row that never became ready
+    given_up: bool = False  # dead, and not started again
 
 
 class ReplicaPool:
@@ -106,6 +113,8 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closing = threading.Event()
+        self._refusal: str | None = None  # why submit refuses every job; None: it admits them
+        self._load_error = ""  # why a restarted replica last failed to load
         self._replicas: list[_Replica] = []
         try:  # Ctrl-C while the replicas load, or any failure: none is left running
             self._replicas = [self._start(index) for index in range(len(specs))]
@@ -153,13 +162,26 @@ class ReplicaPool:
     def pids(self) -> list[int | None]:
         return [r.process.pid for r in self._replicas]
 
+    @property
+    def refusal(self) -> str | None:
+        """Why every new job is refused (Unavailable), or None while jobs are admitted."""
+        return self._refusal
+
+    def stop_admitting(self, reason: str) -> None:
+        """From now on submit raises Unavailable(reason). Under the lock submit takes: a job is
+        either held (counted in `pending`) before this returns, or refused."""
+        with self._lock:
+            self._refusal = reason
+
     def submit(
         self, kwargs: dict, seed: int, n: int, video: VideoFile | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> tuple[int, Future[Done]]:
-        """Queue a job, or raise QueueFull. `on_progress(steps)` is called (on the pool's
-        thread) when a replica starts the job (0) and after each of its steps."""
+        """Queue a job, or raise QueueFull or Unavailable. `on_progress(steps)` is called (on
+        the pool's thread) when a replica starts the job (0) and after each of its steps."""
         with self._lock:
+            if self._refusal is not None:
+                raise Unavailable(self._refusal)
             if len(self._futures) >= self._capacity:
                 mean_s = sum(self._recent_s) / len(self._recent_s) if self._recent_s else 0.0
                 raise QueueFull(retry_after_s(mean_s, len(self._queue) + 1, self.replicas))
@@ -244,6 +266,12 @@ class ReplicaPool:
             if isinstance(message, Ready):  # a restarted replica
                 replica.ready = not message.error
                 replica.failed_starts = 0 if replica.ready else replica.failed_starts
+                if message.error:  # it exits next: its end of file restarts it or gives it up
+                    self._load_error = message.error
+                    logger.error(
+                        "dlo serve: replica %d could not load the pipeline: %s", self._replicas.index(replica),
+                        message.error,
+                    )
             else:
                 replica.job_id = None
                 started = self._started.pop(message.job_id, None)
@@ -269,9 +297,19 @@ class ReplicaPool:
             self._started.pop(job_id, None)
             self._on_progress.pop(job_id, None)
             failed_starts = dead.failed_starts + (not dead.ready)
+            unanswerable: list[tuple[int, Future[Done] | None]] = []
+            refusal = ""
             if self._closing.is_set() or failed_starts >= _FAILED_STARTS:
                 logger.error("dlo serve: replica %d exited (code %s); not started again", index, dead.process.exitcode)
-                dead.ready = False
+                dead.ready, dead.given_up = False, True
+                if all(r.given_up for r in self._replicas) and not self._closing.is_set():
+                    self._refusal = refusal = (
+                        f"no replica can run jobs: each failed to load the pipeline {_FAILED_STARTS} times in a row "
+                        f"(the last: {self._load_error or 'it exited while loading'}); fix that and restart dlo serve"
+                    )
+                    logger.error("dlo serve: %s", refusal)
+                    # No replica will take the queued jobs: they fail now (answered, and not pending).
+                    unanswerable = [(job.job_id, self._drop_queued(job.job_id)) for job in list(self._queue)]
             else:
                 self._replicas[index] = self._start(index)  # it reports Ready on its pipe, read by this thread
                 self._replicas[index].failed_starts = failed_starts
@@ -282,9 +320,12 @@ class ReplicaPool:
             again = "it was restarted" if self._replicas[index] is not dead else "it was not started again"
             error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; {again}"
             _resolve(future, Done(job_id, error=error))
+        for queued_id, queued in unanswerable:
+            _resolve(queued, Done(queued_id, error=refusal))
 
     def close(self) -> None:
-        """Stop reading, ask every replica to stop (after its current job), and wait for them."""
+        """Stop reading, ask every ready replica to stop (after its current job), kill the ones
+        still loading, and wait for them."""
         self._closing.set()
         thread = getattr(self, "_thread", None)
         if thread is not None:
@@ -292,6 +333,9 @@ class ReplicaPool:
         with self._lock:
             replicas = list(self._replicas)
         for replica in replicas:
+            if not replica.ready:  # loading (it reads its pipe only once loaded) or dying: it holds no job
+                replica.process.kill()
+                continue
             try:
                 replica.conn.send(None)
             except OSError:  # already gone

@@ -79,7 +79,7 @@ class Done:
     files: tuple[bytes, ...] = ()  # one PNG per image, or the one video file
     error: str = ""  # the one-line text of what failed
     cancelled: bool = False  # stopped between two steps by a Cancel
-    steps: int = 0  # denoising steps run
+    steps: int = 0  # denoising steps run, those of a cancelled or failed job too
     bytes_streamed: int = 0  # by dlo since the replica started, every streamed component
     host_pss: int | None = None  # the replica's Pss (smaps_rollup) after the job
 
@@ -159,9 +159,14 @@ def _load(spec: ReplicaSpec):
 def _run(pipe, job: Job, inbox: _Inbox) -> Done:
     inbox.conn.send(Progress(job.job_id, 0))
     kwargs = dict(job.kwargs)
-    if "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters:
+    counted = "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters
+    steps_run = 0  # with the callback: counted step by step; without, each image's full count once made
+
+    if counted:
 
         def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
+            nonlocal steps_run
+            steps_run += 1
             if inbox.cancels(job.job_id):
                 raise _Cancelled
             inbox.conn.send(Progress(job.job_id, step + 1))
@@ -175,12 +180,13 @@ def _run(pipe, job: Job, inbox: _Inbox) -> Done:
             with torch.inference_mode():
                 result = pipe(**kwargs, generator=generator)
             files.append(_video_file(result.frames[0], job.video) if job.video else _png(result.images[0]))
-        return Done(job.job_id, tuple(files), steps=job.n * job.kwargs.get("num_inference_steps", 0))
+            steps_run += 0 if counted else job.kwargs.get("num_inference_steps", 0)
+        return Done(job.job_id, tuple(files), steps=steps_run)
     except _Cancelled:
-        return Done(job.job_id, cancelled=True)
+        return Done(job.job_id, cancelled=True, steps=steps_run)
     except Exception as err:  # the request fails, the replica serves the next one
         last = traceback.format_exception_only(type(err), err)[-1].strip()
-        return Done(job.job_id, error=last)
+        return Done(job.job_id, error=last, steps=steps_run)
 
 
 def _png(image) -> bytes:

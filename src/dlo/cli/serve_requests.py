@@ -15,20 +15,28 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, validate_call
 
+_PROMPT_CHARS = 10_000
+# max_sequence_length where the pipeline's signature gives no default (which would bound it):
+# the largest default of any diffusers pipeline (4096; most take 512 or less).
+_MOST_TEXT_TOKENS = 4096
+# guidance_scale: finite and far beyond any useful scale (pipelines use 0 to about 20), so the
+# guided noise prediction cannot overflow.
+_MOST_GUIDANCE = 1000.0
+
 
 class _PipelineFields(BaseModel):
     """The fields both endpoints pass to the pipeline."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, max_length=10_000)
+    prompt: str = Field(min_length=1, max_length=_PROMPT_CHARS)
     model: str | None = None  # one model per server: accepted, not checked
     size: str | None = None  # "WxH"; unset or "auto": the pipeline's default
-    negative_prompt: str | None = None
+    negative_prompt: str | None = Field(default=None, max_length=_PROMPT_CHARS)
     seed: int = Field(default=0, ge=0, le=2**63 - 1 - 1024)  # image k of an image request uses seed + k
     num_inference_steps: int = Field(default=28, ge=1)
-    guidance_scale: float | None = None
-    max_sequence_length: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=-_MOST_GUIDANCE, le=_MOST_GUIDANCE, allow_inf_nan=False)
+    max_sequence_length: int | None = Field(default=None, ge=1, le=_MOST_TEXT_TOKENS)
 
 
 class ImageRequest(_PipelineFields):

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from dlo.cli.serve_pool import QueueFull, ReplicaPool
+from dlo.cli.serve_pool import QueueFull, ReplicaPool, Unavailable
 from dlo.cli.serve_replica import Done, VideoFile, VideoFormat
 
 MEDIA_TYPES = {VideoFormat.MP4: "video/mp4", VideoFormat.WEBP: "image/webp"}
@@ -68,7 +68,7 @@ class VideoJobs:
         self._lock = threading.Lock()
 
     def submit(self, kwargs: dict, shape: VideoShape) -> dict:
-        """Queue a video job and return its object; QueueFull (from the pool) when full."""
+        """Queue a video job and return its object; QueueFull or Unavailable (from the pool)."""
         video = _Video(f"video_{uuid.uuid4().hex}", shape, kwargs["num_inference_steps"], int(time.time()))
         with self._lock:  # before the pool has the job: its first progress finds the record
             self._prune()
@@ -77,7 +77,7 @@ class VideoJobs:
             video.job_id, future = self._pool.submit(
                 kwargs, shape.seed, 1, shape.file, on_progress=lambda steps: self._progressed(video.id, steps)
             )
-        except QueueFull:
+        except (QueueFull, Unavailable):
             with self._lock:
                 del self._videos[video.id]
             raise

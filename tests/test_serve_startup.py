@@ -1,0 +1,101 @@
+"""`dlo serve` before it serves: the port is bound before any replica starts (a port it cannot
+listen on is one line, status 2), and SIGTERM while the replicas load stops them."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlo.cli.main import main
+from serve_process import free_port
+
+
+@pytest.fixture
+def replicas_never_start(monkeypatch):
+    import dlo.cli.serve_pool
+
+    def started(*args, **kwargs):
+        raise AssertionError("the replicas started before the port was bound")
+
+    monkeypatch.setattr(dlo.cli.serve_pool, "ReplicaPool", started)
+
+
+@pytest.mark.parametrize("where", ["port-in-use", "host-not-here"])
+def test_a_port_it_cannot_listen_on_is_refused_before_the_replicas_start(
+    where, tiny_flux_dir, replicas_never_start, capsys
+):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        # 192.0.2.1: TEST-NET-1 (RFC 5737), an address of no machine here.
+        host = "127.0.0.1" if where == "port-in-use" else "192.0.2.1"
+        status = main(["serve", str(tiny_flux_dir), "--device", "cpu", "--host", host, "--port", str(port)])
+    lines = capsys.readouterr()
+    errors = lines.err.strip().splitlines()
+    assert status == 2 and len(errors) == 1 and not lines.out, lines
+    why = "Address already in use" if where == "port-in-use" else "Cannot assign requested address"
+    assert errors[0] == (
+        f"dlo: error: --host {host} --port {port}: cannot listen there ({why}); give a free --port, "
+        "or a --host address of this machine"
+    )
+
+
+def _session(leader: int) -> list[int]:
+    """The live processes of the session `leader` started (its replicas and their helpers stay
+    in it when it dies), the leader itself left out."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != leader:
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[3]) == leader and fields[0] != "Z":  # the session id; not a zombie
+                pids.append(int(entry.name))
+    return pids
+
+
+def _replica_pids(leader: int) -> list[int]:
+    pids = []
+    for pid in _session(leader):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigterm_while_the_replicas_load_stops_them(tiny_flux_dir, tmp_path):
+    """The replica is stopped (SIGSTOP) while it loads: however fast the machine, it is still
+    loading at the SIGTERM. The server exits as interrupted (130), and no process it started
+    is left (a stopped orphan never finishes loading by itself)."""
+    argv = [
+        sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu",
+        "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--cache-allow-any-filesystem",
+    ]
+    with open(tmp_path / "serve.log", "w+") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        left: list[int] = []
+        try:
+            deadline = time.monotonic() + 120
+            while not (replicas := _replica_pids(process.pid)):
+                assert process.poll() is None and time.monotonic() < deadline, "no replica started"
+                time.sleep(0.05)
+            os.kill(replicas[0], signal.SIGSTOP)
+            process.send_signal(signal.SIGTERM)
+            status = process.wait(timeout=60)
+            deadline = time.monotonic() + 30
+            while (left := _session(process.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            log.seek(0)
+            assert status == 130 and not left, log.read()
+        finally:
+            for pid in left or _session(process.pid):  # the ones this test's server started
+                os.kill(pid, signal.SIGKILL)
+            if process.poll() is None:
+                process.kill()
