@@ -1,5 +1,7 @@
 """Processes that publish cache entries (spawned by tests/test_cache_entry_store.py)."""
 
+import time
+
 import torch
 
 from dlo.host.cache.entry_store import EntryStore
@@ -18,7 +20,9 @@ def publish(root: str, key: str, queue) -> None:
 
 
 def publish_after_ready(root: str, key: str, queue) -> None:
-    """Say "ready" once imported, then publish 48 MiB in 24 shards (a ~0.1-0.2 s window)."""
+    """Say "ready" once imported, then publish 48 MiB in 24 shards (a ~0.1-0.2 s window), then
+    wait to be killed: a kill that comes after the publication still finds the process."""
     many = tensors(count=48)
     queue.put("ready")
     EntryStore(root).publish(key, many, IDENTITY, shard_bytes=2 * 2**20)
+    time.sleep(600)
