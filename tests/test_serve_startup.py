@@ -1,5 +1,6 @@
 """`dlo serve` before it serves: the port is bound before any replica starts (a port it cannot
-listen on is one line, status 2), and SIGTERM while the replicas load stops them."""
+listen on is one line, status 2), SIGTERM while the replicas load stops them, and a replica
+whose server is killed while it loads exits rather than loading on."""
 
 import os
 import signal
@@ -70,23 +71,33 @@ def _replica_pids(leader: int) -> list[int]:
     return pids
 
 
-def test_sigterm_while_the_replicas_load_stops_them(tiny_flux_dir, tmp_path):
-    """The replica is stopped (SIGSTOP) while it loads: however fast the machine, it is still
-    loading at the SIGTERM. The server exits as interrupted (130), and no process it started
-    is left (a stopped orphan never finishes loading by itself)."""
+def _serve(pipeline_dir, tmp_path, log) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "dlo.cli.main", "serve", str(tiny_flux_dir), "--device", "cpu",
+        sys.executable, "-m", "dlo.cli.main", "serve", str(pipeline_dir), "--device", "cpu",
         "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--cache-allow-any-filesystem",
     ]
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stopped_replica(process: subprocess.Popen) -> int:
+    """The server's first replica, stopped (SIGSTOP) as soon as it exists: however fast the
+    machine, it is still loading."""
+    deadline = time.monotonic() + 120
+    while not (replicas := _replica_pids(process.pid)):
+        assert process.poll() is None and time.monotonic() < deadline, "no replica started"
+        time.sleep(0.05)
+    os.kill(replicas[0], signal.SIGSTOP)
+    return replicas[0]
+
+
+def test_sigterm_while_the_replicas_load_stops_them(tiny_flux_dir, tmp_path):
+    """The server exits as interrupted (130), and no process it started is left (a stopped
+    orphan never finishes loading by itself)."""
     with open(tmp_path / "serve.log", "w+") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = _serve(tiny_flux_dir, tmp_path, log)
         left: list[int] = []
         try:
-            deadline = time.monotonic() + 120
-            while not (replicas := _replica_pids(process.pid)):
-                assert process.poll() is None and time.monotonic() < deadline, "no replica started"
-                time.sleep(0.05)
-            os.kill(replicas[0], signal.SIGSTOP)
+            _stopped_replica(process)
             process.send_signal(signal.SIGTERM)
             status = process.wait(timeout=60)
             deadline = time.monotonic() + 30
@@ -96,6 +107,32 @@ def test_sigterm_while_the_replicas_load_stops_them(tiny_flux_dir, tmp_path):
             assert status == 130 and not left, log.read()
         finally:
             for pid in left or _session(process.pid):  # the ones this test's server started
+                os.kill(pid, signal.SIGKILL)
+            if process.poll() is None:
+                process.kill()
+
+
+def test_a_replica_whose_server_is_killed_while_it_loads_exits_without_loading_on(tiny_flux_dir, tmp_path):
+    """SIGKILL leaves the server no chance to stop its replicas: the one it was loading (held
+    stopped until the server is gone) must notice by itself, say so, and exit, instead of
+    finishing the load and failing to report it (a BrokenPipeError)."""
+    with open(tmp_path / "serve.log", "w+") as log:
+        process = _serve(tiny_flux_dir, tmp_path, log)
+        try:
+            replica = _stopped_replica(process)
+            process.kill()
+            process.wait(timeout=60)
+            os.kill(replica, signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while replica in _session(process.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            log.seek(0)
+            text = log.read()
+            assert replica not in _session(process.pid), text
+            assert f"dlo serve: replica {replica}: its server (pid {process.pid}) is gone; exiting" in text, text
+            assert "BrokenPipeError" not in text, text
+        finally:
+            for pid in _session(process.pid):  # the ones this test's server started
                 os.kill(pid, signal.SIGKILL)
             if process.poll() is None:
                 process.kill()

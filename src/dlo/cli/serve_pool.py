@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import os
 import threading
 import time
 from collections import deque
@@ -133,7 +134,7 @@ class ReplicaPool:
 
     def _start(self, index: int) -> _Replica:
         ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=replica_main, args=(self._specs[index], theirs), daemon=True)
+        process = self._context.Process(target=replica_main, args=(self._specs[index], theirs, os.getpid()), daemon=True)
         process.start()
         theirs.close()  # the child's end: only the child holds it, so its death closes the pipe
         return _Replica(process, ours)

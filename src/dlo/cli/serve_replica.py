@@ -6,7 +6,9 @@ so with the host weight cache every replica of a node maps the one published ent
 `Done`, until it receives None. While a job runs it sends `Progress` after each denoising step
 and, between steps, reads a `Cancel` of that job (it then stops at once and answers `Done` with
 `cancelled`). A pipe per replica, not a queue shared by all: a replica killed while holding a
-shared queue's lock would block every other replica for good.
+shared queue's lock would block every other replica for good. A replica whose server is gone
+(killed, even with SIGKILL) exits within a second, also while it loads or runs a job: it would
+otherwise hold its device and host memory until the load or the step ended.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import enum
 import inspect
 import io
+import os
 import signal
+import sys
 import tempfile
+import threading
+import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,9 +90,24 @@ class Done:
     host_pss: int | None = None  # the replica's Pss (smaps_rollup) after the job
 
 
-def replica_main(spec: ReplicaSpec, conn) -> None:
+_SERVER_CHECK_S = 0.5  # how often a replica checks that its server still runs
+
+
+def _exit_with_server(server_pid: int) -> None:
+    """Ends this process once its parent is no longer `server_pid` (the server died and the
+    replica was re-parented). A thread, not PR_SET_PDEATHSIG: that fires when the *thread*
+    that started the replica ends, and the pool restarts replicas from a thread of its own."""
+    while os.getppid() == server_pid:
+        time.sleep(_SERVER_CHECK_S)
+    print(f"dlo serve: replica {os.getpid()}: its server (pid {server_pid}) is gone; exiting", file=sys.stderr,
+          flush=True)
+    os._exit(1)
+
+
+def replica_main(spec: ReplicaSpec, conn, server_pid: int) -> None:
     # Ctrl-C reaches the terminal's whole process group: the server stops, then sends None.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_server, args=(server_pid,), name="dlo-replica-watch", daemon=True).start()
     try:
         pipe, handle = _load(spec)
     except BaseException as err:  # reported to the server, which refuses to start
