@@ -21,7 +21,8 @@ def publish(root: str, key: str, queue) -> None:
 
 def publish_after_ready(root: str, key: str, queue) -> None:
     """Say "ready" once imported, then publish 48 MiB in 24 shards (a ~0.1-0.2 s window), then
-    wait to be killed: a kill that comes after the publication still finds the process."""
+    wait to be killed: a kill that comes after the publication still finds the process (a daemon:
+    one left over by a failing test ends with it)."""
     many = tensors(count=48)
     queue.put("ready")
     EntryStore(root).publish(key, many, IDENTITY, shard_bytes=2 * 2**20)

@@ -151,7 +151,7 @@ def test_a_writer_killed_at_random_points_never_leaves_a_visible_partial_entry(t
     for round_ in range(10):
         root = tmp_path / f"round{round_}"
         queue = context.Queue()
-        writer = context.Process(target=cache_writers.publish_after_ready, args=(str(root), KEY, queue))
+        writer = context.Process(target=cache_writers.publish_after_ready, args=(str(root), KEY, queue), daemon=True)
         writer.start()
         assert queue.get(timeout=120) == "ready"
         time.sleep(randomness.uniform(0.0, 0.25))

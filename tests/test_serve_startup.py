@@ -71,10 +71,10 @@ def _replica_pids(leader: int) -> list[int]:
     return pids
 
 
-def _serve(pipeline_dir, tmp_path, log) -> subprocess.Popen:
+def _serve(pipeline_dir, tmp_path, log, port: int = 0) -> subprocess.Popen:
     argv = [
         sys.executable, "-m", "dlo.cli.main", "serve", str(pipeline_dir), "--device", "cpu",
-        "--port", str(free_port()), "--cache-dir", str(tmp_path / "cache"), "--cache-allow-any-filesystem",
+        "--port", str(port or free_port()), "--cache-dir", str(tmp_path / "cache"), "--cache-allow-any-filesystem",
     ]
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -91,13 +91,19 @@ def _stopped_replica(process: subprocess.Popen) -> int:
 
 
 def test_sigterm_while_the_replicas_load_stops_them(tiny_flux_dir, tmp_path):
-    """The server exits as interrupted (130), and no process it started is left (a stopped
-    orphan never finishes loading by itself)."""
+    """While the replicas load, the port is bound but refuses connections (a client is not
+    left waiting through the load). SIGTERM then: the server exits as interrupted (130), and
+    no process it started is left (a stopped orphan never finishes loading by itself)."""
+    port = free_port()
     with open(tmp_path / "serve.log", "w+") as log:
-        process = _serve(tiny_flux_dir, tmp_path, log)
+        process = _serve(tiny_flux_dir, tmp_path, log, port)
         left: list[int] = []
         try:
             _stopped_replica(process)
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=10).close()
+            with pytest.raises(OSError, match="Address already in use"), socket.socket() as other:
+                other.bind(("127.0.0.1", port))  # bound all the same: the port is the server's
             process.send_signal(signal.SIGTERM)
             status = process.wait(timeout=60)
             deadline = time.monotonic() + 30
@@ -136,3 +142,30 @@ def test_a_replica_whose_server_is_killed_while_it_loads_exits_without_loading_o
                 os.kill(pid, signal.SIGKILL)
             if process.poll() is None:
                 process.kill()
+
+
+WATCHED_REPLICA = """
+import os, sys, threading, time
+from dlo.cli.serve_replica import _exit_with_server
+read, write = os.pipe()
+if sys.argv[1] == "closed":
+    os.close(read)  # the server's end of its log pipe, gone with it
+else:
+    os.set_blocking(write, False)
+    try:
+        while True:
+            os.write(write, bytes(4096))  # a reader that never reads: the pipe is full
+    except BlockingIOError:
+        os.set_blocking(write, True)
+os.dup2(write, 2)
+# Any pid but the parent's: to the watcher, its server is gone.
+threading.Thread(target=_exit_with_server, args=(os.getppid() + 1,), daemon=True).start()
+time.sleep(60)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("stderr", ["closed", "full"])
+def test_a_replica_whose_server_is_gone_exits_whatever_its_stderr(stderr):
+    result = subprocess.run([sys.executable, "-c", WATCHED_REPLICA, stderr], timeout=120)
+    assert result.returncode == 1

@@ -37,14 +37,14 @@ def served_name(target: str) -> str:
     return target if is_hub_id(target) else Path(target).expanduser().resolve().name
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket (as uvicorn makes its own), or a ConfigError naming
-    --host/--port."""
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (as uvicorn binds its own), or a ConfigError naming
+    --host/--port. Not listening yet: until uvicorn listens on it, once the replicas are
+    loaded, connections are refused at once rather than left waiting through the load."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen()
     except OSError as err:
         sock.close()
         raise ConfigError(
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     parameters = frozenset(inspect.signature(cls.__call__).parameters)
     spec = ReplicaSpec(str(model_dir), str(device), dtype, config)
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
-    with listen(args.host, args.port) as sock, _sigterm_interrupts():
+    with bind(args.host, args.port) as sock, _sigterm_interrupts():
         pool = ReplicaPool(specs, args.max_queue, Metrics())
         try:
             endpoint = "/v1/videos" if "num_frames" in parameters else "/v1/images/generations"

@@ -29,7 +29,7 @@ def replica_devices(devices: str | None, device: str, replicas: int) -> list[str
     if replicas < len(indices):
         raise ConfigError(
             f"--devices {devices} with --replicas {replicas}: {len(indices) - replicas} listed device(s) would "
-            f"get no replica; give --replicas {len(indices)} (or a multiple of it)"
+            f"get no replica; give --replicas {len(indices)} or more (replicas go to the devices in turn)"
         )
     if not torch.cuda.is_available():
         raise ConfigError(

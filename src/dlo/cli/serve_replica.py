@@ -13,12 +13,12 @@ otherwise hold its device and host memory until the load or the step ended.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import io
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -99,9 +99,18 @@ def _exit_with_server(server_pid: int) -> None:
     that started the replica ends, and the pool restarts replicas from a thread of its own."""
     while os.getppid() == server_pid:
         time.sleep(_SERVER_CHECK_S)
-    print(f"dlo serve: replica {os.getpid()}: its server (pid {server_pid}) is gone; exiting", file=sys.stderr,
-          flush=True)
+    line = f"dlo serve: replica {os.getpid()}: its server (pid {server_pid}) is gone; exiting\n".encode()
+    # stderr may be a pipe that died with the server (an error) or that nobody reads (a write that
+    # blocks): the exit must not wait for it.
+    saying = threading.Thread(target=_write_stderr, args=(line,), daemon=True)
+    saying.start()
+    saying.join(_SERVER_CHECK_S)
     os._exit(1)
+
+
+def _write_stderr(line: bytes) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, line)
 
 
 def replica_main(spec: ReplicaSpec, conn, server_pid: int) -> None:
