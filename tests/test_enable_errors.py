@@ -1,6 +1,5 @@
 """Bad input to enable() and misuse of an enabled module: each a named error, nothing lost."""
 
-import threading
 from concurrent.futures import Future
 
 import pytest
@@ -321,23 +320,54 @@ def test_a_keyboard_interrupt_after_a_block_started_releases_its_slot_at_the_nex
             assert torch.equal(model(x), expected)
 
 
+class _WaitedFuture(Future):
+    """A staged job's future that records whether anyone waited for it."""
+
+    waited = False
+
+    def exception(self, timeout=None):
+        self.waited = True
+        return super().exception(timeout)
+
+
 def test_a_failed_staged_load_waits_for_the_slots_other_staged_loads():
-    """Two staged loads queued for one slot, the first failed: the second still runs on the
-    stager thread and would write the slot later, so nothing may reuse the slot before it ended."""
+    """Two staged loads queued for one slot, the first failed: the second may still run on the
+    stager thread and would write the slot later, so it is waited for before the error."""
     model = Stack(depth=4)
     with dlo.enable(model, "cpu") as handle:
         runtime = handle._runtime
-        failed, running = Future(), Future()
+        failed, other = Future(), _WaitedFuture()
         failed.set_exception(RuntimeError("packing failed"))
-        runtime._staged[0] = [("blocks.0", 1, failed), ("blocks.1", 1, running)]
-        finisher = threading.Timer(0.3, running.set_exception, args=(RuntimeError("cancelled"),))
-        finisher.start()
-        try:
-            with pytest.raises(RuntimeError, match="packing failed"):
-                runtime._finish_staged(0)
-            assert running.done()
-        finally:
-            finisher.join()
+        other.set_exception(RuntimeError("cancelled"))
+        runtime._staged[0] = [("blocks.0", 1, failed), ("blocks.1", 1, other)]
+        with pytest.raises(RuntimeError, match="packing failed"):
+            runtime._finish_staged(0)
+        assert other.waited
+
+
+@pytest.mark.parametrize("waiter", ["stats", "promote"])
+def test_a_staged_load_that_failed_where_no_block_waits_leaves_its_slot_empty(waiter):
+    """A failed staged load seen by drain() (stats, disable, residency changes) or promote(),
+    not by the block's start: the slot was never written, so the block must be loaded again,
+    not run from the slot's old bytes."""
+    reference = Stack(depth=4)
+    model = Stack(depth=4)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = reference(x)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2)) as handle, torch.no_grad():
+        runtime = handle._runtime
+        assert torch.equal(model(x), expected)
+        slot = runtime.planner.slot_of(0)  # block 0 waits in a slot for the next call
+        assert slot is not None
+        runtime.slots[slot].buffer.zero_()  # what a load that never ran leaves there
+        failed = Future()
+        failed.set_exception(RuntimeError("packing failed"))
+        runtime._staged[slot] = [("blocks.0", 1, failed)]
+        with pytest.raises(RuntimeError, match="packing failed"):
+            handle.stats() if waiter == "stats" else runtime.promote(0)
+        assert torch.equal(model(x), expected)
 
 
 def test_a_dropped_handle_still_guards_the_module_and_a_dropped_module_is_freed():

@@ -309,9 +309,16 @@ class StreamingRuntime:
         self._use_slots(slots)
 
     def drain(self) -> None:
-        """Wait for every queued staged load (before synchronizing or tearing down)."""
+        """Wait for every queued staged load (before synchronizing or tearing down), all of
+        them even when one failed, then raise the first failure."""
+        failures = []
         for slot_index in list(self._staged):
-            self._finish_staged(slot_index)
+            try:
+                self._finish_staged(slot_index)
+            except Exception as failure:
+                failures.append(failure)
+        if failures:
+            raise failures[0]
 
     def start_call(self) -> None:
         """Before the root module runs. Blocks still marked running were interrupted by a
@@ -478,10 +485,12 @@ class StreamingRuntime:
     def _finish_staged(self, slot_index: int) -> None:
         """Wait for every staged load queued for the slot, all of them even when one failed
         (a job left running would write the slot after its next, unstaged, load), then raise
-        the first failure."""
+        the first failure, the slot holding nothing: whoever waited (a block's start, drain(),
+        promote()), the next use of its block loads it again."""
         jobs = self._staged.pop(slot_index, ())
         failures = [error for _, _, future in jobs if (error := future.exception()) is not None]
         if failures:
+            self.planner.forget(slot_index)
             raise failures[0]
         for name, nbytes, future in jobs:
             staged = future.result()
