@@ -518,3 +518,57 @@ def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chu
 
 
 SCENARIOS["cuda_cache_shards"] = cuda_cache_shards
+
+
+def interrupt_then_disable(rank: int, world: int) -> dict:
+    """Ctrl-C reaches rank 1 inside block 1 of a call (torch runs no end hook for it) while
+    rank 0 finishes the call; then each rank disables, as leaving `with dlo.enable(...)` does."""
+    reference = TINY_MODELS["sd3"].build(seed=1)
+    model = copy.deepcopy(reference)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    outcome = "ok"
+    if rank == 1:
+
+        def interrupt(module, args):
+            raise KeyboardInterrupt
+
+        model.transformer_blocks[1].register_forward_pre_hook(interrupt)
+    try:
+        _tiny_outputs(model, "sd3", [0])
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    handle.disable()
+    restored = all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
+    return dict(outcome=outcome, restored=restored)
+
+
+SCENARIOS["interrupt_then_disable"] = interrupt_then_disable
+
+
+def extra_block(rank: int, world: int) -> list:
+    """Rank 1 runs block 0 again from the last block's forward hook in its second call
+    (nothing is left to load there, the last block still counts as running): that call fails
+    on rank 1 only, the third on every rank, and disable() still gathers in step."""
+    model = TINY_MODELS["sd3"].build(seed=1)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    blocks = model.transformer_blocks
+    captured: dict = {}
+    blocks[0].register_forward_pre_hook(lambda module, args, kwargs: captured.update(a=args, k=kwargs), with_kwargs=True)
+    outcomes: list = []
+    for call in range(3):
+        replay = None
+        if rank == 1 and call == 1:
+            replay = blocks[-1].register_forward_hook(lambda module, args, output: blocks[0](*captured["a"], **captured["k"]))
+        try:
+            with torch.inference_mode():
+                model(**TINY_MODELS["sd3"].inputs(call))
+            outcomes.append("ok")
+        except dlo.StreamingError as err:
+            outcomes.append(f"StreamingError: {err}")
+        if replay is not None:
+            replay.remove()
+    handle.disable()
+    return outcomes
+
+
+SCENARIOS["extra_block"] = extra_block

@@ -112,6 +112,28 @@ def test_a_rank_that_leaves_the_schedule_fails_every_rank_without_a_hang(tmp_pat
     assert results[0][3] == results[1][3]  # the same collectives on both ranks
 
 
+def test_a_block_run_after_the_last_one_fails_the_next_call_on_every_rank(tmp_path):
+    """Rank 1 runs a block from inside the last one's forward (still running there): the call
+    is closed from the state its peer closes it from (the last block released), or the next
+    call's first loads differ and disable()'s gathers pair with the wrong collectives."""
+    results, _ = run_ranks(tmp_path, "extra_block", 2)
+    assert_no_errors(results)
+    assert results[0][:2] == ["ok", "ok"]
+    assert results[1][0] == "ok" and "where the agreed schedule has the end of the call" in results[1][1]
+    for rank in (0, 1):
+        assert "all-gather lockstep broken" in results[rank][2]
+
+
+def test_disable_after_ctrl_c_inside_a_call_issues_the_collectives_its_peers_issued(tmp_path):
+    """disable() gathers every block (collectives): the interrupted rank first issues the rest
+    of its call, as its peer did, or their collectives pair up wrongly (a crash on Gloo, wrong
+    weights or a hang on NCCL)."""
+    results, _ = run_ranks(tmp_path, "interrupt_then_disable", 2)
+    assert_no_errors(results)
+    assert [results[rank]["outcome"] for rank in (0, 1)] == ["ok", "interrupted"]
+    assert results[0]["restored"] and results[1]["restored"]  # every gather paired with its peer's
+
+
 def test_allgather_slots_are_never_reallocated_in_a_call(tmp_path):
     """Flux's two block sizes would resize slots between phases (rank-local mode does): with
     allocation failing on rank 1 after enable(), both ranks still stream exactly."""

@@ -326,13 +326,9 @@ class StreamingRuntime:
         all-gather mode, then check the group's agreement on this call (issued with this call's
         first loads at the end of the previous one, or now) and load the first blocks if they
         are not loaded yet. See [Note: lockstep schedule]"""
-        for index, slot_index in self.planner.release_running():
-            self.transfer.mark_free(self.slots[slot_index])
-            self.blocks[index].point_at(self.blocks[index].placeholders)
+        self._end_call_here()
         if self.gather is None:
             return
-        if self._cursor is not None:  # the previous call was interrupted before its end hook ran
-            self._finish_call()
         agreement, self._next_agreement = self._next_agreement, None
         if agreement is None:
             agreement = self._issue_agreement()
@@ -341,6 +337,18 @@ class StreamingRuntime:
         if self.blocks and not agreement.loads_issued:
             for load in self.planner.preload(0):
                 self._load(load)
+
+    def _end_call_here(self) -> None:
+        """End the call at this point. Blocks still marked running are over: a BaseException
+        such as Ctrl-C skipped their end (torch runs no forward hook for those), or a schedule
+        break raises through them; no more of their work is queued, so their slots are
+        released. In all-gather mode the call is then closed as the peers close theirs, from
+        the same planner state (nothing running): the same collectives."""
+        for index, slot_index in self.planner.release_running():
+            self.transfer.mark_free(self.slots[slot_index])
+            self.blocks[index].point_at(self.blocks[index].placeholders)
+        if self.gather is not None and self._cursor is not None:
+            self._finish_call()
 
     def end_call(self) -> None:
         """After the root module ran (or raised). All-gather mode: issue whatever peers still
@@ -375,7 +383,8 @@ class StreamingRuntime:
             )
         if index != self._cursor:
             expected = repr(self.blocks[self._cursor].name) if self._cursor < len(self.blocks) else "the end of the call"
-            self._finish_call()
+            self._poisoned = True  # also past the last block, where no load is left to issue
+            self._end_call_here()
             raise StreamingError(
                 f"rank {self.gather.rank} ran block {self.blocks[index].name!r} where the agreed schedule has "
                 f"{expected}: in all-gather mode every rank runs the streamed blocks in plan order. Its peers were "
@@ -390,9 +399,7 @@ class StreamingRuntime:
         call's first loads match too (with as many slots as blocks, peers load none)."""
         assert self.gather is not None and self._cursor is not None
         self._poisoned = True  # first: even if what follows fails, the next agreement fails
-        for index in range(self._cursor, len(self.blocks)):
-            if self.planner.is_resident(index):
-                continue
+        for index in range(self._cursor, len(self.blocks)):  # none is resident: promotion is refused here
             start = self.planner.begin(index)
             for load in (start.demand, *start.prefetch):
                 if load is not None:
@@ -401,7 +408,9 @@ class StreamingRuntime:
             self.planner.end(index)
 
     def restore_blocks(self) -> None:
-        """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode."""
+        """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode,
+        after the collectives of a call Ctrl-C interrupted here, which its peers issued."""
+        self._end_call_here()
         for block in self.blocks:
             if isinstance(block.source, ShardSource):
                 assert self.gather is not None
