@@ -111,17 +111,20 @@ def test_a_held_lock_times_out_without_writing(tmp_path):
         os.close(holder)
 
 
-def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
+def test_a_writer_removes_every_temp_dir_of_its_key_under_the_lock(tmp_path):
+    """Under the key's lock no other writer of the key is at work, whatever pid a temp dir
+    names (a dead one; this live one: a writer of another PID namespace, or a reused pid);
+    other keys' temp dirs are not its to judge."""
     dead = child_context().Process(target=time.sleep, args=(0,))
     dead.start()
     dead.join()
     stale = tmp_path / ".tmp" / f"{KEY}.{dead.pid}.0123"
-    live = tmp_path / ".tmp" / f"{KEY}.{os.getpid()}.4567"
+    alive_pid = tmp_path / ".tmp" / f"{KEY}.{os.getpid()}.4567"
     other_key = tmp_path / ".tmp" / f"{'b' * 64}.{dead.pid}.89"
-    for path in (stale, live, other_key):
+    for path in (stale, alive_pid, other_key):
         path.mkdir(parents=True)
     publish(tmp_path)
-    assert not stale.exists() and live.exists() and other_key.exists()
+    assert not stale.exists() and not alive_pid.exists() and other_key.exists()
 
 
 def _start_writers(root, count):

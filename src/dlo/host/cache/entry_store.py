@@ -19,9 +19,11 @@ moved aside under the lock before a new one takes its name.
 
 [Note: writers in other containers]
 A writer holds its key's lock for as long as its temp dir exists, so a temp dir is removed
-only by whoever holds that lock. Its pid cannot tell: processes in several containers (PID
-namespaces) may share one cache, and a live writer's pid is not visible in another one. The
-pid only sorts temp dirs for `dlo cache ls`, which takes no lock.
+only by whoever holds that lock, and whoever holds it may remove every temp dir of the key.
+The pid in the name cannot tell: processes in several containers (PID namespaces) may share
+one cache, and a live writer's pid is not visible in another one, while a dead writer's pid
+may be a live process there. The pid only sorts temp dirs for `dlo cache ls`, which takes no
+lock.
 
 [Note: validate what you map]
 Nothing read from disk is trusted: a key must be a key before it becomes a path, file names
@@ -279,23 +281,21 @@ class EntryStore:
             lock.remove_file()  # see [Note: removable lock files]
         return True
 
-    def leftovers(self) -> list[Leftover]:
-        """Directories under .tmp nothing will use again; changes nothing. A writer's temp
-        dir is listed once its pid is gone here, and removed only under its key's lock: see
-        [Note: writers in other containers]."""
+    def _temp_dirs(self) -> list[tuple[Path, str, LeftoverKind | int]]:
+        """(path, key, kind or writer pid) of every directory under .tmp dlo names."""
         tmp = self._dir(".tmp", create=False)
-        found = []
-        for name in sorted(os.listdir(tmp)) if tmp is not None else []:
-            parsed = _parse_temp_name(name)
-            if parsed is None:
-                continue
-            key, kind = parsed
-            if isinstance(kind, int):
-                if _pid_alive(kind):
-                    continue  # a writer at work
-                kind = LeftoverKind.DEAD_WRITER
-            found.append(Leftover(tmp / name, key, kind))
-        return found
+        names = sorted(os.listdir(tmp)) if tmp is not None else []
+        return [(tmp / name, *parsed) for name in names if (parsed := _parse_temp_name(name)) is not None]
+
+    def leftovers(self) -> list[Leftover]:
+        """Directories under .tmp nothing will use again, as `dlo cache ls` shows them;
+        changes nothing. A writer's temp dir is listed once its pid is gone here; gc and
+        writers decide by its key's lock instead: see [Note: writers in other containers]."""
+        return [
+            Leftover(path, key, LeftoverKind.DEAD_WRITER if isinstance(kind, int) else kind)
+            for path, key, kind in self._temp_dirs()
+            if not (isinstance(kind, int) and _pid_alive(kind))
+        ]
 
     @staticmethod
     def leftover_size(leftover: Leftover) -> int:
@@ -306,16 +306,16 @@ class EntryStore:
         empty hold directories, the lock files and source records of keys without an entry.
         Never waits for a lock, never removes anything in use. Returns what it removed."""
         removed = []
-        for leftover in self.leftovers():
-            if leftover.kind is LeftoverKind.DEAD_WRITER:
+        for path, key, kind in self._temp_dirs():
+            if isinstance(kind, int):  # a writer's, whatever its pid: see [Note: writers in other containers]
                 try:
-                    with self._lock(leftover.key, timeout_s=0):  # See [Note: writers in other containers]
-                        shutil.rmtree(leftover.path, ignore_errors=True)
+                    with self._lock(key, timeout_s=0):
+                        shutil.rmtree(path, ignore_errors=True)
                 except CacheUnavailable:
-                    continue  # its writer is at work (in another PID namespace)
+                    continue  # its writer is at work
             else:
-                shutil.rmtree(leftover.path, ignore_errors=True)
-            removed.append(str(leftover.path.relative_to(self.root)))
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path.relative_to(self.root)))
         users = self._dir(".users", create=False)
         for name in os.listdir(users) if users is not None else []:
             if is_key(name) and not holds.sweep(users / name, remove_dir=not self.entry_path(name).is_dir()):
@@ -456,11 +456,11 @@ class EntryStore:
                 raise CacheUnavailable("cache_operation_failed", f"publishing {key}: {err}") from err
 
     def _remove_stale_temps(self, key: str) -> None:
-        """Temp dirs of this key whose writer is gone, and its moved-aside copies (called
-        under the key's lock)."""
-        for leftover in self.leftovers():
-            if leftover.key == key:
-                shutil.rmtree(leftover.path, ignore_errors=True)
+        """Every temp dir of this key, its moved-aside copies included (called under the key's
+        lock: no other writer of it is at work, see [Note: writers in other containers])."""
+        for path, temp_key, _ in self._temp_dirs():
+            if temp_key == key:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _write(
         self, key: str, tensors: dict[str, torch.Tensor], identity: dict, shard_bytes: int, images: Sequence[Mapping[str, int]]
