@@ -131,6 +131,24 @@ def test_a_safetensors_header_that_cannot_be_read_is_refused_before_the_ordinary
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize(
+    "fields", [dict(), dict(checkpoint_mmap=False), dict(host_weight_cache=True)], ids=["mapped", "ordinary", "cache"]
+)
+def test_safetensors_files_the_loader_does_not_read_are_left_alone(tmp_path, fields):
+    """A bf16 checkpoint beside a float8 variant and a truncated copy, neither of which the
+    index or the single-file name points at: neither is the loader's, so neither is read."""
+    directory = tmp_path / "flux"
+    reference = TINY_MODELS["flux"].build(seed=3, dtype=torch.bfloat16)
+    reference.save_pretrained(directory)
+    fp8_directory, _ = write_fp8_checkpoint(tmp_path)
+    os.link(fp8_directory / "diffusion_pytorch_model.safetensors", directory / "fp8-variant.safetensors")
+    (directory / "partial-copy.safetensors").write_bytes(b"\x00" * 4)
+    config = dlo.OffloadConfig(**fields, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True)
+    model, plan = dlo.load_transformer(directory, config, torch.bfloat16)
+    with dlo.enable(model, "cpu", config, plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(outputs(model), outputs(reference)))
+
+
 @pytest.mark.parametrize("stream_dtype", [None, "fp8"])
 def test_a_registered_float8_checkpoint_is_copied_from_its_pages_into_the_landing_buffer(tmp_path, driver, stream_dtype):
     """With the fake registration driver on the CPU: the mapping is registered (its float8

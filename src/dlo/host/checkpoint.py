@@ -64,7 +64,7 @@ class SourceTensor:
     entry: TensorEntry
 
 
-def _weight_map(directory: Path) -> dict[str, str] | None:
+def read_weight_map(directory: Path) -> dict[str, str] | None:
     """The index's key -> shard map; None for a single-file checkpoint."""
     index_path = directory / INDEX_NAME
     if not index_path.is_file():
@@ -112,7 +112,7 @@ class Checkpoint:
         self.tensors: dict[str, SourceTensor] = {}
         self._releases: list[_Release] = []
         try:
-            weight_map = _weight_map(self.directory) if opened is None else None
+            weight_map = read_weight_map(self.directory) if opened is None else None
             if opened is not None:
                 names = sorted(opened)
             else:

@@ -13,7 +13,7 @@ from torch import nn
 from dlo.config import OffloadConfig, Topology
 from dlo.errors import ConfigError
 from dlo.host.cache.consume import load_through_cache
-from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
+from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint, find_transformer_dir, read_model_config, read_weight_map
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
 from dlo.host.preflight import FLOAT8, CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
@@ -36,11 +36,17 @@ def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | Non
 
 
 def _float8_file(directory: Path) -> Path | None:
-    """The first safetensors file of the directory holding float8 tensors, or None. Every
-    file's header is read, whatever an index lists (a stale index may leave the scales out);
-    any header that cannot be read raises `CheckpointError`."""
-    headers = {path: read_entries(path) for path in sorted(directory.glob("*.safetensors")) if path.is_file()}
-    return next((path for path, entries in headers.items() if any(e.dtype in FLOAT8 for e in entries.values())), None)
+    """The first safetensors file diffusers' loader would read that holds float8 tensors, or
+    None. Those are the shards the index names (each header read whole: a stale index may
+    leave the scales out of its keys) or the single file; a header that cannot be read, or an
+    index that cannot, raises `CheckpointError`. Other files in the directory are not the
+    loader's and are left alone."""
+    if (directory / INDEX_NAME).is_file():
+        paths = [directory / name for name in sorted(set(read_weight_map(directory).values()))]
+    else:
+        paths = [directory / WEIGHTS_NAME] if (directory / WEIGHTS_NAME).is_file() else []
+    headers = [(path, read_entries(path)) for path in paths]  # every one read: a bad one is refused too
+    return next((path for path, entries in headers if any(e.dtype in FLOAT8 for e in entries.values())), None)
 
 
 def _check_scales(checkpoint: Checkpoint, sources: CheckpointSources) -> None:
@@ -146,13 +152,16 @@ def load_transformer(
     config = OffloadConfig() if config is None else config
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
-    # scales: diffusers' loader would cast the float8 values and drop the scales.
-    float8_file = _float8_file(directory)
-    if float8_file is not None and (config.host_weight_cache or not config.checkpoint_mmap):
-        raise ConfigError(
-            f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
-            "checkpoint_mmap=True and host_weight_cache=False (the file is already half the size of bf16)"
-        )
+    # scales: diffusers' loader would cast the float8 values and drop the scales, so the files
+    # it would read are checked before it does.
+    if config.host_weight_cache or not config.checkpoint_mmap:
+        float8_file = _float8_file(directory)
+        float8_file = _float8_file(directory)
+        if float8_file is not None:
+            raise ConfigError(
+                f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
+                "checkpoint_mmap=True and host_weight_cache=False (the file is already half the size of bf16)"
+            )
     if config.host_weight_cache:
         return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
     if config.checkpoint_mmap:
@@ -166,6 +175,7 @@ def load_transformer(
                 raise
             plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
             return result.skeleton.eval(), plan
+        float8_file = _float8_file(directory)
         if float8_file is not None:
             raise ConfigError(
                 f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping, and the "
