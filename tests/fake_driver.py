@@ -11,6 +11,7 @@ class FakeDriver:
         unpinned=(),
         stuck=False,
         raises=RuntimeError,
+        raises_registered=False,
     ):
         self.calls = []
         self.registered = {}  # address -> nbytes
@@ -19,6 +20,7 @@ class FakeDriver:
         self.fail_unregister = list(fail_unregister)  # addresses whose next unregister fails (once each)
         self.raise_at = raise_at  # index of the register call that raises
         self.raises = raises  # what it raises (KeyboardInterrupt: Ctrl-C during registration)
+        self.raises_registered = raises_registered  # it raises with the range registered (a signal as the call returns)
         self.unpinned = set(unpinned)  # probe addresses that never read as registered
         self.stuck = stuck  # every unregister fails
         self.cleared = []
@@ -32,6 +34,8 @@ class FakeDriver:
         index = sum(1 for c in self.calls if c[0] == "register")
         self.calls.append(("register", address, nbytes, flags))
         if index == self.raise_at:
+            if self.raises_registered:
+                self.registered[address] = nbytes
             raise self.raises("driver exploded")
         if index == self.fail_register_at:
             return 2  # cudaErrorMemoryAllocation

@@ -70,13 +70,17 @@ def test_a_driver_exception_is_wrapped_after_the_rollback():
     assert driver.registered == {}
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["before-the-call", "as-the-call-returns"])
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_an_interrupt_during_registration_rolls_back_and_propagates_unchanged(interrupt):
-    """Ctrl-C must stop the run (`dlo: interrupted`), not become a staging fallback."""
-    driver = FakeDriver(raise_at=1, raises=interrupt)
+def test_an_interrupt_during_registration_rolls_back_and_propagates_unchanged(interrupt, registered):
+    """Ctrl-C must stop the run (`dlo: interrupted`), not become a staging fallback. Python
+    raises it once the driver call returns, so the range in flight may be registered by then:
+    it is unregistered too (else its pages stay pinned and the caller unmaps them)."""
+    driver = FakeDriver(raise_at=1, raises=interrupt, raises_registered=registered)
     with pytest.raises(interrupt):
         HostRegistration(driver, RANGES, limit_bytes=0)
-    assert [c[1] for c in driver.calls if c[0] == "unregister"] == [0x1000] and driver.registered == {}
+    unregistered = [c[1] for c in driver.calls if c[0] == "unregister"]
+    assert unregistered == ([RANGES[1].start, 0x1000] if registered else [0x1000]) and driver.registered == {}
 
 
 def test_a_tensor_that_does_not_read_as_pinned_rolls_back():
@@ -148,3 +152,18 @@ def test_read_ahead_pieces_follow_the_disk_queue_or_the_usual_floor(tmp_path):
 
     assert advice_bytes(os.makedev(0, 65000)) == ADVICE_FLOOR_BYTES  # no block device: no queue to read
     assert ADVICE_FLOOR_BYTES <= advice_bytes(os.stat(tmp_path).st_dev) <= PROBE_BYTES
+
+
+def test_an_interrupted_range_the_driver_cannot_account_for_keeps_the_mapping_open():
+    """Ctrl-C as the call returns and the driver cannot say whether the range is registered:
+    it counts as registered, its unregister fails, and the caller is told not to unmap."""
+
+    class Unsure(FakeDriver):
+        def is_registered(self, address):
+            raise RuntimeError("no answer")
+
+    driver = Unsure(raise_at=1, raises=KeyboardInterrupt)
+    with pytest.raises(RegistrationCleanupError, match="could not unregister") as raised:
+        HostRegistration(driver, RANGES, limit_bytes=0)
+    assert [c[1] for c in driver.calls if c[0] == "unregister"] == [RANGES[1].start, 0x1000]
+    assert raised.value.registration.region_count == 1  # the unsure range, kept for a later close()

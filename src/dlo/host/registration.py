@@ -164,12 +164,15 @@ class HostRegistration:
                 f"registering {total} bytes exceeds the registration ceiling ({limit_bytes / 2**30:g} GiB)"
             )
         self._ranges: list[HostRange] = []
+        in_flight: HostRange | None = None
         try:
             if not driver.read_only_supported():
                 raise RegistrationError("the device does not support read-only host registration (attribute 113)")
             read_ahead(ranges)  # registering pins every page: have the missing ones read at once
             for host_range in ranges:
+                in_flight = host_range
                 code = driver.register(host_range.start, host_range.nbytes, READ_ONLY)
+                in_flight = None
                 if code != 0:
                     driver.clear_error(code)
                     raise RegistrationError(
@@ -180,6 +183,8 @@ class HostRegistration:
             if unregistered:
                 raise RegistrationError(f"{len(unregistered)} mapped tensors do not read as pinned: {unregistered[:3]}")
         except BaseException as err:
+            if in_flight is not None and self._maybe_registered(in_flight):
+                self._ranges.append(in_flight)  # Ctrl-C is raised once the call returns: it may have succeeded
             failures = self.close()
             if failures:
                 raise RegistrationCleanupError(
@@ -188,6 +193,14 @@ class HostRegistration:
             if isinstance(err, RegistrationError) or not isinstance(err, Exception):
                 raise  # Ctrl-C or SystemExit, rolled back, still stops the run
             raise RegistrationError(f"host registration failed: {err!r}") from err
+
+    def _maybe_registered(self, host_range: HostRange) -> bool:
+        """Whether the range may be registered; where the driver cannot tell, it counts as
+        registered: unregistering it then fails, and the caller keeps the mapping open."""
+        try:
+            return self._driver.is_registered(host_range.start)
+        except Exception:
+            return True
 
     @property
     def total_bytes(self) -> int:
