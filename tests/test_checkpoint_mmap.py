@@ -218,3 +218,12 @@ def test_a_release_tied_to_the_mapping_runs_once_when_it_is_gone(tmp_path):
     del closed, view
     gc.collect()
     assert released == ["dropped", "closed"]
+    exported = Checkpoint(tmp_path)
+    exported.release_with_mapping(lambda: released.append("exported"))
+    export = memoryview(exported.files[0]._map)  # someone else's buffer export keeps the file mapped
+    exported.close()
+    assert released == ["dropped", "closed"]  # not while a file is still mapped
+    export.release()
+    del exported, export
+    gc.collect()
+    assert released == ["dropped", "closed", "exported"]

@@ -156,11 +156,13 @@ class Checkpoint:
             shard.when_collected(once.one_collected)
 
     def close(self) -> None:
-        for shard in self.files:
-            shard.close()
+        """Unmap every file, then release what waits for that (`release_with_mapping`); a file
+        that stays mapped (exported elsewhere) leaves the releases to its collection."""
+        unmapped = [shard.close() for shard in self.files]
         releases, self._releases = self._releases, []
-        for once in releases:
-            once.now()
+        if all(unmapped):
+            for once in releases:
+                once.now()
 
 
 class _Release:

@@ -240,15 +240,17 @@ class SafetensorsFile:
         are gone (a view keeps the mapping alive, see close())."""
         weakref.finalize(self._map, callback)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Unmap, now: views taken earlier must not be used afterwards. (torch.frombuffer
         keeps the mmap object alive but does not hold its buffer exported, so close() does
-        not wait for views: callers give live tensors private copies first.)"""
+        not wait for views: callers give live tensors private copies first.) False if the
+        mapping stays: a buffer export by someone else (e.g. a memoryview) still holds it."""
         self._bytes = None  # type: ignore[assignment]
         try:
             self._map.close()
-        except BufferError:  # a buffer export by someone else (e.g. a memoryview) still holds it
-            pass
+        except BufferError:
+            return False
+        return True
 
 
 def write_file(
