@@ -216,33 +216,54 @@ def test_a_slot_that_cannot_be_allocated_puts_every_placed_tensor_back(monkeypat
         assert torch.equal(model(x), expected)
 
 
-@pytest.mark.parametrize("step", ["OutsideUseProbe", "OffloadHandle"])
-def test_an_interrupt_in_enables_last_steps_leaves_the_module_as_it_was(monkeypatch, step):
-    """Ctrl-C while enable() installs the block calls and probes, or builds the handle: every
-    step is undone (no streamed call or hook left behind, the weights back), so the module
-    runs as before and can be enabled again."""
-    import dlo.backend.enable as enable_module
+def _hook_registrations(monkeypatch, interrupt_at=None) -> list[str]:
+    """Count nn.Module hook registrations from now on (enable()'s block calls, probes and root
+    hooks); with `interrupt_at`, Ctrl-C arrives as that one is about to be made."""
+    made: list[str] = []
+    for name in ("register_forward_pre_hook", "register_forward_hook"):
+        original = getattr(nn.Module, name)
+
+        def counted(module, *args, _original=original, _name=name, **kwargs):
+            if len(made) == interrupt_at:
+                raise KeyboardInterrupt
+            made.append(_name)
+            return _original(module, *args, **kwargs)
+
+        monkeypatch.setattr(nn.Module, name, counted)
+    return made
+
+
+def test_an_interrupt_at_any_hook_enable_installs_leaves_the_module_as_it_was(monkeypatch):
+    """Ctrl-C as any of enable()'s hooks is installed (a block's streamed call, a probe, the
+    root's hooks as the handle takes over): every step is undone, the one it interrupted
+    included, so the module runs as before, is not registered as managed, and can be enabled
+    again."""
+    from dlo.backend.handle import _MANAGED
     from dlo.hotpath.compiled_call import StreamedCall
 
-    model = Stack(depth=4)
     x = torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-    hooks_before = {name: len(sub._forward_pre_hooks) for name, sub in model.named_modules()}
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(enable_module, step, interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        dlo.enable(model, "cpu")
+    made = _hook_registrations(monkeypatch)
+    with dlo.enable(Stack(depth=4), "cpu"):
+        pass
     monkeypatch.undo()
-    assert not any(type(block._compiled_call_impl) is StreamedCall for block in model.blocks)
-    assert {name: len(sub._forward_pre_hooks) for name, sub in model.named_modules()} == hooks_before
-    with torch.no_grad():
-        assert torch.equal(model(x), expected)
-    with dlo.enable(model, "cpu"), torch.no_grad():
-        assert torch.equal(model(x), expected)
+    assert made.count("register_forward_hook") == 1 and len(made) > 8  # block calls, probes, root
+    for interrupt_at in range(len(made)):
+        model = Stack(depth=4)
+        with torch.no_grad():
+            expected = model(x)
+        hooks_before = {name: (len(sub._forward_pre_hooks), len(sub._forward_hooks)) for name, sub in model.named_modules()}
+        _hook_registrations(monkeypatch, interrupt_at)
+        with pytest.raises(KeyboardInterrupt):
+            dlo.enable(model, "cpu")
+        monkeypatch.undo()
+        assert not any(type(block._compiled_call_impl) is StreamedCall for block in model.blocks)
+        hooks_after = {name: (len(sub._forward_pre_hooks), len(sub._forward_hooks)) for name, sub in model.named_modules()}
+        assert hooks_after == hooks_before, interrupt_at
+        assert model not in _MANAGED
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+        with dlo.enable(model, "cpu"), torch.no_grad():
+            assert torch.equal(model(x), expected)
 
 
 def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):

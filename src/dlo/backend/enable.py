@@ -1,9 +1,11 @@
 """`dlo.enable()`: bind streamed blocks to their host source (a packed private buffer or the
 checkpoint mapping), place the rest on the device, allocate slots and install the hooks.
 
-Every step that changes the module or takes a resource registers its undo as it goes
-(`contextlib.ExitStack`), so a failure anywhere leaves the module as it was: weights where
-they were, nothing pinned, registered or mapped.
+Every step that changes the module or takes a resource registers its undo before it runs
+(`contextlib.ExitStack`), so a failure or an interrupt anywhere leaves the module as it was:
+weights where they were, nothing pinned, registered or mapped. In all-gather mode the blocks
+are pointed at their placeholders after that, once nothing can fail; an interrupt in that
+loop leaves the handle in charge (its disable() still restores every block).
 """
 
 from __future__ import annotations
@@ -291,12 +293,14 @@ def enable(
         views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
         keeps_mapping = bound_plan is not None and (gather_group is None or views)
         # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
-        hooks: list[StreamedCallHandle] = []
+        # Each undo is registered before its step: an interrupt inside a step is undone too.
+        hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
         undo.callback(lambda: [hook.remove() for hook in reversed(hooks)])
-        for index, ref in enumerate(streamed_refs):
-            hooks.append(StreamedCallHandle(ref.module, runtime, index))
+        for hook in hooks:
+            hook.install()
         probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
         undo.callback(probe.remove)
+        probe.install()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         handle = OffloadHandle(
@@ -316,6 +320,8 @@ def enable(
             probe=probe,
             residency=tuner,
         )
+        undo.callback(handle.abandon)
+        handle.activate()
         undo.pop_all()  # every step succeeded: keep what they did
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed

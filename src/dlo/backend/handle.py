@@ -96,29 +96,44 @@ class OffloadHandle:
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
-        # A module dropped without disable() must still give its host memory back in order:
-        # the driver would otherwise keep pinning pages whose addresses get reused.
-        self._finalizer = weakref.finalize(
-            self,
-            _abandoned,
-            runtime.transfer,
-            runtime.stager,
-            self._registration.registration,
-            self._releases,
-            checkpoint,
-        )
-        self._finalizer.atexit = False  # at exit the process's memory goes with it
+        self._finalizer: weakref.finalize | None = None
         self._streamed_calls = [hook for hook in self._hooks if isinstance(hook, StreamedCallHandle)]
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
         self._compile_watch = CompileWatch()
         self._warned_recompiles = False
+        self._root_hooks: list[RemovableHandle] = []
+
+    def activate(self) -> None:
+        """enable()'s last step: the handle takes over the module (root hooks, the registry, the
+        release at collection). `abandon()` undoes it, also after a partial activation."""
+        # A module dropped without disable() must still give its host memory back in order:
+        # the driver would otherwise keep pinning pages whose addresses get reused.
+        runtime = self._runtime
+        self._finalizer = weakref.finalize(
+            self, _abandoned, runtime.transfer, runtime.stager, self._registration.registration, self._releases,
+            self._checkpoint,
+        )
+        self._finalizer.atexit = False  # at exit the process's memory goes with it
         # Root hooks are bound methods: the module keeps its handle alive through them, even
         # when the caller drops the handle (the registry only holds it weakly). Disabled for
         # dynamo: whole-model compilation must not trace them. See [Note: compiled blocks]
-        self._hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._call_starts)))
-        self._hooks.append(module.register_forward_hook(torch.compiler.disable(self._call_ends), always_call=True))
+        module = self.module
+        self._root_hooks.append(module.register_forward_pre_hook(torch.compiler.disable(self._call_starts)))
+        self._root_hooks.append(
+            module.register_forward_hook(torch.compiler.disable(self._call_ends), always_call=True)
+        )
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
+
+    def abandon(self) -> None:
+        """Undo activate() for a failed enable(), whose own rollback releases the host memory."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        for hook in self._root_hooks:
+            hook.remove()
+        for sub in self._managed:
+            if (owner := _MANAGED.get(sub)) is not None and owner() is self:
+                del _MANAGED[sub]
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
         for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
@@ -240,7 +255,7 @@ class OffloadHandle:
         runtime = self._runtime
         registered = self._registration.registration
         errors = _release_host_memory(registered, self._releases)
-        for hook in self._hooks:
+        for hook in (*self._hooks, *self._root_hooks):
             hook.remove()
         if self._probe is not None:
             self._probe.remove()
@@ -252,10 +267,12 @@ class OffloadHandle:
             failures = release_mapping(self._checkpoint, registered)
             if failures:
                 errors.append(f"cudaHostUnregister failed ({'; '.join(failures)}), so the mapping stays open")
+        assert self._finalizer is not None  # activated by enable()
         self._finalizer.detach()  # only now: if a step above raised, it still releases at collection
         for sub in self._managed:
             _MANAGED.pop(sub, None)
         self._hooks.clear()
+        self._root_hooks.clear()
         self._streamed_calls.clear()
         self._final_stats = final
         self.state = HandleState.DISABLED

@@ -55,8 +55,12 @@ class OutsideUseProbe:
                 self._owner.setdefault(id(sub), (index, f"{ref.name}.{name}"))
         for key in shared:
             del self._owner[key]
+        self._refs = refs
+
+    def install(self) -> None:
+        """Hook the blocks' submodules; `remove()` undoes it, also after a partial install."""
         hooked: set[int] = set()  # one hook per module, however many names reach it
-        for ref in refs:
+        for ref in self._refs:
             for sub in ref.module.modules():
                 if id(sub) in self._owner and id(sub) not in hooked:
                     hooked.add(id(sub))

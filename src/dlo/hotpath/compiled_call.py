@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 from dlo.errors import StreamingError
@@ -122,15 +123,20 @@ class StreamedCall:
 
 
 class StreamedCallHandle:
-    """Installs a block's `StreamedCall`; `remove()` puts back what was there (a removable
-    handle, like a hook's). See [Note: compiled blocks]"""
+    """Installs a block's `StreamedCall` (`install()`); `remove()` puts back what was there,
+    also after a partial install (a removable handle, like a hook's). See [Note: compiled
+    blocks]"""
 
     def __init__(self, block: nn.Module, runtime: BlockRuntime, index: int) -> None:
         self.block = block
         self._runtime = runtime
         self._index = index
-        self._hook = block.register_forward_pre_hook(_seen_by_dynamo)
+        self._hook: RemovableHandle | None = None
+
+    def install(self) -> StreamedCallHandle:
+        self._hook = self.block.register_forward_pre_hook(_seen_by_dynamo)
         self.keep_installed()
+        return self
 
     def keep_installed(self) -> None:
         """Wrap the block again if its `_compiled_call_impl` was replaced (`block.compile()`
@@ -143,14 +149,15 @@ class StreamedCallHandle:
         current = self.block._compiled_call_impl
         if type(current) is StreamedCall:
             self.block._compiled_call_impl = current.compiled
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
 
 
 def isolate(blocks: Sequence[nn.Module]) -> list[StreamedCallHandle]:
     """Give resident `blocks` the call boundary streamed blocks have, without streaming: a
     resident reference that `torch.compile(model)` partitions as it partitions the model under
     dlo (the fair comparison for whole-model compilation). `remove()` each handle to undo."""
-    return [StreamedCallHandle(block, _NO_STREAMING, index) for index, block in enumerate(blocks)]
+    return [StreamedCallHandle(block, _NO_STREAMING, index).install() for index, block in enumerate(blocks)]
 
 
 class _NoStreaming:
