@@ -5,7 +5,8 @@ Every step that changes the module or takes a resource registers its undo before
 (`contextlib.ExitStack`), so a failure or an interrupt anywhere leaves the module as it was:
 weights where they were, nothing pinned, registered or mapped. In all-gather mode the blocks
 are pointed at their placeholders after that, once nothing can fail; an interrupt in that
-loop leaves the handle in charge (its disable() still restores every block).
+loop leaves a module that streams correctly (each call points a block at its slot) but keeps
+some host tensors alive, under a handle the caller did not receive.
 """
 
 from __future__ import annotations
