@@ -327,6 +327,7 @@ def test_once_every_replica_is_given_up_jobs_fail_and_are_refused_and_sigterm_ex
     status, answer, _ = _call(f"{base}/v1/images/generations", REQUEST)
     assert status == 503 and "no replica can run jobs" in answer["error"]["message"]
     assert _call(f"{base}/health")[0] == 503
+    assert _call(f"{base}/v1/no-such-endpoint", REQUEST)[0] == 404  # only the job endpoints are refused
     assert "replica 0 could not load the pipeline:" in log.read_text()
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0

@@ -53,6 +53,9 @@ def _unknown_video(video_id: str) -> JSONResponse:
     return _error(404, "video_id", f"no video job {video_id} (never made, deleted, or expired)")
 
 
+_JOB_PATHS = frozenset({"/v1/images/generations", "/v1/videos"})
+
+
 def make_app(
     pool: ReplicaPool, videos: VideoJobs, rules: CallRules, limits: Limits, parameters: frozenset[str],
     model_name: str,
@@ -80,7 +83,8 @@ def make_app(
     async def count(request, call_next):
         # Before the body is read; a refusal that comes later is the pool's, in submit.
         refusal = pool.refusal
-        if refusal is not None and request.method == "POST":  # polls, fetches and deletes still work
+        # Only the job endpoints: polls, fetches and deletes still work, unknown paths stay 404.
+        if refusal is not None and request.method == "POST" and request.url.path in _JOB_PATHS:
             response = _error(503, None, refusal)
         else:
             response = await call_next(request)

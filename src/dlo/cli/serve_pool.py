@@ -118,7 +118,8 @@ class ReplicaPool:
         self._load_error = ""  # why a restarted replica last failed to load
         self._replicas: list[_Replica] = []
         try:  # Ctrl-C while the replicas load, or any failure: none is left running
-            self._replicas = [self._start(index) for index in range(len(specs))]
+            for index in range(len(specs)):  # one by one: close() reaches each started one
+                self._replicas.append(self._start(index))
             failures = []
             for index, replica in enumerate(self._replicas):
                 error = self._await_ready(replica, ready_timeout_s)
