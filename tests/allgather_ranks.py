@@ -572,3 +572,54 @@ def extra_block(rank: int, world: int) -> list:
 
 
 SCENARIOS["extra_block"] = extra_block
+
+
+def cuda_schedule_breaks(rank: int, world: int) -> dict:
+    """One GPU per rank and an NCCL group, tiny Flux in bf16: rank 1 breaks the schedule three
+    ways (an error inside a block, Ctrl-C inside a block, a block run from inside the last
+    one), each on a fresh enable(). What each rank's calls raised, and whether disable()
+    gave back the weights exactly (its gathers paired with the peer's: no hang, no mix-up)."""
+    device, nccl, _ = _nccl_tiny_flux(rank, world)
+    built = TINY_MODELS["flux"].build(seed=1, dtype=torch.bfloat16)
+    results = {}
+
+    def run(model):  # one forward a call: every rank calls the model as often as its peers
+        with torch.inference_mode():
+            model(**TINY_MODELS["flux"].inputs(rank, torch.bfloat16, device))
+
+    for how in ("error", "ctrl-c", "extra block"):
+        model = copy.deepcopy(built)
+        handle = dlo.enable(model, device, dlo.OffloadConfig(use_allgather=True), groups=dlo.ParallelGroups(dp=nccl))
+        blocks = model.transformer_blocks
+        captured: dict = {}
+        blocks[0].register_forward_pre_hook(lambda module, args, kwargs: captured.update(a=args, k=kwargs), with_kwargs=True)
+        outcomes = []
+        for call in range(3):
+            hook = None
+            if rank == 1 and call == 1:
+                if how == "extra block":
+                    hook = model.single_transformer_blocks[-1].register_forward_hook(
+                        lambda module, args, output: blocks[0](*captured["a"], **captured["k"])
+                    )
+                else:
+
+                    def fail(module, args, exception=KeyboardInterrupt if how == "ctrl-c" else ValueError):
+                        raise exception("test: rank 1 stops here")
+
+                    hook = blocks[1].register_forward_pre_hook(fail)
+            try:
+                run(model)
+                outcomes.append("ok")
+            except (dlo.StreamingError, ValueError, KeyboardInterrupt) as err:
+                outcomes.append(f"{type(err).__name__}: {err}")
+            if hook is not None:
+                hook.remove()
+        handle.disable()
+        restored = all(
+            torch.equal(a, b.cpu()) for a, b in zip(built.state_dict().values(), model.state_dict().values())
+        )
+        results[how] = dict(outcomes=outcomes, restored=restored)
+    return results
+
+
+SCENARIOS["cuda_schedule_breaks"] = cuda_schedule_breaks

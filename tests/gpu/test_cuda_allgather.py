@@ -84,3 +84,21 @@ def test_shards_from_the_registered_cache_entry_over_nccl_are_bit_identical(tmp_
             assert got["identical"] and got["backing"] == "host_weight_cache", (key, got)
             assert got["views"] and got["private_bytes"] == 0, (key, got)
             assert got["registered_bytes"] > 0 and got["fallback"] == "", (key, got)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_schedule_breaks_over_nccl_fail_cleanly_and_disable_in_step(tmp_path):
+    """Rank 1 leaves the lockstep schedule (an error or Ctrl-C inside a block, a block run
+    from inside the last one): its peer finishes the call, the next call fails on both (the
+    poisoned agreement), and disable() gathers every block in step on both ranks (a mismatched
+    NCCL collective would hang, time out or mix blocks up)."""
+    spawn = multiprocessing.get_context("spawn")  # see test_chunked_gathers_over_nccl_are_bit_identical
+    results, _ = run_ranks(tmp_path, "cuda_schedule_breaks", 2, context=spawn)
+    assert_no_errors(results)
+    for how, expected_break in (("error", "ValueError"), ("ctrl-c", "KeyboardInterrupt"), ("extra block", "StreamingError")):
+        zero, one = results[0][how], results[1][how]
+        assert zero["outcomes"][:2] == ["ok", "ok"] and one["outcomes"][0] == "ok", how
+        assert one["outcomes"][1].startswith(expected_break), (how, one["outcomes"][1])
+        for result in (zero, one):
+            assert "all-gather lockstep broken" in result["outcomes"][2], (how, result["outcomes"][2])
+            assert result["restored"], how
