@@ -74,3 +74,39 @@ def test_a_staged_module_dropped_right_after_a_call_unpins_its_staging_buffers(t
     gc.collect()
     torch.cuda.synchronize()
     assert not any(page_locked(a) for a in staging)
+
+
+@pytest.mark.parametrize("failing_pack", range(2, 10))
+def test_a_staged_load_that_fails_anywhere_leaves_every_later_call_exact(tmp_path, monkeypatch, failing_pack):
+    """One pack of a staged load fails (on a pack thread), wherever it falls: in a block's
+    own load, a prefetch, or the next call's first loads seen by stats(). That call or that
+    stats() raises it; no slot holds bytes its load never wrote, so later calls are exact."""
+    from dlo.host.block_sources import MappedSource
+
+    TINY_MODELS["flux"].build(seed=2).save_pretrained(tmp_path, max_shard_size="100KB")
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).eval().cuda()
+    expected = run(reference, "flux", torch.bfloat16, (1, 2))
+    model, plan = dlo.load_transformer(tmp_path, torch_dtype=torch.bfloat16)  # a cast: staged, not registered
+    packs = {"n": 0}
+    real = MappedSource.copy_tasks
+
+    def failing_once(self, *args, **kwargs):
+        packs["n"] += 1
+        if packs["n"] == failing_pack:
+            raise RuntimeError("test: this pack failed")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MappedSource, "copy_tasks", failing_once)
+    failures = 0
+    with dlo.enable(model, "cuda", dlo.OffloadConfig(num_slots=2, pack_threads=2), plan=plan) as handle:
+        assert handle.stats().staging_bytes > 0
+        for _ in range(3):
+            try:
+                run(model, "flux", torch.bfloat16, (1,))
+                handle.stats()
+            except RuntimeError as err:
+                assert "this pack failed" in str(err)
+                failures += 1
+        assert failures == 1
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "flux", torch.bfloat16, (1, 2))))
