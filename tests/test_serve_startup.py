@@ -40,7 +40,7 @@ def test_a_port_it_cannot_listen_on_is_refused_before_the_replicas_start(
     assert status == 2 and len(errors) == 1 and not lines.out, lines
     why = "Address already in use" if where == "port-in-use" else "Cannot assign requested address"
     assert errors[0] == (
-        f"dlo: error: --host {host} --port {port}: cannot listen there ({why}); give a free --port, "
+        f"dlo: error: --host {host} --port {port}: cannot serve there ({why}); give a free --port, "
         "or a --host address of this machine"
     )
 
@@ -169,3 +169,34 @@ os._exit(0)
 def test_a_replica_whose_server_is_gone_exits_whatever_its_stderr(stderr):
     result = subprocess.run([sys.executable, "-c", WATCHED_REPLICA, stderr], timeout=120)
     assert result.returncode == 1
+
+
+def test_a_port_another_server_listens_on_by_the_end_of_the_load_is_one_line(tiny_flux_dir, tmp_path):
+    """Servers set SO_REUSEADDR, and two such sockets may bind one port while neither listens:
+    one that starts listening there while the replicas load wins it; dlo serve then says so in
+    one line naming the flags (status 2) and leaves no replica behind."""
+    port = free_port()
+    with open(tmp_path / "serve.log", "w+") as log, socket.socket() as other:
+        process = _serve(tiny_flux_dir, tmp_path, log, port)
+        try:
+            replica = _stopped_replica(process)
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            os.kill(replica, signal.SIGCONT)
+            status = process.wait(timeout=120)
+            deadline = time.monotonic() + 30
+            while _session(process.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            log.seek(0)
+            errors = [line for line in log.read().splitlines() if line.startswith("dlo: error:")]
+            assert status == 2 and errors == [
+                f"dlo: error: --host 127.0.0.1 --port {port}: cannot serve there (Address already in use); give a "
+                "free --port, or a --host address of this machine"
+            ], errors
+            assert not _session(process.pid)
+        finally:
+            for pid in _session(process.pid):
+                os.kill(pid, signal.SIGKILL)
+            if process.poll() is None:
+                process.kill()

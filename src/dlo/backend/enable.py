@@ -295,10 +295,10 @@ def enable(
         keeps_mapping = bound_plan is not None and (gather_group is None or views)
         # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
         # Each undo is registered before its step: an interrupt inside a step is undone too.
-        hooks = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
-        undo.callback(lambda: [hook.remove() for hook in reversed(hooks)])
-        for hook in hooks:
-            hook.install()
+        calls = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
+        undo.callback(lambda: [call.remove() for call in reversed(calls)])
+        for call in calls:
+            call.install()
         probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
         undo.callback(probe.remove)
         probe.install()
@@ -310,7 +310,7 @@ def enable(
             config=config,
             plan=offload_plan,
             runtime=runtime,
-            hooks=hooks,
+            streamed_calls=calls,
             managed=[module, *(ref.module for ref in refs)],
             resident_blocks=resident_count,
             device_weight_bytes=device_weight_bytes,

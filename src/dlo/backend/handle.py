@@ -64,7 +64,7 @@ class OffloadHandle:
         config: OffloadConfig,
         plan: OffloadPlan,
         runtime: StreamingRuntime,
-        hooks: Sequence[RemovableHandle | StreamedCallHandle],
+        streamed_calls: Sequence[StreamedCallHandle],
         managed: Sequence[nn.Module],
         resident_blocks: int,
         device_weight_bytes: int,
@@ -82,7 +82,6 @@ class OffloadHandle:
         self.state = HandleState.ENABLED
         self._runtime = runtime
         self._ledger = runtime.ledger
-        self._hooks = list(hooks)
         self._managed = list(managed)
         self._resident_blocks = resident_blocks
         self._device_weight_bytes = device_weight_bytes
@@ -97,7 +96,7 @@ class OffloadHandle:
             [runtime.stager.close] if runtime.stager is not None else []
         )
         self._finalizer: weakref.finalize | None = None
-        self._streamed_calls = [hook for hook in self._hooks if isinstance(hook, StreamedCallHandle)]
+        self._streamed_calls = list(streamed_calls)
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
         self._compile_watch = CompileWatch()
         self._warned_recompiles = False
@@ -255,7 +254,7 @@ class OffloadHandle:
         runtime = self._runtime
         registered = self._registration.registration
         errors = _release_host_memory(registered, self._releases)
-        for hook in (*self._hooks, *self._root_hooks):
+        for hook in (*self._streamed_calls, *self._root_hooks):
             hook.remove()
         if self._probe is not None:
             self._probe.remove()
@@ -271,7 +270,6 @@ class OffloadHandle:
         self._finalizer.detach()  # only now: if a step above raised, it still releases at collection
         for sub in self._managed:
             _MANAGED.pop(sub, None)
-        self._hooks.clear()
         self._root_hooks.clear()
         self._streamed_calls.clear()
         self._final_stats = final

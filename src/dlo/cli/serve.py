@@ -37,21 +37,35 @@ def served_name(target: str) -> str:
     return target if is_hub_id(target) else Path(target).expanduser().resolve().name
 
 
+def _refused_port(host: str, port: int, err: OSError) -> ConfigError:
+    return ConfigError(
+        f"--host {host} --port {port}: cannot serve there ({err.strerror or err}); give a free --port, "
+        "or a --host address of this machine"
+    )
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound (as uvicorn binds its own), or a ConfigError naming
-    --host/--port. Not listening yet: until uvicorn listens on it, once the replicas are
-    loaded, connections are refused at once rather than left waiting through the load."""
+    --host/--port. Not listening yet: connections during the load are refused at once rather
+    than left waiting through it (see `listen`)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ConfigError(
-            f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); give a free --port, "
-            "or a --host address of this machine"
-        ) from None
+        raise _refused_port(host, port, err) from None
     return sock
+
+
+def listen(sock: socket.socket, host: str, port: int) -> None:
+    """Listen on the bound socket (uvicorn then serves it), or a ConfigError naming
+    --host/--port: with SO_REUSEADDR, as servers set it, a second server binds a port the
+    first has bound but not yet listened on, so the later one is refused only here."""
+    try:
+        sock.listen()
+    except OSError as err:
+        raise _refused_port(host, port, err) from None
 
 
 def _interrupt(sig: int, frame) -> None:
@@ -108,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     with bind(args.host, args.port) as sock, _sigterm_interrupts():
         pool = ReplicaPool(specs, args.max_queue, Metrics())
         try:
+            listen(sock, args.host, args.port)
             endpoint = "/v1/videos" if "num_frames" in parameters else "/v1/images/generations"
             placement = ", ".join(devices) if devices else str(device)
             print(f"dlo serve: {cls.__name__} from {model_dir}, {args.replicas} replica(s) on {placement}; "

@@ -156,7 +156,6 @@ def load_transformer(
     # it would read are checked before it does.
     if config.host_weight_cache or not config.checkpoint_mmap:
         float8_file = _float8_file(directory)
-        float8_file = _float8_file(directory)
         if float8_file is not None:
             raise ConfigError(
                 f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping: set "

@@ -410,6 +410,7 @@ class StreamingRuntime:
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode,
         after the collectives of a call Ctrl-C interrupted here, which its peers issued."""
+        closing = self.gather is not None and self._cursor is not None
         self._end_call_here()
         for block in self.blocks:
             if isinstance(block.source, ShardSource):
@@ -417,6 +418,8 @@ class StreamingRuntime:
                 block.point_at(restored_image(self.gather.gather_full(block.source), block.layout, block.wire))
             else:
                 block.restore()
+        if closing:  # the call's closing loads (float8 finished on the gather's stream) end before the slots go
+            self.transfer.synchronize()
 
     def _load(self, load: Load) -> None:
         block = self.blocks[load.block]
@@ -496,8 +499,10 @@ class StreamingRuntime:
         (a job left running would write the slot after its next, unstaged, load), then raise
         the first failure, the slot holding nothing: whoever waited (a block's start, drain(),
         promote()), the next use of its block loads it again."""
-        jobs = self._staged.pop(slot_index, ())
+        jobs = self._staged.get(slot_index, [])
+        # Waited for before they leave the queue: a wait cut short (Ctrl-C) leaves them for the next.
         failures = [error for _, _, future in jobs if (error := future.exception()) is not None]
+        self._staged.pop(slot_index, None)
         if failures:
             self.planner.forget(slot_index)
             raise failures[0]
