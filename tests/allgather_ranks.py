@@ -623,3 +623,48 @@ def cuda_schedule_breaks(rank: int, world: int) -> dict:
 
 
 SCENARIOS["cuda_schedule_breaks"] = cuda_schedule_breaks
+
+
+def _sd3_run_with_sigint(rank: int, reference, interrupt_after: int | None) -> tuple[str, int, bool]:
+    """Enable a copy of `reference`, run two calls and disable. In the second call rank 1 gets
+    a real SIGINT right after its load number `interrupt_after` (counted from that call's
+    start, its end hook's first loads of the next call included) returns. Returns (how the
+    second call ended, the loads it issued, whether disable() restored every weight)."""
+    model = copy.deepcopy(reference)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    runtime = handle._runtime
+    real_load, counted = runtime._load, []
+    armed = False
+
+    def load(load):
+        real_load(load)
+        if armed:
+            counted.append(load)
+            if rank == 1 and len(counted) - 1 == interrupt_after:
+                os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at its next bytecode
+
+    runtime._load = load
+    _tiny_outputs(model, "sd3", [0])
+    armed = True
+    try:
+        _tiny_outputs(model, "sd3", [1])
+        outcome = "ok"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    armed = False
+    handle.disable()
+    restored = all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
+    return outcome, len(counted), restored
+
+
+def sigint_between_collectives(rank: int, world: int) -> list:
+    """Ctrl-C (a real SIGINT, Python's own handler) reaches rank 1 right after each of a call's
+    load collectives in turn, one enable() per point: the call stops there, and disable()
+    still gathers in step with rank 0, who finished the call."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a torchrun rank
+    reference = TINY_MODELS["sd3"].build(seed=1)
+    _, loads, _ = _sd3_run_with_sigint(rank, reference, None)  # the same count on every rank
+    return [_sd3_run_with_sigint(rank, reference, point) for point in range(loads)]
+
+
+SCENARIOS["sigint_between_collectives"] = sigint_between_collectives

@@ -13,7 +13,9 @@ would otherwise wait for them); the call's own start only reads the agreement. A
 forward leaves the schedule (skips or reorders a block, or ends the call early) first issues
 the rest of the call's collectives so its peers can finish, marks itself poisoned and raises;
 it still issues the next agreement and first loads at the call's end, like its peers, so the
-next call's agreement fails on every rank with every collective matched. A rank that dies
+next call's agreement fails on every rank with every collective matched. A call cut short by
+Ctrl-C is closed the same way at the rank's next call or disable(): See [Note: interrupts
+between collectives] in dlo.hotpath.interrupts. A rank that dies
 or stops mid-call is named by a StreamingError on every survivor within the group's timeout,
 with Gloo (whose collective fails at once) and with NCCL (where nothing fails in Python
 until NCCL's watchdog ends the process, slowly): See [Note: dead ranks] in

@@ -3,7 +3,9 @@ next blocks, and release the slot when the block is done."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -16,6 +18,7 @@ from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
+from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
@@ -77,6 +80,10 @@ class StreamingRuntime:
         self._calls = 0  # agreements issued
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
         self._poisoned = False
+        # A planner step and its collectives run whole: See [Note: interrupts between collectives]
+        self._collective_step: Callable[[], AbstractContextManager[None]] = (
+            interrupts_held if gather is not None else contextlib.nullcontext
+        )
         # Issued at the end of the previous call, with the next call's first loads: read when
         # the next call starts. None: issue it then.
         self._next_agreement: Agreement | None = None
@@ -180,8 +187,15 @@ class StreamingRuntime:
         block.check_intact()
         if self.planner.is_resident(index):  # promoted: its tensors are its own device memory
             return
-        if self.gather is not None:
-            self._follow_schedule(index)
+        with self._collective_step():
+            if self.gather is not None:
+                self._follow_schedule(index)
+            self._start_block(index)
+        if self.ledger.times_blocks:
+            self._compute_start[index] = self.transfer.mark()
+
+    def _start_block(self, index: int) -> None:
+        block = self.blocks[index]
         start = self.planner.begin(index)
         try:
             if start.demand is not None:
@@ -209,8 +223,6 @@ class StreamingRuntime:
             self.planner.forget(*touched)
             block.point_at(block.placeholders)
             raise
-        if self.ledger.times_blocks:
-            self._compute_start[index] = self.transfer.mark()
 
     def after_block(self, index: int) -> None:
         slot_index = self.planner.end(index)
@@ -326,17 +338,18 @@ class StreamingRuntime:
         all-gather mode, then check the group's agreement on this call (issued with this call's
         first loads at the end of the previous one, or now) and load the first blocks if they
         are not loaded yet. See [Note: lockstep schedule]"""
-        self._end_call_here()
-        if self.gather is None:
-            return
-        agreement, self._next_agreement = self._next_agreement, None
-        if agreement is None:
-            agreement = self._issue_agreement()
-        self.gather.check(agreement)
-        self._cursor = 0
-        if self.blocks and not agreement.loads_issued:
-            for load in self.planner.preload(0):
-                self._load(load)
+        with self._collective_step():
+            self._end_call_here()
+            if self.gather is None:
+                return
+            agreement, self._next_agreement = self._next_agreement, None
+            if agreement is None:
+                agreement = self._issue_agreement()
+            self.gather.check(agreement)
+            self._cursor = 0
+            if self.blocks and not agreement.loads_issued:
+                for load in self.planner.preload(0):
+                    self._load(load)
 
     def _end_call_here(self) -> None:
         """End the call at this point. Blocks still marked running are over: a BaseException
@@ -355,7 +368,8 @@ class StreamingRuntime:
         expect of this call, then the next call's agreement and first loads, so they overlap
         this call's last blocks instead of the next call's start. See [Note: lockstep schedule]"""
         if self.gather is not None and self._cursor is not None:
-            self._finish_call()
+            with self._collective_step():
+                self._finish_call()
 
     def _finish_call(self) -> None:
         """Close the open call: issue what peers still expect of it (when it ended early),
@@ -411,13 +425,14 @@ class StreamingRuntime:
         """Give every block ordinary CPU tensors (disable()). Collective in all-gather mode,
         after the collectives of a call Ctrl-C interrupted here, which its peers issued."""
         closing = self.gather is not None and self._cursor is not None
-        self._end_call_here()
-        for block in self.blocks:
-            if isinstance(block.source, ShardSource):
-                assert self.gather is not None
-                block.point_at(restored_image(self.gather.gather_full(block.source), block.layout, block.wire))
-            else:
-                block.restore()
+        with self._collective_step():
+            self._end_call_here()
+            for block in self.blocks:
+                if isinstance(block.source, ShardSource):
+                    assert self.gather is not None
+                    block.point_at(restored_image(self.gather.gather_full(block.source), block.layout, block.wire))
+                else:
+                    block.restore()
         if closing:  # the call's closing loads (float8 finished on the gather's stream) end before the slots go
             self.transfer.synchronize()
 

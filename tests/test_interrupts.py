@@ -1,0 +1,69 @@
+"""SIGINT held over an all-gather rank's planner steps: See [Note: interrupts between collectives]."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+from dlo.hotpath.interrupts import interrupts_held
+
+
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_inside_is_raised_as_the_step_ends():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("rest of the step")
+    assert done == ["rest of the step"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_inside_is_raised_at_once():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the first")
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the second")
+    assert done == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_inner_step_holds_for_the_outer_one():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            with interrupts_held():
+                os.kill(os.getpid(), signal.SIGINT)
+            done.append("the outer step went on")
+    assert done == ["the outer step went on"]
+
+
+def test_a_handler_of_the_programs_own_is_left_alone():
+    seen = []
+    signal.signal(signal.SIGINT, lambda sig, frame: seen.append(sig))
+    with interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGINT]
+
+
+def test_off_the_main_thread_nothing_is_installed():
+    handlers = []
+
+    def step():
+        with interrupts_held():
+            handlers.append(signal.getsignal(signal.SIGINT))
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    worker.join()
+    assert handlers == [signal.default_int_handler]
