@@ -67,3 +67,33 @@ def test_off_the_main_thread_nothing_is_installed():
     worker.start()
     worker.join()
     assert handlers == [signal.default_int_handler]
+
+
+def test_an_error_of_the_step_goes_on_over_a_held_ctrl_c():
+    with pytest.raises(ValueError, match="the step's own"):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("the step's own error")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_in_an_all_gather_step_breaks_off_the_ranks_collectives():
+    """Stopped midway, the rank no longer matches its peers: its later collectives must raise,
+    not pair with theirs."""
+    import torch
+
+    import dlo
+    from dlo.hotpath.interrupts import ForcedInterrupt
+    from dlo.models.tiny import TINY_MODELS
+
+    model = TINY_MODELS["sd3"].build(seed=1)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True)) as handle:
+        runtime = handle._runtime
+        with torch.inference_mode():
+            model(**TINY_MODELS["sd3"].inputs(0))
+        assert runtime.gather._failed is None
+        with pytest.raises(ForcedInterrupt):
+            with runtime._collective_step():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+        assert "second Ctrl-C" in runtime.gather._failed and "restart the job" in runtime.gather._failed

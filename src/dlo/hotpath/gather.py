@@ -205,6 +205,12 @@ class BlockGather:
                 f"and options, e.g. skip_layers); this call did not run ({issued})"
             )
 
+    def break_off(self, reason: str) -> None:
+        """This rank is out of step with its peers: every later collective raises `reason`
+        instead of pairing with a peer's different one."""
+        if self._failed is None:
+            self._failed = reason
+
     def gather_full(self, shard: ShardSource) -> torch.Tensor:
         """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk)."""
         whole = torch.empty(shard.shards.padded_bytes, dtype=torch.uint8, device=self._transfer.device)

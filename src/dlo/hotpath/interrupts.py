@@ -7,10 +7,14 @@ That works only from a state where the planner and the collectives issued agree.
 KeyboardInterrupt at any bytecode: between a load's collective and the planner's record of it,
 the rank would later issue that load twice, or skip one, and its peers' collectives would pair
 with the wrong ones (a crash, a hang, or blocks mixed up). So SIGINT is held while a planner
-step and its collectives run, and raised as KeyboardInterrupt as the step ends. A second
-Ctrl-C meanwhile raises at once: a stuck collective stays interruptible. Only where Python's
-own SIGINT handler is installed, and on the main thread, the only one Python runs handlers
-on; a handler of the program's own is left alone.
+step and its collectives are issued, and raised as KeyboardInterrupt as the step ends (unless
+the step raised an error of its own, which then goes on). A second Ctrl-C meanwhile raises
+ForcedInterrupt at Python's next chance: the rank is then out of step, and the caller breaks
+off its collectives so that later ones raise instead of pairing wrongly. Python runs signal
+handlers only between bytecodes: a collective blocked in C (a Gloo wait, a device sync) is
+ended by the group's timeout or the watch of dead ranks, not by Ctrl-C, held or not. Only
+where Python's own SIGINT handler is installed, and on the main thread, the only one Python
+runs handlers on; a handler of the program's own is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +25,16 @@ import threading
 from collections.abc import Iterator
 
 _holding = False  # a step is holding SIGINT (main thread only): inner ones add nothing
+
+
+class ForcedInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C inside a held step: it stopped the step midway."""
+
+
+def _release() -> None:
+    global _holding
+    _holding = False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextlib.contextmanager
@@ -37,15 +51,16 @@ def interrupts_held() -> Iterator[None]:
 
     def hold(sig: int, frame) -> None:
         if pending:
-            raise KeyboardInterrupt  # the second: at once
+            _release()  # first: the step's own exit may never run its cleanup
+            raise ForcedInterrupt
         pending.append(sig)
 
-    signal.signal(signal.SIGINT, hold)
-    _holding = True
     try:
+        _holding = True
+        signal.signal(signal.SIGINT, hold)
         yield
     finally:
-        _holding = False
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if pending:
-            raise KeyboardInterrupt
+        if _holding:
+            _release()
+    if pending:  # the step ended normally: now the first Ctrl-C stops the run
+        raise KeyboardInterrupt

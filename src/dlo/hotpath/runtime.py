@@ -4,7 +4,7 @@ next blocks, and release the slot when the block is done."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from concurrent.futures import Future
 from functools import partial
@@ -18,7 +18,7 @@ from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
-from dlo.hotpath.interrupts import interrupts_held
+from dlo.hotpath.interrupts import ForcedInterrupt, interrupts_held
 from dlo.hotpath.staging import StagedCopy, Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.transfer import DeviceSlot, Transfer
@@ -82,7 +82,7 @@ class StreamingRuntime:
         self._poisoned = False
         # A planner step and its collectives run whole: See [Note: interrupts between collectives]
         self._collective_step: Callable[[], AbstractContextManager[None]] = (
-            interrupts_held if gather is not None else contextlib.nullcontext
+            self._held_step if gather is not None else contextlib.nullcontext
         )
         # Issued at the end of the previous call, with the next call's first loads: read when
         # the next call starts. None: issue it then.
@@ -194,6 +194,19 @@ class StreamingRuntime:
         if self.ledger.times_blocks:
             self._compute_start[index] = self.transfer.mark()
 
+    @contextlib.contextmanager
+    def _held_step(self) -> Iterator[None]:
+        try:
+            with interrupts_held():
+                yield
+        except ForcedInterrupt:
+            assert self.gather is not None
+            self.gather.break_off(
+                f"rank {self.gather.rank} was stopped by a second Ctrl-C between its collectives, so they no longer "
+                "pair with its peers': restart the job"
+            )
+            raise
+
     def _start_block(self, index: int) -> None:
         block = self.blocks[index]
         start = self.planner.begin(index)
@@ -215,13 +228,15 @@ class StreamingRuntime:
             for load in start.prefetch:
                 self._load(load)
         except BaseException:
-            # A copy failed or was never issued: no slot of this start may be trusted again.
+            # A copy failed or was never issued: no slot of this start may be trusted again,
+            # first of all (another Ctrl-C may cut the waits short).
             touched = [start.slot, *(load.slot for load in start.prefetch)]
-            for slot_index in touched:
-                for _, _, future in self._staged.pop(slot_index, ()):
-                    future.exception()  # wait: a job still writing must finish first
             self.planner.forget(*touched)
             block.point_at(block.placeholders)
+            for slot_index in touched:
+                for _, _, future in self._staged.get(slot_index, []):
+                    future.exception()  # wait: a job still writing must finish first
+                self._staged.pop(slot_index, None)
             raise
 
     def after_block(self, index: int) -> None:
