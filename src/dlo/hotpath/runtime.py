@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -81,7 +80,7 @@ class StreamingRuntime:
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
         self._poisoned = False
         # A planner step and its collectives run whole: See [Note: interrupts between collectives]
-        self._collective_step: Callable[[], AbstractContextManager[None]] = (
+        self._collective_step: Callable[[], contextlib.AbstractContextManager[None]] = (
             self._held_step if gather is not None else contextlib.nullcontext
         )
         # Issued at the end of the previous call, with the next call's first loads: read when
