@@ -127,6 +127,19 @@ def test_a_writer_removes_every_temp_dir_of_its_key_under_the_lock(tmp_path):
     assert not stale.exists() and not alive_pid.exists() and other_key.exists()
 
 
+def test_a_writers_lock_that_cannot_be_probed_counts_as_held(tmp_path):
+    """ls must never call a writer at work dead: a lock file it cannot open (here a symlink,
+    refused by name) counts as held, so the temp dir is not listed."""
+    publish(tmp_path)
+    temp = tmp_path / ".tmp" / f"{KEY}.1.0123"
+    temp.mkdir()
+    lock = tmp_path / ".locks" / f"{KEY}.lock"
+    assert [left.path for left in EntryStore(tmp_path).leftovers()] == [temp]  # nobody holds it
+    lock.unlink(missing_ok=True)
+    lock.symlink_to("/dev/null")
+    assert EntryStore(tmp_path).leftovers() == []
+
+
 def _start_writers(root, count):
     context = child_context()
     queue = context.Queue()

@@ -19,11 +19,11 @@ moved aside under the lock before a new one takes its name.
 
 [Note: writers in other containers]
 A writer holds its key's lock for as long as its temp dir exists, so a temp dir is removed
-only by whoever holds that lock, and whoever holds it may remove every temp dir of the key.
-The pid in the name cannot tell: processes in several containers (PID namespaces) may share
-one cache, and a live writer's pid is not visible in another one, while a dead writer's pid
-may be a live process there. The pid only sorts temp dirs for `dlo cache ls`, which takes no
-lock.
+only by whoever holds that lock, and whoever holds it may remove every temp dir of the key;
+`dlo cache ls` lists one as a dead writer's while nobody holds it (a probe that waits for and
+changes nothing). The pid in the name cannot tell: processes in several containers (PID
+namespaces) may share one cache, and a live writer's pid is not visible in another one, while
+a dead writer's pid may be a live process there.
 
 [Note: validate what you map]
 Nothing read from disk is trusted: a key must be a key before it becomes a path, file names
@@ -59,7 +59,7 @@ from dlo.config.offload_config import CacheVerify
 from dlo.host.cache import holds
 from dlo.host.cache.entry_layout import FILE_TAIL_BYTES
 from dlo.host.cache.identity import is_key
-from dlo.host.cache.key_lock import KeyLock
+from dlo.host.cache.key_lock import KeyLock, is_held
 from dlo.host.cache.manifest import MANIFEST, MANIFEST_SIZE_CAP, SCHEMA, Rejection, RejectionKind, manifest_problem
 from dlo.host.cache.source_index import SourceIndex
 from dlo.host.cache.stamps import Stamps, file_stamp
@@ -91,7 +91,7 @@ class Entry:
 class LeftoverKind(enum.Enum):
     CORRUPT = "corrupt"  # an invalid entry moved aside by the writer that replaced it
     EVICTED = "evicted"  # an evicted entry whose removal was interrupted
-    DEAD_WRITER = "dead_writer"  # the temp dir of a writer whose pid is gone (here)
+    DEAD_WRITER = "dead_writer"  # the temp dir of a writer that no longer holds its key's lock
 
 
 @dataclass(frozen=True)
@@ -174,16 +174,6 @@ def _tensors_problem(checkpoint: Checkpoint, index: Mapping[str, Mapping]) -> st
         if found != listed or not entry.aligned:
             return f"{name!r} is {found} in the files, {listed} in the manifest"
     return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _parse_temp_name(name: str) -> tuple[str, LeftoverKind | int] | None:
@@ -289,12 +279,12 @@ class EntryStore:
 
     def leftovers(self) -> list[Leftover]:
         """Directories under .tmp nothing will use again, as `dlo cache ls` shows them;
-        changes nothing. A writer's temp dir is listed once its pid is gone here; gc and
-        writers decide by its key's lock instead: see [Note: writers in other containers]."""
+        changes nothing. A writer's temp dir is listed while nobody holds its key's lock (gc
+        removes it only holding that lock): see [Note: writers in other containers]."""
         return [
             Leftover(path, key, LeftoverKind.DEAD_WRITER if isinstance(kind, int) else kind)
             for path, key, kind in self._temp_dirs()
-            if not (isinstance(kind, int) and _pid_alive(kind))
+            if not (isinstance(kind, int) and is_held(self.root / ".locks" / f"{key}.lock"))
         ]
 
     @staticmethod
