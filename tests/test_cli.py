@@ -243,3 +243,28 @@ def test_demo_through_a_registered_cache_says_so(tmp_path, monkeypatch, capsys):
     assert main([*args, "--cache-dir", str(tmp_path / "cache"), "--save-outputs", str(tmp_path / "outputs.pt")]) == 0
     assert "mapped shared read-only, registered: direct copies" in capsys.readouterr().out
     assert_streamed_like_a_fresh_resident_run(tmp_path / "outputs.pt", "wan", 2)
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--save-outputs"])
+def test_a_demo_output_that_fails_to_write_leaves_the_existing_file_as_it_was(tmp_path, monkeypatch, flag):
+    """The trace and the saved outputs are written beside their path and renamed onto it: a
+    write that fails halfway (here: the disk fills up) loses nothing and leaves nothing."""
+    import errno
+
+    import dlo.cli.demo as demo_module
+    from dlo.backend.handle import OffloadHandle
+
+    def fills_the_disk(path):
+        with open(path, "w") as half:
+            half.write("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if flag == "--trace":
+        monkeypatch.setattr(OffloadHandle, "export_trace", lambda handle, path: fills_the_disk(path))
+    else:
+        monkeypatch.setattr(demo_module.torch, "save", lambda value, path: fills_the_disk(path))
+    existing = tmp_path / "previous-run"
+    existing.write_text("previous run")
+    with pytest.raises(OSError, match="No space left"):
+        main(["demo", "--model", "flux", "--device", "cpu", "--steps", "1", flag, str(existing)])
+    assert existing.read_text() == "previous run" and sorted(tmp_path.iterdir()) == [existing]

@@ -24,7 +24,7 @@ from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.denoise_loop import Trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_resident_layers
-from dlo.cli.output_path import check_writable
+from dlo.cli.output_path import check_publishable, published
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
@@ -133,7 +133,8 @@ def run_demo(
         run = denoise(streamed, entry, steps, dtype, device)
         stats = handle.stats()
         if trace_path:
-            handle.export_trace(trace_path)
+            with published(Path(trace_path).expanduser()) as partial:
+                handle.export_trace(partial)
     return DemoResult(
         model=model_name,
         class_name=entry.class_name,
@@ -215,7 +216,8 @@ def render(result: DemoResult) -> str:
 
 def save_outputs(path: str, resident: list[torch.Tensor], streamed: list[torch.Tensor]) -> None:
     """Both runs' per-step outputs, for a check that does not take the demo's word for it."""
-    torch.save({"resident": resident, "streamed": streamed}, path)
+    with published(Path(path).expanduser()) as partial:
+        torch.save({"resident": resident, "streamed": streamed}, partial)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_flags(args, **({"use_allgather": True} if args.nproc > 1 else {}))  # the all-gather demo
     for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
         if path:
-            check_writable(Path(path).expanduser(), flag)
+            check_publishable(Path(path).expanduser(), flag)
     check_resident_layers(build_on_meta(args.model), config, args.model, dtype, device)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks

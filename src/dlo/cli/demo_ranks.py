@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+from pathlib import Path
 
 import torch
 
 import dlo
 from dlo.cli.denoise_loop import denoise
 from dlo.cli.format import human_bytes, table
+from dlo.cli.output_path import published
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
 from dlo.models.tiny import TINY_MODELS
 
@@ -58,7 +60,8 @@ def run_ranks(model_name: str, device_type: str, nproc: int, config: dlo.Offload
         return 1
     if save_path is not None:
         outputs = {rank: torch.load(io.BytesIO(rep["outputs"])) for rank, rep in reports.items()}
-        torch.save({kind: {rank: out[kind] for rank, out in outputs.items()} for kind in ("resident", "streamed")}, save_path)
+        with published(Path(save_path).expanduser()) as partial:
+            torch.save({kind: {rank: out[kind] for rank, out in outputs.items()} for kind in ("resident", "streamed")}, partial)
     rows = [
         [rank, human_bytes(rep["host_bytes"]), human_bytes(rep["block_bytes"] / nproc), rep["collectives"],
          "bit-identical" if rep["identical"] else "DIFFERENT"]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
-from dlo.cli.output_path import partial_sibling
+from dlo.cli.output_path import published
 from dlo.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -46,21 +43,8 @@ def check_output_kind(path: Path, video: bool) -> None:
         raise ConfigError(f"--output {path}: this pipeline makes {kind}; write one of {', '.join(allowed)}")
 
 
-@contextlib.contextmanager
-def _published(path: Path) -> Iterator[Path]:
-    """A sibling temp file (same suffix: the encoders pick the format by it) renamed onto `path`
-    once complete: an interrupted or failed write leaves nothing behind, and an existing `path`
-    as it was. See [Note: publishing beside the output]."""
-    partial = partial_sibling(path)
-    try:
-        yield partial
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def write_image(image, path: Path) -> None:
-    with _published(path) as partial:
+    with published(path) as partial:
         image.save(partial)
 
 
@@ -73,7 +57,7 @@ def write_video(frames, path: Path, fps: int) -> None:
         frame if isinstance(frame, Image.Image) else Image.fromarray(_uint8(np.asarray(frame)))
         for frame in frames
     ]
-    with _published(path) as partial:
+    with published(path) as partial:
         if path.suffix.lower() == ".mp4":
             import imageio
 

@@ -10,8 +10,10 @@ check_publishable also creates and removes that sibling, under the name the writ
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from dlo.errors import ConfigError
@@ -59,3 +61,16 @@ def check_publishable(path: Path, flag: str) -> None:
             f"({os.strerror(err.errno)}); {fix}"
         ) from None
     partial.unlink()
+
+
+@contextlib.contextmanager
+def published(path: Path) -> Iterator[Path]:
+    """A sibling temp file (same suffix: writers may pick the format by it) renamed onto `path`
+    once complete: an interrupted or failed write leaves nothing behind, and an existing `path`
+    as it was. See [Note: publishing beside the output]."""
+    partial = partial_sibling(path)
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
