@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dlo.config.offload_config import CacheVerify
 from dlo.host.cache.entry_store import CacheUnavailable, Entry, EntryStore
-from dlo.host.cache.identity import digest_of
+from dlo.host.cache.identity import CONTENT, content_digest, digest_of
 from dlo.host.cache.manifest import MANIFEST, Rejection, RejectionKind
 from dlo.host.safetensors_file import PAD_PREFIX
 
@@ -138,6 +139,24 @@ def test_a_writers_lock_that_cannot_be_probed_counts_as_held(tmp_path):
     lock.unlink(missing_ok=True)
     lock.symlink_to("/dev/null")
     assert EntryStore(tmp_path).leftovers() == []
+
+
+@pytest.mark.parametrize("content", ["of these tensors", "of other tensors"])
+def test_a_full_validation_hashes_the_mapped_tensors_against_the_identitys_content_digest(tmp_path, content):
+    """Every file's digest can match its manifest while the manifest's identity names other
+    content (a writer's bug, or a consistent edit): a full validation catches it."""
+    tensors = {"a": torch.arange(8.0), "b": torch.ones(4)}
+    named = tensors if content == "of these tensors" else {"a": torch.zeros(8), "b": torch.ones(4)}
+    identity = {"name": "x", CONTENT: content_digest(named)}
+    key = digest_of(identity)
+    EntryStore(tmp_path).publish(key, tensors, identity)
+    found = EntryStore(tmp_path).validate(key, CacheVerify.FULL)
+    if content == "of these tensors":
+        assert isinstance(found, Entry)
+        found.checkpoint.close()
+    else:
+        assert isinstance(found, Rejection) and found.kind is RejectionKind.DIGEST_MISMATCH
+        assert "do not hash to the identity's content digest" in found.detail
 
 
 def _start_writers(root, count):

@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 from dlo.config.offload_config import CacheVerify
 from dlo.host.cache import holds
 from dlo.host.cache.entry_layout import FILE_TAIL_BYTES
-from dlo.host.cache.identity import is_key
+from dlo.host.cache.identity import CONTENT, content_digest, is_key
 from dlo.host.cache.key_lock import KeyLock, is_held
 from dlo.host.cache.manifest import MANIFEST, MANIFEST_SIZE_CAP, SCHEMA, Rejection, RejectionKind, manifest_problem
 from dlo.host.cache.source_index import SourceIndex
@@ -394,9 +394,28 @@ class EntryStore:
                     if digest != meta["sha256_chunked"]:
                         return Rejection(Kind.DIGEST_MISMATCH, f"{name} does not hash to its manifest digest")
             entry = _mapped_entry(path, manifest, handles)
-            if isinstance(entry, Entry) and verify is CacheVerify.STAMP and not stamped:
-                self._record_stamps(key, stamps)  # only a user of stamps writes them: verify stays read-only
+            if isinstance(entry, Entry) and not stamped:
+                problem = self._content_problem(entry)
+                if problem is not None:
+                    entry.checkpoint.close()
+                    return problem
+                if verify is CacheVerify.STAMP:
+                    self._record_stamps(key, stamps)  # only a user of stamps writes them: verify stays read-only
             return entry
+
+    def _content_problem(self, entry: Entry) -> Rejection | None:
+        """Whether the mapped tensors hash to the content digest their identity names (SPEC
+        §5.2; dlo's identities always name one). The files' digests proved their bytes; this
+        proves the manifest that says which bytes are which tensor."""
+        expected = entry.manifest["identity"].get(CONTENT)
+        if expected is None:
+            return None
+        checkpoint = entry.checkpoint
+        tensors = {name: checkpoint.view(name) for name in checkpoint.tensors if not name.startswith(PAD_PREFIX)}
+        found = content_digest(tensors, self.hash_threads)
+        if found != expected:
+            return Rejection(Kind.DIGEST_MISMATCH, "the mapped tensors do not hash to the identity's content digest")
+        return None
 
     def _stamps_match(self, key: str, stamps: dict[str, list[int]]) -> bool:
         try:
