@@ -216,6 +216,11 @@ def _add_serve(commands) -> None:
         "--keep-videos-s", type=float, default=3600.0, metavar="S",
         help="seconds a finished video job is kept (default: 3600)",
     )
+    parser.add_argument(
+        "--stall-timeout-s", type=float, default=600.0, metavar="S",
+        help="a replica whose job made no denoising step for S seconds is killed and restarted, its job "
+        "failed; 0: never (default: 600)",
+    )
     add_device_flags(parser)
     _add_verbose(parser)
     add_config_flags(parser)

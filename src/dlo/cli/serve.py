@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout-s {args.timeout_s}: give a number of seconds > 0")
     if not args.keep_videos_s > 0:
         raise ConfigError(f"--keep-videos-s {args.keep_videos_s}: give a number of seconds > 0")
+    if not 0 <= args.stall_timeout_s < float("inf"):
+        raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
     devices = replica_devices(args.devices, args.device, args.replicas)
     model_name = served_name(args.model_dir)
     model_dir = resolve_model(args.model_dir, "dlo serve does not download")
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     spec = ReplicaSpec(str(model_dir), str(device), dtype, config)
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     with bind(args.host, args.port) as sock, _sigterm_interrupts():
-        pool = ReplicaPool(specs, args.max_queue, Metrics())
+        pool = ReplicaPool(specs, args.max_queue, Metrics(), stall_s=args.stall_timeout_s)
         try:
             listen(sock, args.host, args.port)
             endpoint = "/v1/videos" if "num_frames" in parameters else "/v1/images/generations"

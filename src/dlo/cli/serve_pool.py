@@ -89,6 +89,8 @@ class _Replica:
     job_id: int | None = None  # the job it runs
     failed_starts: int = 0  # restarts in a row that never became ready
     given_up: bool = False  # dead, and not started again
+    heard: float | None = None  # while its job reports every step: when it last did (time.monotonic)
+    stalled: bool = False  # killed for making no progress
 
 
 class ReplicaPool:
@@ -99,10 +101,14 @@ class ReplicaPool:
     row that never became ready). A future is resolved only if nobody cancelled it."""
 
     def __init__(
-        self, specs: list[ReplicaSpec], max_queue: int, metrics: Metrics, ready_timeout_s: float = 600
+        self, specs: list[ReplicaSpec], max_queue: int, metrics: Metrics, ready_timeout_s: float = 600,
+        stall_s: float = 0,
     ) -> None:
+        """`stall_s`: a replica whose job reports every step but made none for that long is
+        hung (alive, never answering): it is killed, which fails its job and restarts it. 0: never."""
         self._context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._specs = specs
+        self._stall_s = stall_s
         self.metrics = metrics
         self.restarts = 0
         self._capacity = len(specs) + max_queue
@@ -251,6 +257,20 @@ class ReplicaPool:
                     self._receive(conns[conn])
                 except Exception:  # this thread serves every replica: it must outlive any one bug
                     logger.exception("dlo serve: handling a replica's message failed")
+            if self._stall_s:
+                self._kill_stalled()
+
+    def _kill_stalled(self) -> None:
+        """Kill a replica whose job made no step for `stall_s`: its end of file then fails the
+        job (saying why) and restarts it, as for any replica that dies."""
+        now = time.monotonic()
+        for index, replica in enumerate(self._replicas):
+            if replica.heard is not None and not replica.stalled and now - replica.heard > self._stall_s:
+                logger.error(
+                    "dlo serve: replica %d made no progress for %g s (--stall-timeout-s): killing it", index, self._stall_s
+                )
+                replica.stalled = True
+                replica.process.kill()
 
     def _receive(self, replica: _Replica) -> None:
         try:
@@ -260,6 +280,7 @@ class ReplicaPool:
                 self._restart(replica)
             return
         if isinstance(message, Progress):
+            replica.heard = time.monotonic() if message.per_step else None
             on_progress = self._on_progress.get(message.job_id)
             if on_progress is not None:
                 on_progress(message.steps)
@@ -275,7 +296,7 @@ class ReplicaPool:
                         message.error,
                     )
             else:
-                replica.job_id = None
+                replica.job_id, replica.heard = None, None
                 started = self._started.pop(message.job_id, None)
                 if started is not None and not (message.error or message.cancelled):
                     self._recent_s.append(time.monotonic() - started)
@@ -320,7 +341,11 @@ class ReplicaPool:
             self._dispatch()
         if job_id is not None:
             again = "it was restarted" if self._replicas[index] is not dead else "it was not started again"
-            error = f"replica {index} died (exit code {dead.process.exitcode}) while running it; {again}"
+            how = (
+                f"made no progress for {self._stall_s:g} s (--stall-timeout-s) and was killed" if dead.stalled
+                else f"died (exit code {dead.process.exitcode})"
+            )
+            error = f"replica {index} {how} while running it; {again}"
             _resolve(future, Done(job_id, error=error))
         for queued_id, queued in unanswerable:
             _resolve(queued, Done(queued_id, error=refusal))

@@ -72,6 +72,7 @@ class Cancel:
 class Progress:
     job_id: int
     steps: int  # denoising steps done; 0: the replica has started the job
+    per_step: bool = True  # a Progress follows every step (False: the pipeline reports none)
 
 
 @dataclass(frozen=True)
@@ -187,9 +188,9 @@ def _load(spec: ReplicaSpec):
 
 
 def _run(pipe, job: Job, inbox: _Inbox) -> Done:
-    inbox.conn.send(Progress(job.job_id, 0))
     kwargs = dict(job.kwargs)
     counted = "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters
+    inbox.conn.send(Progress(job.job_id, 0, per_step=counted))
     steps_run = 0  # with the callback: counted step by step; without, each image's full count once made
 
     if counted:
