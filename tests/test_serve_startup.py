@@ -79,13 +79,21 @@ def _serve(pipeline_dir, tmp_path, log, port: int = 0) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _imports_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _stopped_replica(process: subprocess.Popen) -> int:
-    """The server's first replica, stopped (SIGSTOP) as soon as it exists: however fast the
-    machine, it is still loading."""
+    """The server's first replica, stopped (SIGSTOP) once it is importing torch: past its
+    start-up data (which the server writes right after starting it: stopped or cut off before,
+    it would exit on an empty pipe, not load), and however fast the machine, still loading."""
     deadline = time.monotonic() + 120
-    while not (replicas := _replica_pids(process.pid)):
+    while not (replicas := [pid for pid in _replica_pids(process.pid) if _imports_torch(pid)]):
         assert process.poll() is None and time.monotonic() < deadline, "no replica started"
-        time.sleep(0.05)
+        time.sleep(0.02)
     os.kill(replicas[0], signal.SIGSTOP)
     return replicas[0]
 
