@@ -3,6 +3,7 @@ commands create nothing, leftovers are listed and collected, removal takes every
 belonged to an entry, and each refusal is one line with status 2."""
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -234,3 +235,19 @@ def test_a_ten_byte_transformer_checkpoint_is_reported_truncated(tmp_path, capsy
     assert main(command) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dlo")]
     assert line.startswith(f"dlo: error: transformer: {weights}: truncated: header length ") and "10-byte file" in line
+
+
+def test_ls_skips_a_writer_that_finished_while_it_looked(tmp_path, capsys, monkeypatch):
+    """The temp dir was listed, then its writer renamed it into place and let the lock go
+    before ls probed the lock: not a dead writer's, and no crash."""
+    key = publish(tmp_path)
+    temp = tmp_path / ".tmp" / f"{key}.1.{uuid.uuid4().hex}"
+    temp.mkdir(mode=0o700)
+
+    def finished(lock_path):
+        shutil.rmtree(temp)  # published (renamed away) just now
+        return False
+
+    monkeypatch.setattr(entry_store, "is_held", finished)
+    assert main(["cache", "ls", *cache(tmp_path)]) == 0
+    assert "dead_writer" not in capsys.readouterr().out

@@ -95,11 +95,13 @@ def _list(store: EntryStore) -> int:
         [key[:16], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
         for key in store.keys()
     ]
-    rows += [
-        [left.key[:16], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
-         human_bytes(store.leftover_size(left)), _when(left.path.stat().st_mtime), "-"]
-        for left in store.leftovers()
-    ]
+    for left in store.leftovers():
+        try:
+            when = _when(left.path.stat().st_mtime)
+        except FileNotFoundError:  # removed since it was listed (gc, or its writer finished)
+            continue
+        rows.append([left.key[:16], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
+                     human_bytes(store.leftover_size(left)), when, "-"])
     print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
     return 0
 

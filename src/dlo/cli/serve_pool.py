@@ -236,7 +236,7 @@ class ReplicaPool:
         pipe broke keeps no job: it goes back to the front of the queue, and the replica's
         end of file (read by `_serve`) restarts it."""
         for replica in self._replicas:
-            if self._queue and replica.ready and replica.job_id is None:
+            if self._queue and replica.ready and replica.job_id is None and not replica.stalled:
                 job = self._queue.popleft()
                 try:
                     replica.conn.send(job)
@@ -265,12 +265,13 @@ class ReplicaPool:
         job (saying why) and restarts it, as for any replica that dies."""
         now = time.monotonic()
         for index, replica in enumerate(self._replicas):
-            if replica.heard is not None and not replica.stalled and now - replica.heard > self._stall_s:
-                logger.error(
-                    "dlo serve: replica %d made no progress for %g s (--stall-timeout-s): killing it", index, self._stall_s
-                )
-                replica.stalled = True
-                replica.process.kill()
+            if replica.stalled or replica.heard is None or now - replica.heard <= self._stall_s:
+                continue
+            if replica.conn.poll():  # it has answered meanwhile: read that first
+                continue
+            logger.error("dlo serve: replica %d made no progress for %g s (--stall-timeout-s): killing it", index, self._stall_s)
+            replica.stalled = True  # from now on it takes no job: its end of file restarts it
+            replica.process.kill()
 
     def _receive(self, replica: _Replica) -> None:
         try:
@@ -315,7 +316,7 @@ class ReplicaPool:
         dead.conn.close()
         index = self._replicas.index(dead)
         with self._lock:
-            job_id, dead.job_id = dead.job_id, None
+            job_id, dead.job_id, dead.heard = dead.job_id, None, None  # a given-up one stays listed: never timed
             future = self._futures.pop(job_id, None) if job_id is not None else None
             self._started.pop(job_id, None)
             self._on_progress.pop(job_id, None)

@@ -281,11 +281,14 @@ class EntryStore:
         """Directories under .tmp nothing will use again, as `dlo cache ls` shows them;
         changes nothing. A writer's temp dir is listed while nobody holds its key's lock (gc
         removes it only holding that lock): see [Note: writers in other containers]."""
-        return [
-            Leftover(path, key, LeftoverKind.DEAD_WRITER if isinstance(kind, int) else kind)
-            for path, key, kind in self._temp_dirs()
-            if not (isinstance(kind, int) and is_held(self.root / ".locks" / f"{key}.lock"))
-        ]
+        found = []
+        for path, key, kind in self._temp_dirs():
+            if isinstance(kind, int):
+                if is_held(self.root / ".locks" / f"{key}.lock") or not path.exists():
+                    continue  # a writer at work, or one that published (or gave up) since the listing
+                kind = LeftoverKind.DEAD_WRITER
+            found.append(Leftover(path, key, kind))
+        return found
 
     @staticmethod
     def leftover_size(leftover: Leftover) -> int:

@@ -100,7 +100,7 @@ def is_held(path: Path) -> bool:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # taken (EWOULDBLOCK), or a filesystem that cannot tell: held
         return True
     finally:
         os.close(fd)  # releases the flock if it was taken
