@@ -143,7 +143,9 @@ def test_registration_has_the_pages_of_a_cold_mapping_read_ahead(tmp_path):
     deadline = time.monotonic() + 60  # the reads complete asynchronously: wait for them, boundedly
     while _resident_pages(address, nbytes) < pages and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _resident_pages(address, nbytes) == pages
+    # Without the read-ahead none would be resident; under the suite's memory pressure the kernel
+    # may already have dropped a few of those read (5085 of 5120 seen once).
+    assert _resident_pages(address, nbytes) >= 0.95 * pages
     assert registration.close() == []
 
 
