@@ -9,6 +9,10 @@ variant at a time, each freed before the next:
                       on the device: the model fp8 streaming must equal bit for bit.
   dlo                 dlo.enable(model, device): bf16 blocks streamed from pinned memory.
   dlo fp8/S           dlo.enable(model, device, OffloadConfig(stream_dtype="fp8", fp8_scale=S)).
+  resident fp8 gemm   dlo.quantize_resident(model, OffloadConfig(stream_dtype="fp8", fp8_compute=True))
+                      on the device: Linears as FP8 GEMMs (per-channel weight scales, activations
+                      quantized per row); the model the next variant must equal.
+  dlo fp8 gemm        dlo.enable(model, device, OffloadConfig(stream_dtype="fp8", fp8_compute=True)).
   diffusers cast      model.enable_layerwise_casting(storage_dtype=float8_e4m3fn,
                       compute_dtype=bfloat16), then block-level group offloading with streams
                       (unscaled fp8, cast per layer on the compute stream).
@@ -196,15 +200,19 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
     resident = fresh().to(device)
     median_s, output = timed(resident, inputs, device, args)
     add("resident", 0.0, median_s, output)
-    captured = capture_blocks(resident, inputs) if "resident-fp8" in args.variants else None
-    for scale in SCALES if captured is not None else ():
+    quantized_resident = []
+    if "resident-fp8" in args.variants:
+        quantized_resident += [(f"resident fp8/{s}", dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=s)) for s in SCALES]
+    if "resident-fp8-gemm" in args.variants:
+        quantized_resident.append(("resident fp8 gemm/per_channel", dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True)))
+    captured = capture_blocks(resident, inputs) if quantized_resident else None
+    for variant, config in quantized_resident:
         quantized = copy.deepcopy(resident)
-        config = dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale)
         started = _now(device)
         dlo.quantize_resident(quantized, config)
         setup_s = _now(device) - started
         median_s, output = timed(quantized, inputs, device, args)
-        add(f"resident fp8/{scale}", setup_s, median_s, output, worst=worst_block(quantized, inputs, captured))
+        add(variant, setup_s, median_s, output, worst=worst_block(quantized, inputs, captured))
         del quantized
     del resident, captured
 
@@ -216,6 +224,9 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
             (f"dlo fp8/{scale}", dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale, num_slots=slots))
             for scale in SCALES
         ]
+    if "dlo-fp8-gemm" in args.variants:
+        gemm = dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True, num_slots=slots)
+        streamed.append(("dlo fp8 gemm/per_channel", gemm))
     for variant, config in streamed:
         model = fresh()
         started = _now(device)
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-slots", type=int, default=2, help="OffloadConfig.num_slots of the dlo variants")
-    variants = ("resident-fp8", "dlo", "dlo-fp8", "diffusers-cast")
+    variants = ("resident-fp8", "dlo", "dlo-fp8", "resident-fp8-gemm", "dlo-fp8-gemm", "diffusers-cast")
     parser.add_argument(
         "--variants", type=lambda text: text.split(","), default=list(variants),
         help=f"comma-separated from {', '.join(variants)} (the bf16 resident run, the error reference, always runs)",

@@ -63,17 +63,26 @@ class OddStack(nn.Module):
         return x
 
 
-def _tiny_outputs(model, name, seeds):
+def _tiny_outputs(model, name, seeds, dtype=torch.float32):
     with torch.inference_mode():
-        return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
+        return [model(**TINY_MODELS[name].inputs(seed, dtype))[0] for seed in seeds]
 
 
 def parity(
-    rank: int, world: int, name: str, num_slots: int = 2, resident_layers: int = 0, stream_dtype: str | None = None
+    rank: int,
+    world: int,
+    name: str,
+    num_slots: int = 2,
+    resident_layers: int = 0,
+    stream_dtype: str | None = None,
+    fp8_compute: bool = False,
 ) -> dict:
     """Different prompts per rank (a DP wave), same step count: bit-identical to resident and
     to rank-local streaming; per-rank host bytes of the shards. With `stream_dtype`, the
-    resident model is the quantized one (dlo.quantize_resident)."""
+    resident model is the quantized one (dlo.quantize_resident); with `fp8_compute` (bf16
+    weights), disable() gives back Linears holding the dequantized weights: the weight-only
+    quantized model's."""
+    dtype = torch.bfloat16 if fp8_compute else torch.float32
     seeds = [10 * rank + step for step in range(3)]
     if name == "odd":
         reference = OddStack()
@@ -83,13 +92,17 @@ def parity(
             with torch.inference_mode():
                 return [model(x) for x in inputs]
     else:
-        reference = TINY_MODELS[name].build(seed=1)
+        reference = TINY_MODELS[name].build(seed=1, dtype=dtype)
 
         def run(model):
-            return _tiny_outputs(model, name, seeds)
+            return _tiny_outputs(model, name, seeds, dtype)
 
     local, gathered = copy.deepcopy(reference), copy.deepcopy(reference)
-    local_config = dlo.OffloadConfig(num_slots=num_slots, resident_layers=resident_layers, stream_dtype=stream_dtype)
+    local_config = dlo.OffloadConfig(
+        num_slots=num_slots, resident_layers=resident_layers, stream_dtype=stream_dtype, fp8_compute=fp8_compute
+    )
+    disabled = copy.deepcopy(reference)  # what disable() gives back
+    dlo.quantize_resident(disabled, dataclasses.replace(local_config, fp8_compute=False))
     dlo.quantize_resident(reference, local_config)
     expected = run(reference)
     with dlo.enable(local, "cpu", local_config):
@@ -104,7 +117,8 @@ def parity(
     return dict(
         identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, from_gather)),
         identical_to_local=all(torch.equal(a, b) for a, b in zip(from_local, from_gather)),
-        identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, after)),
+        identical_after_disable=all(torch.equal(a, b) for a, b in zip(run(disabled), after)),
+        gemms_differ_after_disable=not any(torch.equal(a, b) for a, b in zip(expected, after)),
         host_bytes=stats.host_bytes,
         block_bytes=block_bytes,
         group_size=stats.gather_group_size,

@@ -90,6 +90,15 @@ def test_float8_blocks_are_sharded_and_gathered_as_float8(tmp_path):
         assert result["float8_bytes"] > 0
 
 
+def test_fp8_gemm_blocks_are_sharded_and_gathered_as_float8(tmp_path):
+    """See [Note: fp8 compute]: the slots hold float8 weights and scales, gathered as they are."""
+    results, _ = run_ranks(tmp_path, "parity", 2, name="flux", stream_dtype="fp8", fp8_compute=True)
+    assert_no_errors(results)
+    for result in results.values():
+        assert result["identical_to_resident"] and result["identical_to_local"] and result["identical_after_disable"]
+        assert result["gemms_differ_after_disable"] and result["float8_bytes"] > 0
+
+
 def test_three_slots_and_resident_layers_in_allgather_mode(tmp_path):
     results, _ = run_ranks(tmp_path, "parity", 2, name="wan", num_slots=3, resident_layers=2)
     assert_no_errors(results)

@@ -149,3 +149,30 @@ def test_streaming_runs_the_one_pass_kernel_where_it_is_available(monkeypatch):
     assert torch.equal(expected[0], got[0])
     weights = sum(m.weight.numel() for b in model.blocks for m in b.modules() if isinstance(m, torch.nn.Linear))
     assert sum(launches) >= weights  # every streamed weight went through it (and the warm-up)
+
+
+@pytest.mark.parametrize("name", ["wan", "flux", "wan-8mb"])
+@pytest.mark.parametrize("scale", ["per_channel", "per_tensor"])
+@pytest.mark.parametrize("resident_layers", [0, 1, "auto"])
+def test_fp8_gemms_streamed_match_the_same_gemms_resident_on_cuda(name, scale, resident_layers):
+    """See [Note: fp8 compute]: the slot holds the float8 weights, the block runs torch._scaled_mm."""
+    from dlo.hotpath.fp8_gemm import Fp8GemmLinear
+
+    entry = MODELS[name]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale, fp8_compute=True, resident_layers=resident_layers)
+    reference = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(reference, config)
+    assert any(type(m) is Fp8GemmLinear for m in reference.modules())
+    weight_only = copy.deepcopy(model).cuda()
+    dlo.quantize_resident(weight_only, dlo.OffloadConfig(stream_dtype="fp8", fp8_scale=scale))
+    seeds = [1, 2, 3, 4]
+    expected = outputs(reference, entry, seeds, torch.bfloat16)
+    with dlo.enable(model, "cuda", config) as handle:
+        got = outputs(model, entry, seeds, torch.bfloat16)
+        gemms = sum(type(m) is Fp8GemmLinear for m in model.modules())
+        stats = handle.stats()
+    assert gemms > 0 and stats.pinned
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    # The activations were quantized too: not the weight-only model's outputs.
+    assert not torch.equal(got[0], outputs(weight_only, entry, seeds[:1], torch.bfloat16)[0])

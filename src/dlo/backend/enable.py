@@ -31,6 +31,7 @@ from dlo.backend.block_binding import (
     shard_block,
 )
 from dlo.backend.device import resolve_device
+from dlo.backend.fp8_compute import Fp8GemmLinears, check_fp8_gemms
 from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.backend.mapping_registration import NOT_APPLICABLE
@@ -236,6 +237,13 @@ def enable(
         raise ConfigError(f"config must be a dlo.OffloadConfig, got {type(config).__name__}")
     offload_plan, host_plan = _resolve_plans(module, plan)
     device = resolve_device(device)
+    if config.fp8_compute:
+        if host_plan is not None:
+            raise ConfigError(
+                "OffloadConfig.fp8_compute=True quantizes the model's own weights at enable(), not a checkpoint "
+                "mapping: load the model with checkpoint_mmap=False (no HostWeightPlan)"
+            )
+        check_fp8_gemms(device)
     gather_group = _gather_group(config, groups, device, module)
     refuse_if_managed(module)
     refs = resolve_blocks(module, offload_plan)
@@ -256,6 +264,10 @@ def enable(
             # placement's undos: every tensor then has its private value before the mapping closes.
             undo.callback(bound_plan.give_back, module)
             bound_plan.bind(module, device)
+        fp8_gemms = Fp8GemmLinears()  # See [Note: fp8 compute]
+        if config.fp8_compute:
+            undo.callback(fp8_gemms.rollback)
+            fp8_gemms.convert(module, streamed_refs, config)
         blocks = [collect_block(ref, quantized_tensors(module, ref, config)) for ref in streamed_refs]
         # All-gather mode copies the shards out of a checkpoint mapping and closes it, but reads
         # them from a cache entry's (See [Note: shards from the shared entry]); blocks with
@@ -320,10 +332,12 @@ def enable(
             registration=bound_plan.registration if keeps_mapping else NOT_APPLICABLE,
             probe=probe,
             residency=tuner,
+            fp8_gemms=fp8_gemms,
         )
         undo.callback(handle.abandon)
         handle.activate()
         undo.pop_all()  # every step succeeded: keep what they did
+    fp8_gemms.commit()
 
     # All-gather mode: the module is changed only now that nothing can fail, since a failed
     # rank could not get its weights back without its peers.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dlo.backend.fp8_compute import quantize_resident_gemms
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.host.fp8_codec import dequantized, quantize_into
@@ -16,7 +17,8 @@ from dlo.planning.tensor_walk import unique_tensors
 def quantize_resident(module: nn.Module, config: OffloadConfig, plan: OffloadPlan | None = None) -> int:
     """Give `module`, in place, the weights that `dlo.enable(module, device, config, plan)`
     streams as float8: each is quantized as enable() quantizes it, then dequantized on the
-    device the weight is on. Run resident on that device, the module computes exactly what
+    device the weight is on (with `fp8_compute`, the Linears enable() runs as FP8 GEMMs
+    become those, see [Note: fp8 compute]). Run resident on that device, the module computes exactly what
     the streamed one does (See [Note: fp8 streaming]); compare it with the unquantized
     model for the quantization error. Returns the number of weights changed."""
     fp8 = fp8_format(config)
@@ -24,7 +26,8 @@ def quantize_resident(module: nn.Module, config: OffloadConfig, plan: OffloadPla
         return 0
     refs = resolve_blocks(module, discover(module) if plan is None else plan)
     resident = 0 if config.resident_layers == AUTO else config.resident_layers
-    changed = 0
+    # FP8 GEMM Linears first: their weights are float8 then, and the loop below leaves them.
+    changed = quantize_resident_gemms(module, refs[resident:], config) if config.fp8_compute else 0
     with torch.no_grad():
         for ref in refs[resident:]:
             chosen = quantized_tensors(module, ref, config)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo.backend.auto_residency import AutoResidency
+from dlo.backend.fp8_compute import Fp8GemmLinears
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.config import OffloadConfig
@@ -74,6 +75,7 @@ class OffloadHandle:
         registration: RegistrationOutcome = NOT_APPLICABLE,
         probe: OutsideUseProbe | None = None,
         residency: AutoResidency | None = None,
+        fp8_gemms: Fp8GemmLinears | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -92,6 +94,7 @@ class OffloadHandle:
         self._final_stats: OffloadStats | None = None
         self._probe = probe  # See [Note: blocks used outside their call]
         self._residency = residency  # See [Note: automatic residency]
+        self._fp8_gemms = fp8_gemms  # See [Note: fp8 compute]
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
@@ -260,6 +263,8 @@ class OffloadHandle:
             self._probe.remove()
         with torch.no_grad():
             runtime.restore_blocks()
+        if self._fp8_gemms is not None:
+            self._fp8_gemms.dequantize_back()
         if runtime.gather is not None:
             runtime.gather.close()  # after restore_blocks(): its collectives are watched too
         if self._checkpoint is not None:

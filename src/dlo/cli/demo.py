@@ -55,6 +55,7 @@ class DemoResult:
     streamed: Trajectory
     stats: OffloadStats
     fp8_error: QuantizationError | None = None
+    fp8_gemms: bool = False
 
     @property
     def identical(self) -> bool:
@@ -145,6 +146,7 @@ def run_demo(
         streamed=Trajectory(run.outputs, run.step_s, stats.peak_device_bytes),
         stats=stats,
         fp8_error=fp8_error,
+        fp8_gemms=config.fp8_compute,
     )
 
 
@@ -199,7 +201,9 @@ def render(result: DemoResult) -> str:
         compiled = f"{counts.graphs} graphs, {counts.recompiles} recompiles, {counts.graph_breaks} graph breaks"
         rows.append(["torch.compile", "-", compiled])
     verdict = "bit-identical" if result.identical else "DIFFERENT"
-    if result.fp8_error is not None:
+    if result.fp8_gemms:
+        verdict += " (the resident run has the same float8 weights and runs the same FP8 GEMMs)"
+    elif result.fp8_error is not None:
         verdict += " (the resident run has the same float8 weights, dequantized on its device)"
     dtype = str(result.dtype).removeprefix("torch.")
     return "\n".join(

@@ -189,6 +189,15 @@ class OffloadConfig:
             "the flag once per pattern"
         },
     )
+    fp8_compute: bool = field(
+        default=False,
+        metadata={
+            "help": "with stream_dtype 'fp8' (float8_e4m3fn): run the streamed blocks' bf16 Linears as FP8 GEMMs "
+            "(torch._scaled_mm, activations quantized per row) on their float8 weights instead of dequantizing "
+            "them; needs compute capability 8.9+ on CUDA, and the model's own weights (no checkpoint mapping or "
+            "host weight cache)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require_int("num_slots", self.num_slots, minimum=2)
@@ -265,6 +274,17 @@ class OffloadConfig:
                 re.compile(pattern)
             except (re.error, TypeError) as err:
                 raise ConfigError(f"OffloadConfig.fp8_skip: {pattern!r} is not a regular expression ({err})") from None
+        _require_bool("fp8_compute", self.fp8_compute)
+        if self.fp8_compute and self.stream_dtype != "float8_e4m3fn":
+            found = "it is unset" if self.stream_dtype is None else f"got {self.stream_dtype!r}"
+            raise ConfigError(
+                f"OffloadConfig.fp8_compute=True needs stream_dtype='fp8' (float8_e4m3fn: what FP8 GEMMs take); {found}"
+            )
+        if self.fp8_compute and self.host_weight_cache:
+            raise ConfigError(
+                "OffloadConfig.fp8_compute=True quantizes the model's own weights at enable(); it does not stream "
+                "from the host weight cache yet: set host_weight_cache=False"
+            )
         if self.stream_dtype is None and (self.fp8_skip or self.fp8_scale != Fp8Scale.PER_CHANNEL.value):
             raise ConfigError(
                 "OffloadConfig.fp8_scale and fp8_skip shape fp8 streaming; set stream_dtype (e.g. 'fp8'), or leave "

@@ -150,6 +150,11 @@ def load_transformer(
     anything else that changed the weights (e.g. LoRA names), part of the entry's identity.
     """
     config = OffloadConfig() if config is None else config
+    if config.fp8_compute and config.checkpoint_mmap:  # See [Note: fp8 compute]
+        raise ConfigError(
+            "OffloadConfig.fp8_compute=True quantizes the model's own weights at enable(), not a checkpoint "
+            "mapping: load it with checkpoint_mmap=False"
+        )
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
     # scales: diffusers' loader would cast the float8 values and drop the scales, so the files
