@@ -39,6 +39,22 @@ def test_demo_streams_float8_weights_like_the_quantized_model_resident(tmp_path,
     assert all(torch.equal(got, want) for got, want in zip(torch.load(saved)["streamed"], expected))
 
 
+def test_demo_runs_fp8_gemms_like_the_same_gemms_resident(tmp_path, capsys):
+    saved = tmp_path / "outputs.pt"
+    argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--stream-dtype", "fp8", "--fp8-compute"]
+    assert main([*argv, "--save-outputs", str(saved)]) == 2  # fp32 on the CPU: no Linear qualifies
+    assert "--dtype bfloat16" in capsys.readouterr().err
+    assert main([*argv, "--dtype", "bfloat16", "--save-outputs", str(saved)]) == 0
+    assert "bit-identical (the resident run has the same float8 weights and runs the same FP8 GEMMs)" in (
+        capsys.readouterr().out
+    )
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    dlo.quantize_resident(model, dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True))
+    expected = denoise(model, entry, 2, torch.bfloat16, torch.device("cpu"), 1).outputs
+    assert all(torch.equal(got, want) for got, want in zip(torch.load(saved)["streamed"], expected))
+
+
 def test_demo_console_script_streams_what_the_resident_model_computes(tmp_path):
     trace, saved = tmp_path / "trace.json", tmp_path / "outputs.pt"
     done = subprocess.run(

@@ -10,9 +10,12 @@ from torch import nn
 
 import dlo
 from dlo.backend.fp8_compute import check_fp8_gemms
-from dlo.errors import ConfigError, EnableError
+from dlo.errors import ConfigError, EnableError, StreamingError
 from dlo.hotpath.fp8_gemm import Fp8GemmLinear, quantize_rows
 from dlo.models.tiny import TINY_MODELS, TinyModel
+from dlo.planning.fp8_selection import gemm_linears
+from dlo.planning.offload_plan import resolve_blocks
+from dlo.planning.plan_summary import summarize
 
 GEMMS = dict(stream_dtype="fp8", fp8_compute=True, num_slots=3)
 # Wan with a feed-forward width that is no multiple of 16: its ff Linears cannot be FP8 GEMMs
@@ -108,25 +111,88 @@ def test_disable_gives_back_linears_holding_the_dequantized_weights(scale):
     assert all(torch.equal(state[k], expected[k]) and state[k].dtype == expected[k].dtype for k in expected)
 
 
-def test_a_failed_enable_gives_back_the_weights_it_found(monkeypatch):
-    from dlo.hotpath.transfer import SyncTransfer
+def _failing_enable(model, config, monkeypatch, failure):
+    """enable() failing as `failure` (a monkeypatch step) says; the module's tensors as found
+    (values and storage) must be what it gives back."""
+    found = {name: (tensor.clone(), tensor.data_ptr()) for name, tensor in model.state_dict().items()}
+    failure(monkeypatch)
+    with pytest.raises((torch.OutOfMemoryError, EnableError, KeyboardInterrupt)):
+        dlo.enable(model, "cpu", config)
+    monkeypatch.undo()
+    state = model.state_dict()
+    assert not gemm_names(model) and state.keys() == found.keys()
+    for name, (value, address) in found.items():
+        # The very tensors found (not views of a host image holding float8 weights too), bit for bit.
+        assert state[name].data_ptr() == address and state[name].dtype == value.dtype, name
+        assert torch.equal(state[name].contiguous().view(torch.uint8), value.view(torch.uint8)), name
 
-    model = TINY_MODELS["wan"].build(seed=0, dtype=torch.bfloat16)
-    found = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    expected = outputs(model, TINY_MODELS["wan"])
+
+def _out_of_memory_at_slots(monkeypatch):
+    from dlo.hotpath.transfer import SyncTransfer
 
     def out_of_memory(self, nbytes):
         raise torch.OutOfMemoryError("fake device out of memory")
 
     monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
-        dlo.enable(model, "cpu", dlo.OffloadConfig(**GEMMS))
+
+
+def _interrupt_at_the_third_conversion(monkeypatch):
+    import dlo.backend.fp8_compute as conversion
+
+    calls = []
+    real = conversion.quantize_into
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(*args)
+
+    monkeypatch.setattr(conversion, "quantize_into", interrupted)
+
+
+@pytest.mark.parametrize("failure", [_out_of_memory_at_slots, _interrupt_at_the_third_conversion])
+@pytest.mark.parametrize("entry", [TINY_MODELS["flux"], WAN_MIXED], ids=["flux", "wan-mixed"])
+def test_a_failed_enable_gives_back_the_tensors_it_found(monkeypatch, failure, entry):
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    expected = outputs(model, entry)
+    _failing_enable(model, dlo.OffloadConfig(**GEMMS), monkeypatch, failure)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, entry), expected))
+
+
+def test_a_weight_float8_cannot_scale_fails_enable_and_gives_back_the_rest(monkeypatch):
+    model = TINY_MODELS["flux"].build(seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.single_transformer_blocks[1].proj_out.weight[0, 0] = float("nan")
+    _failing_enable(model, dlo.OffloadConfig(**GEMMS), monkeypatch, lambda _: None)
+
+
+def test_a_disable_cut_short_and_called_again_gives_back_the_dequantized_linears(monkeypatch):
+    import dlo.backend.fp8_compute as conversion
+
+    model = TINY_MODELS["flux"].build(seed=0, dtype=torch.bfloat16)
+    weight_only = copy.deepcopy(model)
+    dlo.quantize_resident(weight_only, dlo.OffloadConfig(stream_dtype="fp8"))
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(**GEMMS))
+    outputs(model, TINY_MODELS["flux"], seeds=(1,))
+    calls = []
+    real = conversion.dequantized
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(conversion, "dequantized", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handle.disable()
     monkeypatch.undo()
+    handle.disable()
     assert not gemm_names(model)
-    state = model.state_dict()
-    assert state.keys() == found.keys()
-    assert all(torch.equal(state[k], found[k]) and state[k].dtype == found[k].dtype for k in found)
-    assert all(torch.equal(a, b) for a, b in zip(outputs(model, TINY_MODELS["wan"]), expected))
+    state, expected = model.state_dict(), weight_only.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) and state[k].dtype == expected[k].dtype for k in expected)
 
 
 def test_fp8_gemms_compile_whole_blocks_and_still_match_the_compiled_resident_model():
@@ -147,12 +213,57 @@ def test_fp8_gemms_compile_whole_blocks_and_still_match_the_compiled_resident_mo
 
 
 def test_rows_are_quantized_by_the_weights_rule():
-    rows = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [448.0, 1e-3, -7.0]], dtype=torch.bfloat16)
+    """quantize_rows equals quantize_into, the weights' quantizer, per row: tiny, zero, saturating rows."""
+    from dlo.host.fp8_codec import quantize_into
+
+    rows = torch.randn(6, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rows[1] = 0  # all zero: scale 1
+    rows[2] *= 1e-38  # tiny: scales near fp32's smallest
+    rows[3, 5] = 3e4  # one large value: the rest of the row rounds to zero or subnormals
     data, scale = quantize_rows(rows, torch.float8_e4m3fn)
-    assert scale.dtype == torch.float32 and scale.shape == (3, 1)
-    assert torch.equal(scale[:, 0], torch.tensor([2.0 / 448, 1.0, 1.0]))  # an all-zero row: scale 1
-    assert data.dtype == torch.float8_e4m3fn and float(data[0].float().abs().max()) == 448.0
-    assert torch.equal(data[1].float(), torch.zeros(3)) and torch.equal(data[2, 0].float(), torch.tensor(448.0))
+    expected_data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn)
+    expected_scale = torch.empty(6, 1, dtype=torch.float32)
+    quantize_into(rows, expected_data, expected_scale, "rows")
+    assert torch.equal(scale, expected_scale) and float(scale[1]) == 1.0
+    assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
+    assert float(data[3, 5].float()) == 448.0  # the row's amax lands on the float8 maximum
+
+
+def test_an_input_that_is_not_bf16_is_refused_by_name():
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    dlo.quantize_resident(model, dlo.OffloadConfig(**GEMMS))
+    linear = model.get_submodule(sorted(gemm_names(model))[0])
+    with torch.inference_mode(), pytest.raises(StreamingError, match="takes bf16 inputs; it got torch.float32"):
+        linear(torch.randn(3, linear.in_features))
+
+
+def test_summarize_sizes_slots_as_enable_holds_them():
+    """The plan summary (auto residency's budget, dlo inspect) counts float8 weights and scales."""
+    model = WAN_MIXED.build(seed=0, dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(**GEMMS)
+    summary = summarize(model, dlo.discover(model), config)
+    plain = summarize(model, dlo.discover(model), dlo.OffloadConfig(stream_dtype="fp8"))
+    with dlo.enable(model, "cpu", config) as handle:
+        assert summary.largest_block.nbytes == handle._runtime.slot_capacity < plain.largest_block.nbytes
+
+
+def test_linears_claimed_by_others_skipped_or_other_dtypes_stay_plain():
+    """Hooks, a forward of its own (accelerate's hooks), a LoRA adapter's Linear, a weight_scale
+    of its own, an fp32 bias, fp8_skip: left as they are (dequantized float8, or bf16)."""
+    model = TINY_MODELS["wan"].build(seed=0, dtype=torch.bfloat16)
+    attention = model.blocks[1].attn1
+    attention.to_q.register_forward_hook(lambda module, args, output: None)
+    attention.to_k.forward = attention.to_k.forward  # an instance forward, as accelerate sets one
+    attention.lora_A = nn.ModuleDict({"default": nn.Linear(32, 16, bias=False, dtype=torch.bfloat16)})
+    attention.to_v.register_buffer("weight_scale", torch.ones(1))
+    attention.to_out[0].bias.data = attention.to_out[0].bias.data.float()
+    config = dlo.OffloadConfig(**GEMMS, fp8_skip=(r"blocks\.0\.attn1\.to_q",))
+    linears = {name for name, _ in gemm_linears(model, resolve_blocks(model, dlo.discover(model)), config)}
+    assert "blocks.1.attn2.to_q" in linears and "blocks.0.attn1.to_k" in linears
+    left = {"blocks.0.attn1.to_q", "blocks.1.attn1.to_q", "blocks.1.attn1.to_k", "blocks.1.attn1.lora_A.default",
+            "blocks.1.attn1.to_v", "blocks.1.attn1.to_out.0"}
+    assert not left & linears
 
 
 @pytest.mark.parametrize(
@@ -179,9 +290,27 @@ def test_a_model_with_no_eligible_linear_is_refused_unchanged():
     assert all(torch.equal(t, found[k]) and t.dtype == found[k].dtype for k, t in model.state_dict().items())
 
 
-def test_load_transformer_refuses_a_mapped_load_before_reading_anything(tmp_path):
-    with pytest.raises(ConfigError, match="checkpoint_mmap=False"):
-        dlo.load_transformer(tmp_path / "not-there", dlo.OffloadConfig(**GEMMS))
+def test_load_transformer_falls_back_to_the_ordinary_load_and_logs_why(tmp_path, caplog):
+    entry = TINY_MODELS["flux"]  # no fp32-kept modules: the saved bf16 model is the loaded one
+    saved = entry.build(seed=0, dtype=torch.bfloat16)
+    saved.save_pretrained(tmp_path)
+    config = dlo.OffloadConfig(**GEMMS)
+    with caplog.at_level("WARNING", logger="dlo"):
+        model, plan = dlo.load_transformer(tmp_path, config)
+    assert plan is None
+    assert [r.dlo_fallback for r in caplog.records if hasattr(r, "dlo_fallback")] == ["unsupported_online_quantization"]
+    dlo.quantize_resident(saved, config)
+    with dlo.enable(model, "cpu", config):
+        got = outputs(model, entry)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(saved, entry), got))
+
+
+def test_a_float8_checkpoint_is_refused_before_it_is_loaded(tmp_path):
+    from fp8_checkpoints import write_fp8_checkpoint
+
+    directory, _ = write_fp8_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="does not take a float8 checkpoint: set fp8_compute=False"):
+        dlo.load_transformer(directory, dlo.OffloadConfig(**GEMMS))
 
 
 def test_enable_refuses_a_host_weight_plan_and_leaves_it_usable(tmp_path):
@@ -204,3 +333,6 @@ def test_devices_without_fp8_gemms_are_refused(monkeypatch):
         check_fp8_gemms(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_gemms(torch.device("cuda", 0))  # Hopper: accepted
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with pytest.raises(EnableError, match="not on ROCm"):
+        check_fp8_gemms(torch.device("cuda", 0))

@@ -31,7 +31,7 @@ from dlo.backend.block_binding import (
     shard_block,
 )
 from dlo.backend.device import resolve_device
-from dlo.backend.fp8_compute import Fp8GemmLinears, check_fp8_gemms
+from dlo.backend.fp8_compute import Fp8GemmConversion, check_fp8_gemms
 from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
 from dlo.backend.mapping_registration import NOT_APPLICABLE
@@ -106,19 +106,22 @@ def _bind_blocks(
     fp8: Fp8Format | None,
     undo: contextlib.ExitStack,
     chunk_bytes: int,
+    converted: bool,
 ) -> list[StreamedBlock]:
     """Every block bound to its host source, each registering its undo. All-gather mode only
     builds the shards here (gathered in chunks of about `chunk_bytes`): the module changes
-    once nothing can fail (see enable())."""
+    once nothing can fail (see enable()). `converted`: Linears were made FP8 GEMMs (See
+    [Note: fp8 compute]), so no block's host image holds the tensors enable() found."""
     placeholder = placeholders(blocks, device)
     streamed: list[StreamedBlock] = []
     for block in blocks:
         if gather_group is not None:
             bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes)
             undo.callback(bound.source.release)
-        elif any(block.quantize):
-            # restore() would give back the dequantized weights: a failed enable() gives back
-            # the tensors it found (planned stand-ins then get their values from the plan).
+        elif any(block.quantize) or converted:
+            # restore() would give back the dequantized weights, or views of an image that
+            # holds float8 ones: a failed enable() gives back the tensors it found (planned
+            # stand-ins then get their values from the plan).
             originals = tuple(tensor.data for tensor in block.tensors)
             bound = bind_block(block, plan, pin, placeholder, fp8)
             undo.callback(_put_back, bound, originals)
@@ -264,7 +267,7 @@ def enable(
             # placement's undos: every tensor then has its private value before the mapping closes.
             undo.callback(bound_plan.give_back, module)
             bound_plan.bind(module, device)
-        fp8_gemms = Fp8GemmLinears()  # See [Note: fp8 compute]
+        fp8_gemms = Fp8GemmConversion()  # See [Note: fp8 compute]
         if config.fp8_compute:
             undo.callback(fp8_gemms.rollback)
             fp8_gemms.convert(module, streamed_refs, config)
@@ -279,7 +282,15 @@ def enable(
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
             streamed = _bind_blocks(
-                blocks, bound_plan, gather_group, pin, device, fp8_format(config), undo, config.gather_chunk_bytes
+                blocks,
+                bound_plan,
+                gather_group,
+                pin,
+                device,
+                fp8_format(config),
+                undo,
+                config.gather_chunk_bytes,
+                converted=len(fp8_gemms) > 0,
             )
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         transfer = make_transfer(device)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo.backend.auto_residency import AutoResidency
-from dlo.backend.fp8_compute import Fp8GemmLinears
+from dlo.backend.fp8_compute import Fp8GemmConversion
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.config import OffloadConfig
@@ -75,7 +75,7 @@ class OffloadHandle:
         registration: RegistrationOutcome = NOT_APPLICABLE,
         probe: OutsideUseProbe | None = None,
         residency: AutoResidency | None = None,
-        fp8_gemms: Fp8GemmLinears | None = None,
+        fp8_gemms: Fp8GemmConversion | None = None,
     ) -> None:
         self.module = module
         self.device = device

@@ -134,8 +134,9 @@ def load_transformer(
     from the read-only checkpoint mapping once `dlo.enable(model, device, config, plan=plan)`
     consumes the plan, and processes mapping the same files share one copy in the page
     cache. `plan` is None when the preflight could not prove the checkpoint stands in for
-    the runtime tensors (the fallback code is logged) or `config.checkpoint_mmap` is False:
-    the model was then loaded the ordinary way.
+    the runtime tensors (the fallback code is logged), `config.checkpoint_mmap` is False or
+    `config.fp8_compute` is set (fallback `unsupported_online_quantization`): the model was
+    then loaded the ordinary way.
 
     torch_dtype=None keeps each tensor's checkpoint dtype; another dtype is applied while
     packing (an adapter). (After a fallback with torch_dtype=None, diffusers' loader takes
@@ -150,17 +151,17 @@ def load_transformer(
     anything else that changed the weights (e.g. LoRA names), part of the entry's identity.
     """
     config = OffloadConfig() if config is None else config
-    if config.fp8_compute and config.checkpoint_mmap:  # See [Note: fp8 compute]
-        raise ConfigError(
-            "OffloadConfig.fp8_compute=True quantizes the model's own weights at enable(), not a checkpoint "
-            "mapping: load it with checkpoint_mmap=False"
-        )
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
     # scales: diffusers' loader would cast the float8 values and drop the scales, so the files
     # it would read are checked before it does.
-    if config.host_weight_cache or not config.checkpoint_mmap:
+    if config.host_weight_cache or not config.checkpoint_mmap or config.fp8_compute:
         float8_file = _float8_file(directory)
+        if float8_file is not None and config.fp8_compute:
+            raise ConfigError(
+                f"{float8_file} holds float8 weights; fp8_compute=True quantizes bf16 weights at enable() and does "
+                "not take a float8 checkpoint: set fp8_compute=False (its float8 weights stream and are dequantized)"
+            )
         if float8_file is not None:
             raise ConfigError(
                 f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping: set "
@@ -168,7 +169,14 @@ def load_transformer(
             )
     if config.host_weight_cache:
         return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
-    if config.checkpoint_mmap:
+    if config.checkpoint_mmap and config.fp8_compute:  # See [Note: fp8 compute]
+        logger.warning(
+            "dlo: checkpoint mmap fallback unsupported_online_quantization: fp8_compute quantizes the model's own "
+            "weights at enable(); loading %s the ordinary way",
+            directory,
+            extra={"dlo_fallback": "unsupported_online_quantization"},
+        )
+    elif config.checkpoint_mmap:
         result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
         if isinstance(result, MappedLoad):
             try:

@@ -10,6 +10,7 @@ full name matches an `OffloadConfig.fp8_skip` pattern.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import torch
 from torch import nn
@@ -52,3 +53,52 @@ def quantized_tensors(root: nn.Module, ref: BlockRef, config: OffloadConfig) -> 
         else:
             excluded.add(id(tensor))
     return frozenset(chosen - excluded)
+
+
+# torch._scaled_mm needs both dimensions of the weight to be multiples of this (elements).
+GEMM_DIMENSION_MULTIPLE = 16
+
+
+def gemm_linears(root: nn.Module, refs: list[BlockRef], config: OffloadConfig) -> list[tuple[str, nn.Linear]]:
+    """(full name, module) of each Linear of the blocks `refs` that `fp8_compute` runs as an
+    FP8 GEMM (See [Note: fp8 compute]): one `stream_dtype` quantizes, a plain nn.Linear (a
+    subclass has its own forward) with no hooks, no forward of its own and no `weight_scale`
+    (what the conversion adds), bf16 weight and bias (the row-wise GEMM's output dtype), both
+    dimensions multiples of GEMM_DIMENSION_MULTIPLE, not a LoRA adapter's (PEFT casts inputs to
+    its weight's dtype), and neither it nor its weight reachable twice in `root` or the blocks."""
+    if not config.fp8_compute:
+        return []
+    tensor_owners = Counter(id(owned.tensor) for owned in owned_tensors(root))
+    module_uses = Counter(id(module) for ref in refs for module in ref.module.modules())
+    found = []
+    for ref in refs:
+        chosen = quantized_tensors(root, ref, config)
+        for name, linear in ref.module.named_modules(prefix=ref.name):
+            if type(linear) is not nn.Linear or id(linear.weight) not in chosen:
+                continue
+            bias = linear.bias
+            if (
+                module_uses[id(linear)] == 1
+                and tensor_owners[id(linear.weight)] == 1
+                and linear.weight.dtype == torch.bfloat16
+                and (bias is None or bias.dtype == torch.bfloat16)
+                and linear.in_features % GEMM_DIMENSION_MULTIPLE == 0
+                and linear.out_features % GEMM_DIMENSION_MULTIPLE == 0
+                and not any(part.startswith("lora_") for part in name.split("."))
+                and not _claimed(linear)
+            ):
+                found.append((name, linear))
+    return found
+
+
+def _claimed(linear: nn.Linear) -> bool:
+    """Whether something else already attached to this Linear: hooks, a forward of its own
+    (accelerate's and diffusers' hooks set one), a `weight_scale` of its own."""
+    return bool(
+        linear._forward_hooks
+        or linear._forward_pre_hooks
+        or "forward" in vars(linear)
+        or "weight_scale" in vars(linear)
+        or "weight_scale" in linear._buffers
+        or "weight_scale" in linear._parameters
+    )

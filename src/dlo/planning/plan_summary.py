@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.planning.block_layout import TensorSpec, plan_block_layout
+from dlo.planning.fp8_selection import gemm_linears
 from dlo.planning.offload_plan import OffloadPlan, resolve_blocks
 from dlo.planning.tensor_walk import unique_tensors
 
@@ -53,8 +55,16 @@ class PlanSummary:
         return self.non_block_bytes + sum(b.nbytes for b in self.blocks)
 
 
-def _layout_bytes(module: nn.Module) -> int:
-    specs = [TensorSpec(o.name, tuple(o.tensor.shape), o.tensor.dtype) for o in unique_tensors(module).values()]
+def _layout_bytes(module: nn.Module, gemms: dict[int, nn.Linear]) -> int:
+    """A block's slot layout; `gemms` (id(weight) -> Linear): weights held as float8 plus a
+    (1, out) fp32 scale row. See [Note: fp8 compute]"""
+    specs = []
+    for owned in unique_tensors(module).values():
+        tensor = owned.tensor
+        linear = gemms.get(id(tensor))
+        specs.append(TensorSpec(owned.name, tuple(tensor.shape), torch.float8_e4m3fn if linear else tensor.dtype))
+        if linear is not None:
+            specs.append(TensorSpec(f"{owned.name}_scale", (1, linear.out_features), torch.float32))
     return plan_block_layout(specs).nbytes
 
 
@@ -63,11 +73,13 @@ def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None
     refs = resolve_blocks(module, plan)
     in_blocks = frozenset(id(sub) for ref in refs for sub in ref.module.modules())
     rest = unique_tensors(module, in_blocks).values()
+    resident = 0 if config.resident_layers == AUTO else min(config.resident_layers, len(refs))
+    gemms = {id(linear.weight): linear for _, linear in gemm_linears(module, refs[resident:], config)}
     return PlanSummary(
         class_name=type(module).__name__,
         plan=plan,
-        blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module)) for r in refs),
-        resident_blocks=0 if config.resident_layers == AUTO else min(config.resident_layers, len(refs)),
+        blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module, gemms)) for r in refs),
+        resident_blocks=resident,
         non_block_bytes=sum(o.tensor.numel() * o.tensor.element_size() for o in rest),
         num_slots=config.num_slots,
     )
