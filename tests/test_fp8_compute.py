@@ -98,6 +98,48 @@ def test_linears_that_cannot_be_gemms_stay_plain_linears():
     assert all(torch.equal(a, b) for a, b in zip(outputs(reference, TINY_MODELS["wan"]), got))
 
 
+def test_peft_lora_base_layers_run_as_gemms_but_not_dora_ones_nor_the_adapters():
+    """Real PEFT adapters (what diffusers' load_lora_weights makes): a LoRA layer's base Linear
+    becomes a GEMM, its lora_A/lora_B stay (PEFT casts inputs to their dtype); a DoRA layer's
+    base stays too (DoRA reads the base weight itself: as float8 without its scale, its output
+    was wrong in resident and streamed models alike, so the error bound below catches it)."""
+    from peft import LoraConfig  # a test dependency (pyproject [test])
+
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=0, dtype=torch.bfloat16)
+    model.add_adapter(LoraConfig(r=16, target_modules=["to_q"]), adapter_name="plain")
+    model.add_adapter(LoraConfig(r=16, target_modules=["to_v"], use_dora=True), adapter_name="dora")
+    model.set_adapters(["plain", "dora"])
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:  # PEFT starts lora_B at zero: no effect to get wrong
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    config = dlo.OffloadConfig(**GEMMS)
+    reference, streamed = copy.deepcopy(model), copy.deepcopy(model)
+    dlo.quantize_resident(reference, config)
+    with dlo.enable(streamed, "cpu", config):
+        converted = gemm_names(streamed)
+        got = outputs(streamed, entry)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(reference, entry), got))
+    assert "transformer_blocks.0.attn.to_q.base_layer" in converted
+    assert not any(".to_v." in name or "lora_" in name for name in converted)
+    # Float8 rounding alone gives about 5e-3 here; a DoRA base read as float8 gave 3.6e-2.
+    assert all(relative_error(a, b) < 1.5e-2 for a, b in zip(got, outputs(model, entry)))
+
+
+def test_quantize_resident_converts_a_linear_shared_by_two_blocks_never():
+    model = TINY_MODELS["wan"].build(seed=0, dtype=torch.bfloat16)
+    shared = model.blocks[0].attn1.to_v
+    model.blocks[1].attn1.to_v = shared
+    weight_only = copy.deepcopy(model)
+    dlo.quantize_resident(weight_only, dlo.OffloadConfig(stream_dtype="fp8"))
+    dlo.quantize_resident(model, dlo.OffloadConfig(**GEMMS))
+    assert type(shared) is nn.Linear and "weight_scale" not in shared._buffers
+    assert torch.equal(shared.weight, weight_only.blocks[0].attn1.to_v.weight)  # quantized once, dequantized
+    assert "blocks.1.attn1.to_q" in gemm_names(model)
+
+
 @pytest.mark.parametrize("scale", ["per_channel", "per_tensor"])
 def test_disable_gives_back_linears_holding_the_dequantized_weights(scale):
     model = TINY_MODELS["flux"].build(seed=0, dtype=torch.bfloat16)

@@ -176,3 +176,17 @@ def test_fp8_gemms_streamed_match_the_same_gemms_resident_on_cuda(name, scale, r
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     # The activations were quantized too: not the weight-only model's outputs.
     assert not torch.equal(got[0], outputs(weight_only, entry, seeds[:1], torch.bfloat16)[0])
+
+
+def test_an_fp8_gemm_takes_inputs_that_are_not_row_major_on_cuda():
+    """cuBLASLt takes a row-major first operand only: the Linear makes its input rows so."""
+    from dlo.hotpath.fp8_gemm import Fp8GemmLinear
+
+    model = TINY_MODELS["flux"].build(seed=0, dtype=torch.bfloat16).cuda()
+    dlo.quantize_resident(model, dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True))
+    linear = next(m for m in model.modules() if type(m) is Fp8GemmLinear)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    columns = torch.randn(1, linear.in_features, 7, generator=generator, device="cuda", dtype=torch.bfloat16)
+    transposed = columns.transpose(1, 2)  # (1, 7, in): a batch-1 view whose rows are columns in memory
+    with torch.inference_mode():
+        assert torch.equal(linear(transposed), linear(transposed.contiguous()))

@@ -64,8 +64,9 @@ def gemm_linears(root: nn.Module, refs: list[BlockRef], config: OffloadConfig) -
     FP8 GEMM (See [Note: fp8 compute]): one `stream_dtype` quantizes, a plain nn.Linear (a
     subclass has its own forward) with no hooks, no forward of its own and no `weight_scale`
     (what the conversion adds), bf16 weight and bias (the row-wise GEMM's output dtype), both
-    dimensions multiples of GEMM_DIMENSION_MULTIPLE, not a LoRA adapter's (PEFT casts inputs to
-    its weight's dtype), and neither it nor its weight reachable twice in `root` or the blocks."""
+    dimensions multiples of GEMM_DIMENSION_MULTIPLE; not a LoRA adapter's own (PEFT casts
+    inputs to its weight's dtype), nor the base layer of a DoRA adapter (which reads the base
+    weight, unscaled); used once in the blocks, its weight not tied anywhere in `root`."""
     if not config.fp8_compute:
         return []
     tensor_owners = Counter(id(owned.tensor) for owned in owned_tensors(root))
@@ -73,6 +74,7 @@ def gemm_linears(root: nn.Module, refs: list[BlockRef], config: OffloadConfig) -
     found = []
     for ref in refs:
         chosen = quantized_tensors(root, ref, config)
+        read_whole = {id(base) for base in _dora_base_layers(ref.module)}
         for name, linear in ref.module.named_modules(prefix=ref.name):
             if type(linear) is not nn.Linear or id(linear.weight) not in chosen:
                 continue
@@ -85,10 +87,21 @@ def gemm_linears(root: nn.Module, refs: list[BlockRef], config: OffloadConfig) -
                 and linear.in_features % GEMM_DIMENSION_MULTIPLE == 0
                 and linear.out_features % GEMM_DIMENSION_MULTIPLE == 0
                 and not any(part.startswith("lora_") for part in name.split("."))
+                and id(linear) not in read_whole
                 and not _claimed(linear)
             ):
                 found.append((name, linear))
     return found
+
+
+def _dora_base_layers(block: nn.Module) -> list[nn.Module]:
+    """Base layers of PEFT LoRA layers with DoRA on (their `lora_magnitude_vector` holds an
+    adapter): the DoRA forward reads the base weight itself to take its norm."""
+    return [
+        adapter._modules["base_layer"]
+        for adapter in block.modules()
+        if adapter._modules.get("lora_magnitude_vector") and "base_layer" in adapter._modules
+    ]
 
 
 def _claimed(linear: nn.Linear) -> bool:

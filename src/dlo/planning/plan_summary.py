@@ -62,7 +62,8 @@ def _layout_bytes(module: nn.Module, gemms: dict[int, nn.Linear]) -> int:
     for owned in unique_tensors(module).values():
         tensor = owned.tensor
         linear = gemms.get(id(tensor))
-        specs.append(TensorSpec(owned.name, tuple(tensor.shape), torch.float8_e4m3fn if linear else tensor.dtype))
+        dtype = tensor.dtype if linear is None else torch.float8_e4m3fn
+        specs.append(TensorSpec(owned.name, tuple(tensor.shape), dtype))
         if linear is not None:
             specs.append(TensorSpec(f"{owned.name}_scale", (1, linear.out_features), torch.float32))
     return plan_block_layout(specs).nbytes
