@@ -410,3 +410,38 @@ def test_a_dropped_handle_still_guards_the_module_and_a_dropped_module_is_freed(
     del model
     gc.collect()
     assert alive() is None and len(_MANAGED) == before  # no leak through the registry
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ctrl_c_while_a_block_is_pointed_at_its_placeholders_is_undone(monkeypatch, fp8):
+    """A real SIGINT after a block's first tensor was repointed: its undo was registered before
+    the module changed, so the module runs as before and can be enabled again."""
+    import signal
+
+    from dlo.hotpath.streamed_block import StreamedBlock
+
+    model = Stack(depth=4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    config = dlo.OffloadConfig(stream_dtype="fp8" if fp8 else None)
+    real_point_at = StreamedBlock.point_at
+    interrupted = []
+
+    def point_then_interrupt(block, views):
+        if interrupted:
+            return real_point_at(block, views)
+        interrupted.append(block.name)
+        block.tensors[0].data = views[0]
+        signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt at its next bytecode
+        real_point_at(block, views)
+
+    monkeypatch.setattr(StreamedBlock, "point_at", point_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        dlo.enable(model, "cpu", config)
+    monkeypatch.undo()
+    assert interrupted == ["blocks.0"]
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with dlo.enable(model, "cpu"), torch.no_grad():
+        assert torch.equal(model(x), expected)

@@ -134,3 +134,33 @@ def test_a_block_whose_weights_cannot_be_quantized_leaves_nothing_page_locked(cu
     with pytest.raises(EnableError, match=r"'\^transformer_blocks\\\\.1\\\\.ff\\\\.net\\\\.2\\\\.weight\$'"):
         bind_block(block, None, True, placeholders([block], torch.device("cpu")), fp8_format(config))
     assert fake.registers == 1 and fake.registered == set()
+
+
+def test_ctrl_c_once_a_block_is_pinned_is_held_until_its_undo_can_unpin_it(cudart, monkeypatch):
+    """A real SIGINT after a block's host buffer was pinned and packed, before bind_block()
+    returned: enable()'s binding step holds it until the block's undo is registered, so the
+    rollback unpins the buffer (raised there, it would stay pinned for good)."""
+    import contextlib
+    import signal
+
+    import torch
+
+    from dlo.backend import block_binding
+    from dlo.backend.block_binding import collect_block
+    from dlo.backend.enable import _bind_blocks
+    from dlo.models.tiny import TINY_MODELS
+    from dlo.planning.offload_plan import discover, resolve_blocks
+
+    fake = cudart()
+    model = TINY_MODELS["wan"].build(seed=0)
+    blocks = [collect_block(ref, frozenset()) for ref in resolve_blocks(model, discover(model))]
+    real_streamed = block_binding._streamed
+
+    def interrupted(*args):
+        signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt at its next bytecode
+        return real_streamed(*args)
+
+    monkeypatch.setattr(block_binding, "_streamed", interrupted)
+    with pytest.raises(KeyboardInterrupt), contextlib.ExitStack() as undo:
+        _bind_blocks(blocks, None, None, True, torch.device("cpu"), None, undo, 0, converted=False)
+    assert fake.registers == 1 and fake.registered == set()

@@ -169,8 +169,8 @@ def bind_block(
     placeholder: dict[torch.dtype, torch.Tensor],
     fp8: Fp8Format | None = None,
 ) -> StreamedBlock:
-    """Give the block its host source and point its tensors at placeholders (the module
-    changes here: the caller registers the undo). A block with weights to quantize is
+    """Give the block its host source; the module is not changed yet: the caller registers
+    the undo, then points the tensors at `placeholders`. A block with weights to quantize is
     packed (quantized) into a private buffer, whatever the plan; float8 weights of a
     checkpoint stream from its mapping as stored."""
     layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
@@ -185,9 +185,7 @@ def bind_block(
             host.unpin()
             raise
         source = PackedSource(host)
-    streamed = _streamed(block, layout, wire, source, placeholder)
-    streamed.point_at(streamed.placeholders)
-    return streamed
+    return _streamed(block, layout, wire, source, placeholder)
 
 
 def _pack(block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan | None, host: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.compiled_call import StreamedCallHandle
 from dlo.hotpath.gather import BlockGather, GatherGroup
+from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -118,18 +119,24 @@ def _bind_blocks(
         if gather_group is not None:
             bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes)
             undo.callback(bound.source.release)
-        elif any(block.quantize) or converted:
-            # restore() would give back the dequantized weights, or views of an image that
-            # holds float8 ones: a failed enable() gives back the tensors it found (planned
-            # stand-ins then get their values from the plan).
-            originals = tuple(tensor.data for tensor in block.tensors)
-            bound = bind_block(block, plan, pin, placeholder, fp8)
-            undo.callback(_put_back, bound, originals)
-        else:
-            bound = bind_block(block, plan, pin, placeholder)
-            undo.callback(_unbind, bound)
-            if plan is not None:
-                plan.restored_by_blocks(bound.tensors)
+            streamed.append(bound)
+            continue
+        # Ctrl-C is held from the source's making to its undo's registration (a pinned buffer
+        # without its undo would stay pinned), and the module changes only after it.
+        with interrupts_held():
+            if any(block.quantize) or converted:
+                # restore() would give back the dequantized weights, or views of an image that
+                # holds float8 ones: a failed enable() gives back the tensors it found (planned
+                # stand-ins then get their values from the plan).
+                originals = tuple(tensor.data for tensor in block.tensors)
+                bound = bind_block(block, plan, pin, placeholder, fp8)
+                undo.callback(_put_back, bound, originals)
+            else:
+                bound = bind_block(block, plan, pin, placeholder)
+                undo.callback(_unbind, bound)
+                if plan is not None:
+                    plan.restored_by_blocks(bound.tensors)
+        bound.point_at(bound.placeholders)
         streamed.append(bound)
     return streamed
 
