@@ -178,19 +178,24 @@ def _out_of_memory_at_slots(monkeypatch):
     monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
 
 
-def _interrupt_at_the_third_conversion(monkeypatch):
+def _interrupt_call(monkeypatch, name, at):
+    """Ctrl-C at the `at`-th call of `dlo.backend.fp8_compute.<name>`."""
     import dlo.backend.fp8_compute as conversion
 
     calls = []
-    real = conversion.quantize_into
+    real = getattr(conversion, name)
 
     def interrupted(*args):
         calls.append(args)
-        if len(calls) == 3:
+        if len(calls) == at:
             raise KeyboardInterrupt
-        real(*args)
+        return real(*args)
 
-    monkeypatch.setattr(conversion, "quantize_into", interrupted)
+    monkeypatch.setattr(conversion, name, interrupted)
+
+
+def _interrupt_at_the_third_conversion(monkeypatch):
+    _interrupt_call(monkeypatch, "quantize_into", 3)
 
 
 @pytest.mark.parametrize("failure", [_out_of_memory_at_slots, _interrupt_at_the_third_conversion])
@@ -210,23 +215,12 @@ def test_a_weight_float8_cannot_scale_fails_enable_and_gives_back_the_rest(monke
 
 
 def test_a_disable_cut_short_and_called_again_gives_back_the_dequantized_linears(monkeypatch):
-    import dlo.backend.fp8_compute as conversion
-
     model = TINY_MODELS["flux"].build(seed=0, dtype=torch.bfloat16)
     weight_only = copy.deepcopy(model)
     dlo.quantize_resident(weight_only, dlo.OffloadConfig(stream_dtype="fp8"))
     handle = dlo.enable(model, "cpu", dlo.OffloadConfig(**GEMMS))
     outputs(model, TINY_MODELS["flux"], seeds=(1,))
-    calls = []
-    real = conversion.dequantized
-
-    def interrupted(*args):
-        calls.append(args)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(conversion, "dequantized", interrupted)
+    _interrupt_call(monkeypatch, "dequantized", 5)
     with pytest.raises(KeyboardInterrupt):
         handle.disable()
     monkeypatch.undo()
