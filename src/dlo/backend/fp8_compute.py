@@ -14,7 +14,8 @@ dequantized, as without `fp8_compute`.
 The Linear's class is swapped in place (and back), not the module replaced in its parent: it
 keeps its identity, so whatever holds it (an adapter wrapping it as its base layer, the
 user's references) sees the float8 weights instead of a detached module that would still hold
-the bf16 ones. Linears something else has claimed (hooks, a forward of their own) are left.
+the bf16 ones. Linears something else has claimed (hooks, a forward of their own) or reads
+the weight of (a DoRA adapter) are left, see `gemm_linears`.
 `dlo.quantize_resident` converts the same Linears of the resident model, so the streamed
 model equals it bit for bit. disable() gives back nn.Linears holding the dequantized weights,
 as fp8 streaming does (repeatable: a disable() cut short and called again ends the same); a
@@ -83,7 +84,8 @@ class Fp8GemmConversion:
                 "OffloadConfig.fp8_compute=True found no Linear in the streamed blocks to run as an FP8 GEMM. One "
                 "needs bf16 weights and bias (load the model with torch_dtype=torch.bfloat16; --dtype bfloat16), "
                 f"both dimensions multiples of {GEMM_DIMENSION_MULTIPLE}, to be a plain nn.Linear without hooks, "
-                "not a LoRA adapter's, not tied, not matched by fp8_skip; or set fp8_compute=False"
+                "not a LoRA adapter's nor a DoRA base, used once, not tied, not matched by fp8_skip; or set "
+                "fp8_compute=False"
             )
         with torch.no_grad():
             for name, linear in linears:

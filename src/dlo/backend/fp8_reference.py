@@ -18,9 +18,9 @@ def quantize_resident(module: nn.Module, config: OffloadConfig, plan: OffloadPla
     """Give `module`, in place, the weights that `dlo.enable(module, device, config, plan)`
     streams as float8: each is quantized as enable() quantizes it, then dequantized on the
     device the weight is on (with `fp8_compute`, the Linears enable() runs as FP8 GEMMs
-    become those, see [Note: fp8 compute]). Run resident on that device, the module computes exactly what
-    the streamed one does (See [Note: fp8 streaming]); compare it with the unquantized
-    model for the quantization error. Returns the number of weights changed."""
+    become those: See [Note: fp8 compute]). Run resident on that device, the module computes
+    exactly what the streamed one does (See [Note: fp8 streaming]); compare it with the
+    unquantized model for the quantization error. Returns the number of weights changed."""
     fp8 = fp8_format(config)
     if fp8 is None:
         return 0

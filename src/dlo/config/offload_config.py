@@ -194,8 +194,8 @@ class OffloadConfig:
         metadata={
             "help": "with stream_dtype 'fp8' (float8_e4m3fn): run the streamed blocks' bf16 Linears as FP8 GEMMs "
             "(torch._scaled_mm, activations quantized per row) on their float8 weights instead of dequantizing "
-            "them; needs compute capability 8.9+ on CUDA, and the model's own weights (no checkpoint mapping or "
-            "host weight cache)"
+            "them; needs compute capability 8.9+ on CUDA and quantizes the model's own weights (not with the host "
+            "weight cache; dlo.load_transformer loads the ordinary way)"
         },
     )
 
