@@ -171,6 +171,18 @@ def test_generate_refuses_bad_input_before_loading(tmp_path, tiny_flux_dir, tiny
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
+def test_fp8_gemms_on_fp32_weights_are_refused_before_loading(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    import dlo.cli.generate as generate_cmd
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded")
+
+    monkeypatch.setattr(generate_cmd, "generate", loaded)
+    args = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / "a.png")]
+    assert main([*args, "--stream-dtype", "fp8", "--fp8-compute"]) == 2  # the CPU's default dtype: fp32
+    assert "has no Linear to run as an FP8 GEMM (they need bf16 weights: --dtype bfloat16)" in capsys.readouterr().err
+
+
 def test_frames_on_an_image_pipeline_is_refused(tiny_flux_dir, tmp_path, capsys):
     args = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--frames", "5", "--output", str(tmp_path / "a.png")]
     assert main(args) == 2

@@ -23,7 +23,7 @@ from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.denoise_loop import Trajectory, denoise
 from dlo.cli.format import human_bytes, table
-from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.output_path import check_publishable, published
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
         if path:
             check_publishable(Path(path).expanduser(), flag)
-    check_resident_layers(build_on_meta(args.model), config, args.model, dtype, device)
+    check_config_for_model(build_on_meta(args.model), config, args.model, dtype, device)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 

@@ -15,7 +15,7 @@ from dlo.cli.generate_job import MAX_SEED, GenerateJob, generate, render_stats, 
 from dlo.cli.generate_ranks import run_ranks
 from dlo.cli.media_output import check_output_kind, check_output_suffix
 from dlo.cli.model_source import resolve_model
-from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.output_path import check_publishable
 from dlo.cli.parallel_run import ParallelRun, check_sequence_split, parallel_run_from_flags
 from dlo.cli.pipeline_loading import check_components
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     request = checked_request(rules, args, dtype)
     check_sequence_split(parallel, model_dir, index, rules, request)
     kwargs = call_kwargs(cls, args, request)
-    check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
+    check_config_for_model(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
     job = GenerateJob(model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps)
     if parallel.mode is not None:

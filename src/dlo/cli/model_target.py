@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from dlo.backend.auto_residency import residency_budget
+from dlo.backend.fp8_compute import check_fp8_gemms
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import find_transformer_dir, read_model_config
 from dlo.host.loader import model_class
 from dlo.models.tiny import TINY_MODELS
+from dlo.planning.fp8_selection import gemm_linears
 from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.plan_summary import summarize
 
@@ -43,13 +45,22 @@ def build_on_meta(target: str) -> nn.Module:
         return cls()
 
 
-def check_resident_layers(
+def check_config_for_model(
     meta_module: nn.Module, config: OffloadConfig, name: str, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Refuse `--resident-layers` beyond the leading blocks the plan lets stay resident, or with
-    `--resident auto` a budget below what streaming needs, counted on the meta module in `dtype`
-    (modules a class keeps in fp32 counted in `dtype` too: enable() checks exactly): before any
-    weight is built or loaded."""
+    """Refuse what the model's shapes and dtypes rule out, on the meta module in `dtype`, before
+    any weight is built or loaded: `--fp8-compute` on a device without FP8 GEMMs or for a model
+    with no Linear to run as one; `--resident-layers` beyond the leading blocks the plan lets
+    stay resident, or with `--resident auto` a budget below what streaming needs (modules a
+    class keeps in fp32 counted in `dtype` too: enable() checks exactly)."""
+    if config.fp8_compute:  # See [Note: fp8 compute]
+        check_fp8_gemms(device)
+        cast = meta_module.to(dtype)
+        if not gemm_linears(cast, resolve_blocks(cast, discover(cast)), config):
+            raise ConfigError(
+                f"--fp8-compute: {name} in {str(dtype).removeprefix('torch.')} has no Linear to run as an FP8 GEMM "
+                "(they need bf16 weights: --dtype bfloat16)"
+            )
     if config.resident_layers == AUTO:
         residency_budget(config, summarize(meta_module.to(dtype), discover(meta_module), config), device)
         return

@@ -24,7 +24,7 @@ from dlo.cli.call_rules import read_call_rules
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.generate import pipeline_class
 from dlo.cli.model_source import is_hub_id, resolve_model
-from dlo.cli.model_target import build_on_meta, check_resident_layers
+from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.pipeline_loading import check_components
 from dlo.cli.serve_devices import replica_devices
 from dlo.cli.serve_replica import ReplicaSpec
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     cls, index = pipeline_class(model_dir)
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
-    check_resident_layers(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
+    check_config_for_model(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
     rules = read_call_rules(model_dir, cls)
     # FastAPI and uvicorn: only for this command.
