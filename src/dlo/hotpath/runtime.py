@@ -297,6 +297,17 @@ class StreamingRuntime:
         block.point_at(block.placeholders)
         return memory.numel()
 
+    def discard_loaded(self, indices: Sequence[int]) -> None:
+        """Between calls, after the host copies of blocks `indices` changed: wait for every
+        queued load (one may still read the old bytes), then no slot counts as holding these
+        blocks, so their next use loads them again from their source."""
+        self.drain()
+        self.transfer.synchronize()
+        for index in indices:
+            slot = self.planner.slot_of(index)
+            if slot is not None:
+                self.planner.forget(slot)
+
     @torch.inference_mode(False)  # See StreamingRuntime.__init__
     def replace_slots(self, count: int, nbytes: int) -> None:
         """Stream through `count` new slots of `nbytes` each (0: every block is to be
