@@ -67,7 +67,7 @@ def bare_rate(handle, device: torch.device) -> tuple[float, int]:
     """GB/s of copying each streamed float8 block's source into the landing buffer, one
     after another with nothing else on the device (the forward's own source tensors)."""
     runtime = handle._runtime
-    landing = runtime.transfer.landings[0]
+    landing = runtime.executor.landings[0]
     sources = []
     for index, block in enumerate(runtime.blocks):
         if not block.wire.quantized:

@@ -80,7 +80,7 @@ def main() -> None:
             handles.append(handle)
             runtime = handle._runtime
             images = [b.source.host.tensor[: b.wire.nbytes] for b in runtime.blocks if b.wire.quantized]
-            landing = runtime.transfer.landings
+            landing = runtime.executor.landings
             if common_target is None:
                 common_target = torch.empty_like(landing[0])
                 common_source = HostBuffer(max(i.numel() for i in images), pin=True).tensor.zero_()

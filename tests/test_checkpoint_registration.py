@@ -9,7 +9,7 @@ import torch
 
 import dlo
 from test_checkpoint_mmap import ordinary
-from dlo.hotpath.transfer import SyncTransfer
+from dlo.hotpath.executors import CpuExecutor
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
@@ -30,13 +30,13 @@ def run(model, dtype=torch.float32):
 def test_an_as_saved_checkpoint_mapping_is_registered_and_copied_from_directly(flux, driver, monkeypatch):
     directory, expected = flux
     sources = []
-    issue = SyncTransfer.copy_pieces_into
+    issue = CpuExecutor.run
 
-    def record(self, slot, tasks):
-        sources.extend(task.source.data_ptr() for task in tasks)
-        return issue(self, slot, tasks)
+    def record(self, load):
+        sources.extend(task.source.data_ptr() for task in load.copies(0))
+        return issue(self, load)
 
-    monkeypatch.setattr(SyncTransfer, "copy_pieces_into", record)
+    monkeypatch.setattr(CpuExecutor, "run", record)
     model, plan = dlo.load_transformer(directory)
     assert plan.backing == "checkpoint_mmap"
     with dlo.enable(model, "cpu", plan=plan) as handle:

@@ -110,3 +110,38 @@ def test_a_staged_load_that_fails_anywhere_leaves_every_later_call_exact(tmp_pat
         assert failures == 1
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "flux", torch.bfloat16, (1, 2))))
+
+
+@pytest.mark.parametrize("pack_delay_s", [0.0, 0.02])
+def test_skip_layer_guidance_over_packed_fp8_and_staged_blocks_equals_quantize_resident(tmp_path, monkeypatch, pack_delay_s):
+    """The review's reproduction (SD3, fp8 with one block left as saved so it is staged, a
+    registration ceiling below the checkpoint, calls alternating skip_layers): a staged load
+    still packing must never land after a newer load of another kind into its slot."""
+    import time
+
+    from dlo.hotpath.block_loads import BlockLoads
+
+    real = BlockLoads.pack_tasks
+
+    def slow(self, index, staging):
+        time.sleep(pack_delay_s)
+        return real(self, index, staging)
+
+    monkeypatch.setattr(BlockLoads, "pack_tasks", slow)
+    TINY_MODELS["sd3"].build(seed=3).save_pretrained(tmp_path)
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.2\.",), pin_limit_gib=1e-6)
+    reference = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path).eval()
+    dlo.quantize_resident(reference, config)
+    reference.cuda()
+    model, plan = dlo.load_transformer(tmp_path, config)
+    paths = [[1], [], [2, 3]] * 2
+
+    def each(m):
+        with torch.inference_mode():
+            return [m(**TINY_MODELS["sd3"].inputs(i, torch.float32, "cuda"), skip_layers=s)[0] for i, s in enumerate(paths)]
+
+    expected = each(reference)
+    with dlo.enable(model, "cuda", config, plan=plan) as handle:
+        got = each(model)
+        assert handle.stats().staging_bytes > 0
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(paths)
