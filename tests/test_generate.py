@@ -13,8 +13,8 @@ from PIL import Image
 import dlo
 from dlo.cli import model_source
 from dlo.cli.main import main
-from dlo.cli.media_output import write_image
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from dlo.pipelines.media_output import write_image
 
 diffusers = pytest.importorskip("diffusers")
 from plain_pipeline import plain_pipeline  # noqa: E402  (needs diffusers)

@@ -18,12 +18,12 @@ from serve_process import free_port
 
 @pytest.fixture
 def replicas_never_start(monkeypatch):
-    import dlo.cli.serve_pool
+    import dlo.serve.server
 
     def started(*args, **kwargs):
         raise AssertionError("the replicas started before the port was bound")
 
-    monkeypatch.setattr(dlo.cli.serve_pool, "ReplicaPool", started)
+    monkeypatch.setattr(dlo.serve.server, "ReplicaPool", started)
 
 
 @pytest.mark.parametrize("where", ["port-in-use", "host-not-here"])
@@ -154,7 +154,7 @@ def test_a_replica_whose_server_is_killed_while_it_loads_exits_without_loading_o
 
 WATCHED_REPLICA = """
 import os, sys, threading, time
-from dlo.cli.serve_replica import _exit_with_server
+from dlo.serve.replica import _exit_with_server
 read, write = os.pipe()
 if sys.argv[1] == "closed":
     os.close(read)  # the server's end of its log pipe, gone with it

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlo.cli.output_path import published
 from dlo.errors import ConfigError
+from dlo.pipelines.output_path import published
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
