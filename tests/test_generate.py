@@ -90,7 +90,7 @@ def test_mp4_without_an_encoder_is_refused_with_the_alternatives_before_the_mode
     monkeypatch.setattr(model_source, "_hub_snapshot", looked_up)
     assert main(["generate", "some-org/a-video-model", "--prompt", "x", "--output", str(tmp_path / "a.mp4")]) == 2
     assert capsys.readouterr().err == (
-        f"dlo: error: --output {tmp_path / 'a.mp4'}: no MP4 encoder (pip install imageio-ffmpeg); write an animated "
+        f"dlo: error: --output {tmp_path / 'a.mp4'}: no MP4 encoder (pip install 'dlo[video]'); write an animated "
         ".webp or .gif instead\n"
     )
 

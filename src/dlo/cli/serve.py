@@ -31,7 +31,21 @@ def served_name(target: str) -> str:
     return target if is_hub_id(target) else Path(target).expanduser().resolve().name
 
 
+def check_serve_extra() -> None:
+    """The `[serve]` extra's libraries import, or one line naming the one that does not and the
+    extra to install."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(
+            f"dlo serve needs the [serve] extra ({err.name or err} does not import): pip install 'dlo[serve]'"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    check_serve_extra()
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue {args.max_queue}: give 0 or more")
     if not args.timeout_s > 0 or args.timeout_s == float("inf"):
@@ -49,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     check_config_for_model(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
     check_components(model_dir, index)
     rules = read_call_rules(model_dir, cls)
-    # FastAPI and uvicorn: only for this command.
+    # FastAPI and uvicorn: only for this command (check_serve_extra ran first).
     from dlo.serve.requests import Limits
     from dlo.serve.server import ServerSpec, serve
 
