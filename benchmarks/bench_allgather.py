@@ -1,4 +1,4 @@
-"""All-gather streaming on real ranks (SPEC §4): parity, speed and memory of a data-parallel
+"""All-gather streaming on real ranks (docs/guides/multi-gpu.md): parity, speed and memory of a data-parallel
 wave, and what the survivors do when a rank dies mid-wave.
 
 Run under torchrun, one process per GPU (NCCL), or per CPU process with --device cpu (Gloo).
@@ -250,7 +250,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
 def variant_config(variant: Variant, args: argparse.Namespace) -> dlo.OffloadConfig:
     cache = {}
     if variant.from_cache:
-        # A benchmark's own directory: any filesystem the user points it at (SPEC's tmpfs refusal is for users' caches).
+        # A benchmark's own directory: any filesystem the user points it at (the tmpfs refusal is for users' caches).
         cache = dict(host_weight_cache=True, cache_dir=str(args.from_cache / "cache"), cache_allow_any_filesystem=True)
     chunk = dict(gather_chunk_mib=variant.gather_chunk_mib) if variant.kind == "all-gather" else {}
     return dlo.OffloadConfig(

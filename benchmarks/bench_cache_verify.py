@@ -1,6 +1,6 @@
 """What a full validation of a host weight cache entry costs: `dlo cache verify` on a
 Wan-14B-shaped bf16 entry (page cache hot), which hashes the entry's files and then the mapped
-tensors for the content digest (SPEC §5.2).
+tensors for the content digest (docs/guides/host-weight-cache.md).
 
 The checkpoint of bench_host_backings.py is saved, loaded once with the host weight cache (which
 publishes the entry), and `dlo -v cache verify` runs twice in fresh processes; its own output

@@ -1,6 +1,6 @@
 """torch.compile with streaming: compiled resident vs compiled + dlo vs diffusers group offloading + compile.
 
-The models, weights, inputs and timing are bench_streaming.py's (SPEC §9 shapes: Wan-14B-shaped
+The models, weights, inputs and timing are bench_streaming.py's (the shapes of docs/benchmarks.md: Wan-14B-shaped
 12 layers at 480p/81 frames, Flux-shaped 6+12 at 1024², bf16, random weights from one seed).
 Variants, one at a time, each freed before the next (so every peak belongs to one variant):
 

@@ -1,7 +1,7 @@
 """fp8 streaming against bf16 streaming, the quantized model resident, and diffusers' unscaled
 layerwise casting with group offloading: speed, bytes, bit identity and quantization error.
 
-Per shape (SPEC §9, random bf16 weights from one seed, as bench_streaming.py builds them), one
+Per shape (docs/benchmarks.md, random bf16 weights from one seed, as bench_streaming.py builds them), one
 variant at a time, each freed before the next:
 
   resident            the bf16 model on the device: the reference output for the error.

@@ -24,7 +24,7 @@ cache entry (issue 18: registered within 2 % of pinned).
 
 Inputs: Wan "480p" (1x16x21x60x104 latents, 512 text tokens: compute-bound) and "tiny"
 (1x16x1x8x8 latents, 16 text tokens: a forward takes as long as streaming the blocks); Flux
-"1024px" (4096 image + 512 text tokens: transfer-bound on the H200, SPEC §9). Effective GB/s =
+"1024px" (4096 image + 512 text tokens: transfer-bound on the H200, docs/benchmarks.md). Effective GB/s =
 block bytes / forward median. The page cache is hot (the files were just written). Outputs are
 checked bit-identical to the pinned variant. Host memory (smaps_rollup) is read while the
 variant is enabled: Private_Dirty is this process's private memory, Pss_File its share of the

@@ -1,6 +1,6 @@
 """resident_layers='auto' under memory budgets vs every hand-set resident_layers vs diffusers.
 
-The models, weights, inputs and timing are bench_streaming.py's (SPEC §9 shapes, bf16, random
+The models, weights, inputs and timing are bench_streaming.py's (the shapes of docs/benchmarks.md, bf16, random
 weights from one seed). One model per shape is built on the CPU and enabled again for each run:
 
   hand-set r   dlo.OffloadConfig(resident_layers=r) for every r from 0 to the block count: the

@@ -1,7 +1,7 @@
 """`dlo serve` with 1 and then 2 replicas: aggregate throughput, latency, summed host PSS.
 
 The pipeline is a WanPipeline whose transformer is Wan-14B-shaped (bench_streaming.py's "wan"
-shape, SPEC §9: 40 heads x 128, ffn 13824, 12 of its 40 layers by default, random seeded bf16
+shape, docs/benchmarks.md: 40 heads x 128, ffn 13824, 12 of its 40 layers by default, random seeded bf16
 weights written as 2 GB safetensors shards) with the tiny UMT5 text encoder, tiny Wan VAE and
 tokenizer of dlo.models.tiny_pipelines (so the transformer's text_dim is 32, not 4096: only the
 condition embedder's text projection is smaller; the blocks are Wan-14B's). It is written once

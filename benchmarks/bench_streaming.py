@@ -1,6 +1,6 @@
 """Forward time of one transformer three ways: resident, streamed by dlo, diffusers group offloading.
 
-For each shape (SPEC §9) the model is built on the CPU in bf16 (the modules the class keeps in
+For each shape (docs/benchmarks.md) the model is built on the CPU in bf16 (the modules the class keeps in
 fp32 on load stay fp32, as from_pretrained(torch_dtype=torch.bfloat16) leaves them) with random
 weights drawn from one seed (nothing is downloaded), and run on one device in three variants, one
 at a time, each freed before the next so that every peak belongs to one variant:
@@ -22,7 +22,7 @@ the blocks and also its "unmatched" group of everything else (embeddings, norms,
 it copies in and back out synchronously from pageable memory.
 
 floor = max(resident median, block bytes / link rate): no block-streaming scheme beats the
-resident model's compute or the time to move every block once over the link (SPEC §9: pinned
+resident model's compute or the time to move every block once over the link (docs/benchmarks.md: pinned
 H2D 55.3 GB/s on the H200, --link-gbps). "x floor" is a variant's median over that floor.
 dlo's output must equal the resident output bit for bit (torch.equal); for diffusers the max
 abs difference from the resident output is reported.
@@ -477,7 +477,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed forwards per variant (default: 5)")
     parser.add_argument(
         "--link-gbps", type=float, default=55.3,
-        help="host->device link rate in GB/s for the floor (default: 55.3, pinned H2D on the H200, SPEC §9)",
+        help="host->device link rate in GB/s for the floor (default: 55.3, pinned H2D on the H200, docs/benchmarks.md)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1 (default: 0)"

@@ -1,4 +1,4 @@
-"""Registering a host weight cache mapping at enable() (SPEC §5.3), on CPU with a fake driver:
+"""Registering a host weight cache mapping at enable() (docs/guides/host-weight-cache.md), on CPU with a fake driver:
 direct copies instead of staging, every fallback, and the teardown order around the mapping."""
 
 import enum

@@ -1,6 +1,6 @@
-"""Registering an as-saved checkpoint mapping (SPEC §5.3 applied to §5.1), on CPU with a fake
-driver: blocks copy straight from the checkpoint's pages when no tensor needs an adapter;
-a cast keeps the staging path."""
+"""Registering an as-saved checkpoint mapping (docs/guides/host-weight-cache.md, for the mappings
+of docs/guides/checkpoints.md), on CPU with a fake driver: blocks copy straight from the
+checkpoint's pages when no tensor needs an adapter; a cast keeps the staging path."""
 
 import logging
 

@@ -1,4 +1,4 @@
-"""Checkpoints that are already float8 with scales (SPEC-less ecosystem formats: ComfyUI's
+"""Checkpoints that are already float8 with scales (ecosystem formats: ComfyUI's
 `scale_weight`, ModelOpt / compressed-tensors' `weight_scale`) stream as stored and equal
 the model dequantized independently from the file. See [Note: fp8 streaming]"""
 

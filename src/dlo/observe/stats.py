@@ -76,7 +76,7 @@ class OffloadStats:
         staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
         spent packing them (in background threads, overlapping copies and compute).
     registered_bytes / registered_ranges / register_s: the checkpoint or cache mapping
-        registered read-only with the driver (SPEC §5.3): blocks are then copied straight
+        registered read-only with the driver (docs/guides/host-weight-cache.md): blocks are then copied straight
         from its shared pages, and staging_bytes is 0. registration_fallback: why it is not
         registered ("" when it is, when no mapping is streamed, or on the CPU).
     gather_group_size / collectives: all-gather mode's group size (1: rank-local or a group

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, validate_call
+from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, validate_call
 
 _PROMPT_CHARS = 10_000
 # max_sequence_length where the pipeline's signature gives no default (which would bound it):

@@ -16,7 +16,7 @@ alone into the landing buffer (the forward's own source tensors), one after anot
 idle; and the median of 10 unprofiled forwards.
 
 On the GPU machine, from the repository root (diffusers from the wheels in .whl/):
-  PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/fp8_copy_trace.py --dir /tmp/flux-ckpt
+  PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/investigations/fp8_copy_trace.py --dir /tmp/flux-ckpt
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-import bench_host_backings as backings
-import bench_streaming as bench
+# The maintained benchmarks' models and helpers, one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_host_backings as backings  # noqa: E402
+import bench_streaming as bench  # noqa: E402
 import dlo
 from dlo.host.block_sources import MappedSource, PackedSource
 

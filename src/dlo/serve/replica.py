@@ -175,8 +175,7 @@ class _Inbox:
 
 def _load(spec: ReplicaSpec):
     import dlo
-    from dlo.cli.generate import pipeline_class
-    from dlo.cli.pipeline_loading import load_pipeline
+    from dlo.pipelines.loading import load_pipeline, pipeline_class
 
     model_dir = Path(spec.model_dir)
     cls, _ = pipeline_class(model_dir)
@@ -227,7 +226,7 @@ def _png(image) -> bytes:
 
 
 def _video_file(frames, video: VideoFile) -> bytes:
-    from dlo.cli.media_output import write_video
+    from dlo.pipelines.media_output import write_video
 
     with tempfile.TemporaryDirectory(prefix="dlo-serve-") as directory:
         path = Path(directory) / f"video.{video.format.value}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlo.cli.output_path import published
 from dlo.errors import ConfigError
+from dlo.pipelines.output_path import published
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
@@ -31,7 +31,7 @@ def check_output_suffix(path: Path) -> None:
         )
     if suffix == ".mp4" and not has_mp4_encoder():
         raise ConfigError(
-            f"--output {path}: no MP4 encoder (pip install imageio-ffmpeg); write an animated .webp or .gif instead"
+            f"--output {path}: no MP4 encoder (pip install 'dlo[video]'); write an animated .webp or .gif instead"
         )
 
 

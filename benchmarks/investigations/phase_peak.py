@@ -8,16 +8,20 @@ On the GPU machine, from the repository root (diffusers from the wheels in .whl/
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
-  python3 benchmarks/phase_peak.py
+  python3 benchmarks/investigations/phase_peak.py
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import bench_streaming as bench
+# The maintained benchmarks' models and helpers, one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_streaming as bench  # noqa: E402
 
 GIB = 2**30
 

@@ -1,5 +1,5 @@
 """Host memcpy ceilings on the GPU machine: page-cache mmap vs anonymous memory into pinned
-memory, by thread count, and page faults per pass. Run: python3 benchmarks/host_memcpy_threads.py
+memory, by thread count, and page faults per pass. Run: python3 benchmarks/investigations/host_memcpy_threads.py
 (writes a 4 GiB file to /tmp). Results in RESULTS.md (issue 3)."""
 import mmap, os, time, resource
 import numpy as np, torch

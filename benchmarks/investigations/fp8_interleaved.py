@@ -14,19 +14,22 @@ each variant's median over rounds, and each ratio per round (min / median / max)
 checked: the cache's equal to pinned fp8 per channel's.
 
 On the GPU machine, from the repository root (diffusers from the wheels in .whl/):
-  PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/fp8_interleaved.py --dir /tmp/flux-ckpt
+  PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/investigations/fp8_interleaved.py --dir /tmp/flux-ckpt
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-import bench_host_backings as backings
-import bench_streaming as bench
+# The maintained benchmarks' models and helpers, one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_host_backings as backings  # noqa: E402
+import bench_streaming as bench  # noqa: E402
 import dlo
 
 def main() -> None:

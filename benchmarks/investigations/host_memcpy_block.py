@@ -1,7 +1,7 @@
 """Packing rate of one real Wan-14B-shaped block (its ~107 tensors, from the checkpoint
 mapping into a pinned buffer) vs one contiguous region of the same file, by thread count.
 Needs the checkpoint bench_host_backings.py writes (/tmp/wan-ckpt) and CUDA for pinning.
-Run: python3 benchmarks/host_memcpy_block.py. Results in RESULTS.md (issue 3)."""
+Run: python3 benchmarks/investigations/host_memcpy_block.py. Results in RESULTS.md (issue 3)."""
 import time, numpy as np
 from concurrent.futures import ThreadPoolExecutor
 import dlo

@@ -1,4 +1,4 @@
-"""`dlo serve`'s replica pool: replica processes (serve_replica.py) that take jobs from one
+"""`dlo serve`'s replica pool: replica processes (replica.py) that take jobs from one
 bounded FIFO, and the metrics they feed.
 
 The pool holds at most `replicas + max_queue` jobs (beyond that QueueFull, with a Retry-After
@@ -27,8 +27,8 @@ from multiprocessing.connection import wait as connection_wait
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from dlo.cli.serve_replica import Cancel, Done, Job, Progress, Ready, ReplicaSpec, VideoFile, replica_main
 from dlo.errors import ConfigError
+from dlo.serve.replica import Cancel, Done, Job, Progress, Ready, ReplicaSpec, VideoFile, replica_main
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 
 import uvicorn
 
-from dlo.cli.serve_pool import ReplicaPool
+from dlo.serve.pool import ReplicaPool
 
 DRAINING = "the server is draining (it got SIGTERM): it finishes the jobs it holds and takes no new ones"
 

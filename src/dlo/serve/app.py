@@ -1,11 +1,11 @@
 """`dlo serve`'s HTTP side (FastAPI): OpenAI-style image and video endpoints in front of the
-replica pool (serve_pool.py).
+replica pool (pool.py).
 
 A request is validated before it is queued (a 400 JSON error naming the field); the server
 holds at most `replicas + max_queue` jobs, beyond that a request gets 429 with a Retry-After
 from recent job times. An image request waits at most `timeout_s` (504; the job itself still
 runs to its end). A client that hangs up stops waiting too: its job is dropped if still queued
-(logged as 499). A video request answers at once with a job (serve_videos.py) to poll, fetch,
+(logged as 499). A video request answers at once with a job (videos.py) to poll, fetch,
 cancel or delete. A replica that dies fails only the job it was running (saying so) and is
 restarted. While the pool refuses jobs (SIGTERM's drain, or no replica left), new jobs get 503.
 """
@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dlo.cli.call_rules import CallRules
-from dlo.cli.media_output import has_mp4_encoder
-from dlo.cli.serve_pool import QueueFull, ReplicaPool, Unavailable
-from dlo.cli.serve_replica import VideoFile, VideoFormat
-from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, VideoRequest, pipeline_kwargs
-from dlo.cli.serve_videos import VideoJobs, VideoShape, VideoStatus
+from dlo.pipelines.call_rules import CallRules
+from dlo.pipelines.media_output import has_mp4_encoder
+from dlo.serve.pool import QueueFull, ReplicaPool, Unavailable
+from dlo.serve.replica import VideoFile, VideoFormat
+from dlo.serve.requests import ImageRequest, Limits, RequestError, VideoRequest, pipeline_kwargs
+from dlo.serve.videos import VideoJobs, VideoShape, VideoStatus
 
 
 async def _hung_up(connection: Request) -> None:

@@ -15,8 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from dlo.cli.serve_pool import QueueFull, ReplicaPool, Unavailable
-from dlo.cli.serve_replica import Done, VideoFile, VideoFormat
+from dlo.serve.pool import QueueFull, ReplicaPool, Unavailable
+from dlo.serve.replica import Done, VideoFile, VideoFormat
 
 MEDIA_TYPES = {VideoFormat.MP4: "video/mp4", VideoFormat.WEBP: "image/webp"}
 

@@ -1,5 +1,5 @@
-"""Loading a diffusers pipeline directory: every component checked before any weight loads,
-and diffusers' loader called the current way."""
+"""Loading a diffusers pipeline directory: its pipeline class, every component checked before any
+weight loads, and diffusers' loader called the current way."""
 
 from __future__ import annotations
 
@@ -7,9 +7,34 @@ from pathlib import Path
 
 import torch
 
-from dlo.cli.library_noise import quiet_loading_bars
+from dlo.backend.pipeline import STREAMED_COMPONENTS
 from dlo.errors import ConfigError
+from dlo.host.checkpoint import read_json_object
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, SafetensorsFile
+from dlo.pipelines.library_noise import quiet_loading_bars
+
+
+def pipeline_class(model_dir: Path) -> tuple[type, dict]:
+    """The pipeline class named by model_index.json, and the index; clear errors otherwise."""
+    index_path = model_dir / "model_index.json"
+    if not index_path.is_file():
+        raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
+    index = read_json_object(index_path)
+    import diffusers
+
+    cls = getattr(diffusers, str(index.get("_class_name")), None)
+    if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
+        raise ConfigError(
+            f"{index_path}: unknown pipeline {index.get('_class_name')!r} (not a pipeline class of diffusers "
+            f"{diffusers.__version__})"
+        )
+    if not any(index.get(name) and index[name][0] is not None for name in STREAMED_COMPONENTS):
+        raise ConfigError(
+            f"{index.get('_class_name')} in {model_dir} has no transformer component; dlo streams diffusion "
+            "transformers (DiT), not UNets"
+        )
+    return cls, index
+
 
 def _listed_components(index: dict) -> dict[str, tuple[str, str]]:
     """model_index.json's components: name -> (library, class), the unused (null) ones left out."""

@@ -1,7 +1,7 @@
 """NVLink all-gather rate on its own and while the same rank copies host -> device: is the
 gather or the link the bottleneck of all-gather streaming? Run under torchrun, one GPU per rank:
 
-  NCCL_DEBUG=INFO python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/allgather_rate.py
+  NCCL_DEBUG=INFO python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/investigations/allgather_rate.py
 
 Prints, on rank 0: the gather rate of a 679 MB block (Flux double-block size) alone, the H2D
 rate of a 340 MB pinned shard alone, and both at once on separate streams.

@@ -16,8 +16,8 @@ configuration its autotuner runs with, to diff two compilations offline.
 
 On the GPU machine, from the repository root, with diffusers on PYTHONPATH (see bench_compile.py):
 
-  python3 benchmarks/compile_reproducibility.py --shapes flux,wan
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 benchmarks/compile_reproducibility.py --shapes flux --deterministic
+  python3 benchmarks/investigations/compile_reproducibility.py --shapes flux,wan
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 benchmarks/investigations/compile_reproducibility.py --shapes flux --deterministic
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -33,7 +34,9 @@ from torch._inductor.codecache import PyCodeCache
 from torch._inductor.utils import fresh_inductor_cache
 
 import dlo
-from bench_streaming import SHAPES, build_model, release, to_device
+# The maintained benchmarks' models and helpers, one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_streaming import SHAPES, build_model, release, to_device  # noqa: E402
 
 
 def _loaded_modules() -> list:

@@ -1,6 +1,6 @@
 """Packing rate into a pinned (or write-combined) staging buffer while a concurrent H2D copy
 runs at link rate, by chunk size and thread count: the memory-bandwidth ceiling of the staged
-path. Needs CUDA and cuda-bindings. Run: python3 benchmarks/host_memcpy_under_dma.py.
+path. Needs CUDA and cuda-bindings. Run: python3 benchmarks/investigations/host_memcpy_under_dma.py.
 Results in RESULTS.md (issue 3)."""
 import time, threading
 import numpy as np, torch

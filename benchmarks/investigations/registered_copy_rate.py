@@ -12,7 +12,7 @@ rate is bytes over the CUDA-event time. Source start offsets: 0 (page-aligned) a
 alignment of a block image inside a cache entry). --device-load runs D2D copies on another stream
 while the timed copies run (device-memory traffic like a forward's dequantization and compute).
 
-On the GPU machine, from the repository root: PYTHONPATH=$PWD/src python3 benchmarks/registered_copy_rate.py
+On the GPU machine, from the repository root: PYTHONPATH=$PWD/src python3 benchmarks/investigations/registered_copy_rate.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ dropped with posix_fadvise(DONTNEED) (what bench_first_step does) and then read 
 
 Reported: GB/s (file bytes over wall time). On the GPU machine, from the repository root:
 
-  PYTHONPATH=$PWD/src python3 benchmarks/cold_read_rate.py --dir /tmp/cold-read
+  PYTHONPATH=$PWD/src python3 benchmarks/investigations/cold_read_rate.py --dir /tmp/cold-read
 """
 
 from __future__ import annotations
