@@ -5,8 +5,10 @@ See [Note: one writer per slot] in dlo.hotpath.slot_queue."""
 import copy
 import random
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,8 +197,16 @@ POINTS = [
 ]
 
 
-@pytest.mark.parametrize(("owner", "name", "after"), POINTS, ids=[f"{o.__name__}.{n}" for o, n, _ in POINTS])
-@pytest.mark.parametrize("backing", ["packed", "staged"])
+# Staged loads run on the stager's thread, where no Ctrl-C lands.
+CASES = [
+    pytest.param(backing, *point, id=f"{backing}-{point[0].__name__}.{point[1]}")
+    for backing in ("packed", "staged")
+    for point in POINTS
+    if (backing, point[1]) != ("staged", "run")
+]
+
+
+@pytest.mark.parametrize(("backing", "owner", "name", "after"), CASES)
 def test_ctrl_c_at_every_step_of_a_call_leaves_the_next_calls_exact(tmp_path, monkeypatch, owner, name, after, backing):
     """A KeyboardInterrupt at each invocation of each step of a call (tiny Flux: two block
     sizes, so slots are refitted), caught as a notebook would: the next calls equal resident."""
@@ -210,8 +220,8 @@ def test_ctrl_c_at_every_step_of_a_call_leaves_the_next_calls_exact(tmp_path, mo
     with dlo.enable(model, "cpu", plan=plan):
         flux_outputs(model, [0])
         count_calls.clear()
-        flux_outputs(model, [0])  # how often one call runs the step
-    invocations = len(count_calls)
+        flux_outputs(model, [0])
+        invocations = len(count_calls)  # how often one call runs the step
     assert invocations > 0
     monkeypatch.undo()
     for at in range(1, invocations + 1):
@@ -272,3 +282,68 @@ def test_a_failed_step_in_all_gather_mode_breaks_off_instead_of_guessing():
                 sd3_call(model, 0, [])
         with pytest.raises(dlo.StreamingError, match="restart the job"):
             sd3_call(model, 0, [])
+
+
+HOTPATH = str(Path(dlo.__file__).parent / "hotpath")
+
+
+class _LineInterrupt:
+    """Raise KeyboardInterrupt at the `at`-th line the main thread runs in dlo's hot path
+    (from a trace function: not a signal, so nothing holds it back, the way a second Ctrl-C
+    is not held). `at=None` only counts."""
+
+    def __init__(self, at):
+        self.at, self.lines = at, 0
+
+    def __enter__(self):
+        main = threading.main_thread()
+
+        def local(frame, event, arg):
+            if event == "line":
+                self.lines += 1
+                if self.lines == self.at:
+                    raise KeyboardInterrupt(f"line {self.at}")
+            return local
+
+        def calls(frame, event, arg):
+            if threading.current_thread() is main and frame.f_code.co_filename.startswith(HOTPATH):
+                return local
+            return None
+
+        sys.settrace(calls)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("backing", ["packed", "staged"])
+def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact(tmp_path, backing):
+    """KeyboardInterrupt at sampled lines of everything the hot path runs in one call (tiny
+    Flux, fp8: landing buffers, two block sizes: refits), even where a held signal could not
+    land: the caller catches it, and the next calls equal resident."""
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.0\.",))
+    reference = FLUX.build(seed=1)
+    model_weights = copy.deepcopy(reference)
+    dlo.quantize_resident(reference, config)
+    expected = flux_outputs(reference, [0, 1])
+    if backing == "staged":
+        model_weights.save_pretrained(tmp_path / "flux")
+
+    def fresh():
+        return dlo.load_transformer(tmp_path / "flux", config) if backing == "staged" else (copy.deepcopy(model_weights), None)
+
+    model, plan = fresh()
+    with dlo.enable(model, "cpu", config, plan=plan):
+        flux_outputs(model, [0])
+        with _LineInterrupt(None) as counted:
+            flux_outputs(model, [0])
+    rng = random.Random(backing)
+    for at in sorted(rng.sample(range(1, counted.lines + 1), 24)):
+        model, plan = fresh()
+        with dlo.enable(model, "cpu", config, plan=plan):
+            flux_outputs(model, [0])
+            with pytest.raises(KeyboardInterrupt), _LineInterrupt(at):
+                flux_outputs(model, [0])
+            got = flux_outputs(model, [0, 1])
+        assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at

@@ -145,3 +145,42 @@ def test_skip_layer_guidance_over_packed_fp8_and_staged_blocks_equals_quantize_r
         got = each(model)
         assert handle.stats().staging_bytes > 0
     assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(paths)
+
+
+@pytest.mark.parametrize("backing", ["packed", "staged"])
+def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on_cuda(tmp_path, backing):
+    """As on the CPU (tests/test_one_load_path.py), with the copy, dequantization and stager
+    streams: a load cut between its enqueued work and its events must not race a later load."""
+    import copy
+    import random
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from test_one_load_path import FLUX, _LineInterrupt
+
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.0\.",))
+    weights = FLUX.build(seed=1)
+    reference = copy.deepcopy(weights)
+    dlo.quantize_resident(reference, config)
+    reference.cuda()
+    expected = run(reference, "flux", torch.float32, (0, 1))
+    if backing == "staged":
+        weights.save_pretrained(tmp_path / "flux")
+
+    def fresh():
+        return dlo.load_transformer(tmp_path / "flux", config) if backing == "staged" else (copy.deepcopy(weights), None)
+
+    model, plan = fresh()
+    with dlo.enable(model, "cuda", config, plan=plan):
+        run(model, "flux", torch.float32, (0,))
+        with _LineInterrupt(None) as counted:
+            run(model, "flux", torch.float32, (0,))
+    for at in sorted(random.Random(backing).sample(range(1, counted.lines + 1), 40)):
+        model, plan = fresh()
+        with dlo.enable(model, "cuda", config, plan=plan):
+            run(model, "flux", torch.float32, (0,))
+            with pytest.raises(KeyboardInterrupt), _LineInterrupt(at):
+                run(model, "flux", torch.float32, (0,))
+            got = run(model, "flux", torch.float32, (0, 1))
+        assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at

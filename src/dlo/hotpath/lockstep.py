@@ -44,26 +44,26 @@ class LockstepRuntime(StreamingRuntime):
         collectives]. dlo's own errors leave the rank in step (a schedule break is raised after
         the peers were given their collectives; a failed collective broke the group already);
         anything else that ends a step midway leaves the rank's loads unlike its peers'."""
-        self.gather.raise_if_broken()
-        try:
-            with interrupts_held():
+        with interrupts_held():  # a Ctrl-C it held is raised as it ends: the step ran whole
+            try:
                 yield
-        except StreamingError:
-            raise
-        except ForcedInterrupt:
-            self.gather.break_off(
-                f"rank {self.gather.rank} was stopped by a second Ctrl-C between its collectives, so they no longer "
-                "pair with its peers': restart the job"
-            )
-            raise
-        except BaseException as failure:
-            self.gather.break_off(
-                f"rank {self.gather.rank} stopped between its collectives ({type(failure).__name__}: {failure}), so "
-                "they no longer pair with its peers': restart the job"
-            )
-            raise
+            except StreamingError:
+                raise
+            except ForcedInterrupt:
+                self.gather.break_off(
+                    f"rank {self.gather.rank} was stopped by a second Ctrl-C between its collectives, so they no "
+                    "longer pair with its peers': restart the job"
+                )
+                raise
+            except BaseException as failure:
+                self.gather.break_off(
+                    f"rank {self.gather.rank} stopped between its collectives ({type(failure).__name__}: "
+                    f"{failure}), so they no longer pair with its peers': restart the job"
+                )
+                raise
 
     def _enter(self, index: int) -> None:
+        self.gather.raise_if_broken()
         if self._cursor is None:
             raise StreamingError(
                 f"block {self.blocks[index].name!r} ran outside a call of the module dlo.enable() was given; in "
@@ -86,6 +86,7 @@ class LockstepRuntime(StreamingRuntime):
         call's first loads at the end of the previous one, or now) and load the first blocks if
         they are not loaded yet. See [Note: lockstep schedule]"""
         with self._step():
+            self.gather.raise_if_broken()
             self._end_call_here()
             agreement, self._next_agreement = self._next_agreement, None
             if agreement is None:
