@@ -96,10 +96,17 @@ def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, a
 
 def cli_commands() -> list[tuple[str, str]]:
     """(command, its --help text) for `dlo` and every subcommand, at a fixed width."""
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width: make the page stable
     from dlo.cli.main import build_parser
 
-    return [(name, sub.format_help()) for name, sub in _commands(build_parser(), "dlo")]
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width: make the page stable
+    try:
+        return [(name, sub.format_help()) for name, sub in _commands(build_parser(), "dlo")]
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
 
 
 def cli() -> str:
