@@ -41,7 +41,6 @@ On the GPU machine, from the repository root (diffusers from the wheels in .whl/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -52,6 +51,7 @@ import torch
 
 import bench_streaming as bench
 import dlo
+from results_json import add_json_flag, write_json
 
 GB = 1e9
 WAN_INPUTS = {
@@ -182,6 +182,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--stream-dtype", default=None, help="OffloadConfig.stream_dtype of every variant, e.g. fp8")
+    add_json_flag(parser, "bench_host_backings")
     args = parser.parse_args()
     device = torch.device("cuda")
     block_bytes = save_checkpoint(args.shape, args.dir, device)
@@ -209,9 +210,7 @@ def main() -> None:
         ]
         print(table(rows[-len(measured):]), flush=True)
     report = table(rows)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, f"bench_host_backings_{args.shape}.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    write_json(args.json, "bench_host_backings", [asdict(r) for r in rows], report, shape=args.shape, block_bytes=block_bytes)
     print(report)
 
 
