@@ -40,7 +40,7 @@ from dlo.hotpath.liveness import RankWatch, group_timeout_s
 from dlo.hotpath.streamed_block import StreamedBlock
 
 class GatherRole(enum.Enum):
-    """Which of the caller's groups rebuilds blocks (SPEC §4); NONE: a group of one."""
+    """Which of the caller's groups rebuilds blocks (docs/guides/multi-gpu.md); NONE: a group of one."""
 
     DP = "dp"
     SP = "sp"
