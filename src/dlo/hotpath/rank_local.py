@@ -5,7 +5,7 @@ its slots between calls."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -108,18 +108,6 @@ class RankLocalRuntime(StreamingRuntime):
             self.planner.demote(index)
             memory = self.promoted.pop(index)
         return memory.numel()
-
-    def discard_loaded(self, indices: Sequence[int]) -> None:
-        """Between calls, after the host copies of blocks `indices` changed: wait for every
-        queued load (one may still read the old bytes), then no slot counts as holding these
-        blocks, so their next use loads them again from their source."""
-        with self._step():
-            self.drain()
-            self.executor.synchronize()
-            for index in indices:
-                slot = self.planner.slot_of(index)
-                if slot is not None:
-                    self.planner.forget(slot)
 
     @torch.inference_mode(False)  # See BlockLoads.__init__
     def replace_slots(self, count: int, nbytes: int) -> None:

@@ -171,6 +171,19 @@ class StreamingRuntime:
             for block in self.blocks:
                 block.restore()
 
+    def discard_loaded(self, indices: Sequence[int]) -> None:
+        """Between calls, after the host copies of blocks `indices` changed: wait for every
+        queued load (one may still read the old bytes), then no slot counts as holding these
+        blocks, so their next use loads them again from their source. In all-gather mode every
+        rank calls it at the same point of its calls (it changes which loads the next call issues)."""
+        with self._step():
+            self.drain()
+            self.executor.synchronize()
+            for index in indices:
+                slot = self.planner.slot_of(index)
+                if slot is not None:
+                    self.planner.forget(slot)
+
     def drain(self) -> None:
         """Wait for every queued staged load (before synchronizing or tearing down), all of
         them even when one failed, then raise the first failure. A slot whose load failed
