@@ -55,7 +55,32 @@ def test_a_handler_of_the_programs_own_runs_as_the_step_ends():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # no ForcedInterrupt: that is Python's own handler's rule
         assert seen == []
-    assert seen == [signal.SIGINT, signal.SIGINT]
+    assert seen == [signal.SIGINT]  # two of one kind merge, as the kernel merges pending signals
+
+
+@pytest.fixture
+def sigterm_seen():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: seen.append(sig))
+    yield seen
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_every_held_handler_runs_even_when_an_earlier_one_raises(sigterm_seen):
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert sigterm_seen == [signal.SIGTERM]  # a graceful shutdown asked for is not lost
+
+
+def test_a_step_that_raises_still_runs_the_programs_held_handlers(sigterm_seen):
+    with pytest.raises(ValueError, match="the step's own"):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ValueError("the step's own error")
+    assert sigterm_seen == [signal.SIGTERM]
 
 
 def test_an_alarm_whose_handler_raises_is_raised_as_the_step_ends():

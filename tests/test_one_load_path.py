@@ -284,12 +284,13 @@ def test_a_failed_step_in_all_gather_mode_breaks_off_instead_of_guessing():
             sd3_call(model, 0, [])
 
 
-HOTPATH = str(Path(dlo.__file__).parent / "hotpath")
+PACKAGE = Path(dlo.__file__).parent
+TRACED = (str(PACKAGE / "hotpath"), str(PACKAGE / "planning" / "slot_planner.py"))
 
 
 class _LineInterrupt:
-    """Raise KeyboardInterrupt at the `at`-th line the main thread runs in dlo's hot path
-    (from a trace function: not a signal, so nothing holds it back, the way a second Ctrl-C
+    """Raise KeyboardInterrupt at the `at`-th line the main thread runs in dlo's hot path or
+    its planner (from a trace function: not a signal, so nothing holds it back, the way a second Ctrl-C
     is not held). `at=None` only counts."""
 
     def __init__(self, at):
@@ -306,7 +307,7 @@ class _LineInterrupt:
             return local
 
         def calls(frame, event, arg):
-            if threading.current_thread() is main and frame.f_code.co_filename.startswith(HOTPATH):
+            if threading.current_thread() is main and frame.f_code.co_filename.startswith(TRACED):
                 return local
             return None
 
@@ -347,3 +348,110 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact(tm
                 flux_outputs(model, [0])
             got = flux_outputs(model, [0, 1])
         assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at
+
+
+def test_an_interrupt_at_any_line_of_a_slot_replacement_leaves_streaming_exact():
+    """replace_slots() (automatic residency's step) cut at 30 of its lines: the runtime never
+    stays without slots, and every later call equals resident."""
+    config = dlo.OffloadConfig(num_slots=2, stream_dtype="fp8", fp8_skip=(r"^blocks\.[03]\.",))
+    reference = Nested()
+    for p in reference.parameters():
+        nn.init.normal_(p, std=0.3)
+    weights = copy.deepcopy(reference)
+    dlo.quantize_resident(reference, config)
+    x = torch.randn(3, 8)
+    path = list(range(len(reference.blocks)))
+    with torch.no_grad():
+        expected = reference(x, path)
+
+    def replaced(at):
+        model = copy.deepcopy(weights)
+        with dlo.enable(model, "cpu", config) as handle, torch.no_grad():
+            runtime = handle._runtime
+            model(x, path)
+            with _LineInterrupt(at) as counted:
+                try:
+                    runtime.replace_slots(3, runtime.slot_capacity)
+                except KeyboardInterrupt:
+                    pass
+            assert [torch.equal(model(x, path), expected) for _ in range(2)] == [True, True], at
+        return counted.lines
+
+    lines = replaced(None)
+    for at in sorted(random.Random(0).sample(range(1, lines + 1), min(lines, 30))):
+        replaced(at)
+
+
+def test_a_staged_load_submitted_as_its_step_was_cut_is_waited_for(tmp_path, monkeypatch):
+    """Cut between the stager taking a job and the slot's queue recording it (a second Ctrl-C
+    may land there): the job still lands, 0.3 s later, over whatever its slot holds by then;
+    the next step waits for it first, so none of the calls during those 0.3 s is wrong (they
+    skip the staged block, so no other wait for the stager orders them after it)."""
+    from dlo.hotpath import slot_queue
+
+    reference, model, plan, config = mixed_sd3(tmp_path)
+    expected = [sd3_call(reference, seed, []) for seed in range(2)]
+    skipping = sd3_call(reference, 1, [2])  # the packed blocks only: nothing waits for the stager
+    real_job, real_pack, orphan = slot_queue._Job, BlockLoads.pack_tasks, {}
+
+    def job(*args):
+        if orphan.pop("cut", False):
+            raise KeyboardInterrupt("between submit and the queue's record")
+        return real_job(*args)
+
+    def pack(self, index, staging):
+        if orphan.pop("slow", False):
+            time.sleep(0.3)
+        return real_pack(self, index, staging)
+
+    monkeypatch.setattr(slot_queue, "_Job", job)
+    monkeypatch.setattr(BlockLoads, "pack_tasks", pack)
+    equal = []
+    with dlo.enable(model, "cpu", config, plan=plan):
+        for _ in range(4):  # the orphan lands at a moment of its own each time
+            assert torch.equal(sd3_call(model, 0, []), expected[0])
+            orphan.update(cut=True, slow=True)
+            with pytest.raises(KeyboardInterrupt):
+                sd3_call(model, 1, [])
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.5:
+                equal.append(torch.equal(sd3_call(model, 1, [2]), skipping))
+    assert equal and all(equal)
+
+
+def test_a_failed_staged_load_found_by_stats_and_cut_before_its_slot_is_forgotten(tmp_path):
+    """stats() finds the next call's first load failed, and is cut before the planner forgets
+    that slot: the block must be loaded again, not run from the slot's old bytes."""
+    directory = tmp_path / "sd3"
+    SD3.build(seed=3).save_pretrained(directory)
+    reference = SD3.build(seed=3).to(torch.bfloat16)
+    model, plan = dlo.load_transformer(directory, torch_dtype=torch.bfloat16)  # a cast: every block is staged
+
+    def call(m, seed):
+        with torch.inference_mode():
+            return m(**SD3.inputs(seed, torch.bfloat16))[0]
+
+    expected = [call(reference, seed) for seed in range(3)]
+    real_pack, real_forget, armed = BlockLoads.pack_tasks, SlotPlanner.forget, {}
+
+    def pack(self, index, staging):
+        if armed.get("pack") and index == 0:
+            armed["pack"] = False
+            raise OSError("read error (test)")
+        return real_pack(self, index, staging)
+
+    def forget(self, *slots):
+        if armed.pop("forget", False):
+            raise KeyboardInterrupt
+        return real_forget(self, *slots)
+
+    # Armed once the call's third block ran: the last block's start prefetches the next call's block 0.
+    model.transformer_blocks[2].register_forward_hook(lambda *_: armed.update(pack=armed.get("pack", True)))
+    with dlo.enable(model, "cpu", plan=plan) as handle, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BlockLoads, "pack_tasks", pack)
+        patch.setattr(SlotPlanner, "forget", forget)
+        assert torch.equal(call(model, 0), expected[0])
+        armed["forget"] = True
+        with pytest.raises((KeyboardInterrupt, OSError)):
+            handle.stats()
+        assert [torch.equal(call(model, seed), expected[seed]) for seed in (1, 2)] == [True, True]

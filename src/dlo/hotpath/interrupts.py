@@ -84,9 +84,26 @@ def interrupts_held() -> Iterator[None]:
         for sig in handlers:
             signal.signal(sig, hold)
         yield
-    finally:
+    except BaseException:
         if _holding:
             _restore(handlers)
-    # The step ended normally: now the held signals' handlers run, in arrival order.
-    for sig, frame in pending:
-        handlers[sig](sig, frame)
+        # The step's own error goes on; a held Ctrl-C adds nothing to it, other handlers run.
+        _run_held(handlers, [(sig, frame) for sig, frame in pending if handlers[sig] is not signal.default_int_handler])
+        raise
+    if _holding:
+        _restore(handlers)
+    _run_held(handlers, pending)  # the step ended normally: now the held signals' handlers run
+
+
+def _run_held(handlers: dict[int, Handler], pending: list[tuple[int, FrameType | None]]) -> None:
+    """Run every held signal's handler, in arrival order, each once per signal as the kernel
+    delivers it (two of one kind pending merge into one); the first exception one raises is
+    raised once all have run."""
+    raised: BaseException | None = None
+    for sig in dict.fromkeys(sig for sig, _ in pending):
+        try:
+            handlers[sig](sig, next(frame for seen, frame in pending if seen == sig))
+        except BaseException as error:
+            raised = raised or error
+    if raised is not None:
+        raise raised

@@ -5,7 +5,7 @@ its slots between calls."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -13,8 +13,12 @@ from dlo.errors import StreamingError
 from dlo.host.block_sources import PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
+from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.runtime import StreamingRuntime
+from dlo.hotpath.staging import Stager
+from dlo.hotpath.streamed_block import StreamedBlock
+from dlo.observe.ledger import TransferLedger
 from dlo.planning.block_layout import view_placement
 from dlo.planning.wire_layout import landing_views
 
@@ -22,6 +26,17 @@ from dlo.planning.wire_layout import landing_views
 class RankLocalRuntime(StreamingRuntime):
     _unsure = False  # a step ended midway: See [Note: one writer per slot]
     _stepping = False  # a step is running: one inside it is part of it
+
+    def __init__(
+        self,
+        blocks: Sequence[StreamedBlock],
+        slots: Sequence[DeviceSlot],
+        executor: Executor,
+        ledger: TransferLedger,
+        stager: Stager | None = None,
+    ) -> None:
+        super().__init__(blocks, slots, executor, ledger, stager=stager)
+        self._slot_shape = (len(slots), self.slot_capacity)  # the last (count, bytes) fully allocated
 
     @contextlib.contextmanager
     def _step(self) -> Iterator[None]:
@@ -45,10 +60,14 @@ class RankLocalRuntime(StreamingRuntime):
         loaded again at its next use."""
         for queue in self.queues:
             queue.supersede()
+        if self.stager is not None:
+            self.stager.wait_idle()
         self.executor.synchronize()
         self.planner.release_running()
-        if self.planner.num_slots != len(self.queues):  # replace_slots() stopped midway
-            self.planner.resize(len(self.queues))
+        if self.planner.num_slots != len(self.queues) or len(self.queues) != self._slot_shape[0]:
+            self._use_slots(())  # replace_slots() stopped midway: back to the last shape it reached
+            self.planner.resize(0)
+            self._allocate_slots(*self._slot_shape)
         self.planner.forget(*range(len(self.queues)))
         self.planner.set_resident(self.promoted.keys())
         for index, block in enumerate(self.blocks):
@@ -121,33 +140,39 @@ class RankLocalRuntime(StreamingRuntime):
             self._replace_slots(count, nbytes)
 
     def _replace_slots(self, count: int, nbytes: int) -> None:
-        executor = self.executor
-        old_count, old_bytes = len(self.queues), self.slot_capacity  # a slot's buffer may be a smaller class's
+        old_shape = (len(self.queues), self.slot_capacity)  # a slot's buffer may be a smaller class's
         self.drain()
-        executor.synchronize()
+        self.executor.synchronize()
         self.planner.resize(count)  # first: it refuses a count it cannot serve
+        self.planner.resize(0)
         self._use_slots(())
-        if count == 0:
-            self._drop_landings_without_slots()
+        try:
+            self._allocate_slots(count, nbytes)
+        except BaseException as failure:
+            try:
+                self._allocate_slots(*old_shape)
+            except BaseException as second:
+                raise StreamingError(
+                    f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
+                    f"{old_shape[0]} slots of before ({second}): no block can stream until disable()"
+                ) from second
+            raise
+
+    def _allocate_slots(self, count: int, nbytes: int) -> None:
+        """From no slots: `count` slots of `nbytes` (0: none, and no landing buffers either),
+        with landing buffers if float8 blocks need them; then the planner serves them. Fails
+        with no slots and no landing buffers."""
+        executor = self.executor
         try:
             if count and self._landing_bytes and not executor.landings:
                 executor.allocate_landings(self._landing_bytes)
                 self.loads.use_landings()
-            slots = [executor.allocate_slot(nbytes) for _ in range(count)]
-        except BaseException as failure:
-            self.planner.resize(0)
-            try:
-                self._use_slots([executor.allocate_slot(old_bytes) for _ in range(old_count)])
-            except BaseException as second:
+            self._use_slots([executor.allocate_slot(nbytes) for _ in range(count)])
+        finally:
+            if not self.queues:
                 self._drop_landings_without_slots()
-                raise StreamingError(
-                    f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
-                    f"{old_count} slots of before ({second}): no block can stream until disable()"
-                ) from second
-            self._drop_landings_without_slots()
-            self.planner.resize(old_count)
-            raise
-        self._use_slots(slots)
+        self.planner.resize(count)
+        self._slot_shape = (count, nbytes)
 
     def _drop_landings_without_slots(self) -> None:
         """Without slots nothing streams, so nothing lands: the landing buffers go too, and

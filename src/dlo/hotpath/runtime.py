@@ -25,7 +25,7 @@ from dlo.hotpath.slot_queue import SlotQueue
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.observe.ledger import TransferLedger
-from dlo.planning.slot_planner import BlockStart, SlotPlanner
+from dlo.planning.slot_planner import SlotPlanner
 
 
 class StreamingRuntime:
@@ -104,36 +104,27 @@ class StreamingRuntime:
         """Checks before block `index` starts (all-gather mode: the schedule)."""
 
     def _start_block(self, index: int) -> None:
+        """Queue what block `index` needs and point it at its slot, then commit the planner's
+        decision. Cut short, nothing is committed: See [Note: one writer per slot]"""
         block = self.blocks[index]
         start = self.planner.decide(index)
-        try:
-            if start.demand is not None:
-                self.queues[start.slot].load(index)
-            queue = self.queues[start.slot]
-            # Marked before waiting for a staged load, so host time spent packing counts as
-            # exposed once the device runs out of queued work.
-            arrive = self.executor.mark() if self.executor.overlaps_compute else None
-            queue.settle()
-            if arrive is not None:
-                self.ledger.waited(block.name, arrive, queue.ready_mark)
-            self.executor.wait_ready(queue.state.slot)
-            view = queue.state.views[index]
-            if view is None:  # a block demoted without replace_slots() sizing the slots for it
-                raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
-            for load in start.prefetch:
-                self.queues[load.slot].load(load.block)
-            block.point_at(view)
-            self.planner.commit(start)
-        except BaseException:
-            self._drop(start)
-            raise
-
-    def _drop(self, start: BlockStart) -> None:
-        """A block's start failed: none of its slots may be trusted (a load may be queued there
-        or half enqueued), and its block does not run."""
-        self.planner.forget(start.slot, *(load.slot for load in start.prefetch))
-        block = self.blocks[start.block]
-        block.point_at(block.placeholders)
+        if start.demand is not None:
+            self.queues[start.slot].load(index)
+        queue = self.queues[start.slot]
+        # Marked before waiting for a staged load, so host time spent packing counts as
+        # exposed once the device runs out of queued work.
+        arrive = self.executor.mark() if self.executor.overlaps_compute else None
+        queue.settle()
+        if arrive is not None:
+            self.ledger.waited(block.name, arrive, queue.ready_mark)
+        self.executor.wait_ready(queue.state.slot)
+        view = queue.state.views[index]
+        if view is None:  # a block demoted without replace_slots() sizing the slots for it
+            raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
+        for load in start.prefetch:
+            self.queues[load.slot].load(load.block)
+        block.point_at(view)
+        self.planner.commit(start)
 
     def after_block(self, index: int) -> None:
         if not self.planner.is_running(index):  # before_block raised before the block started
@@ -189,11 +180,12 @@ class StreamingRuntime:
         them even when one failed, then raise the first failure. A slot whose load failed
         holds nothing: its block is loaded again at its next use."""
         failures = []
-        for slot_index, queue in enumerate(self.queues):
-            try:
-                queue.settle()
-            except Exception as failure:
-                self.planner.forget(slot_index)
-                failures.append(failure)
+        with self._step():  # a Ctrl-C between a failed settle and its forget would leave the record wrong
+            for slot_index, queue in enumerate(self.queues):
+                try:
+                    queue.settle()
+                except Exception as failure:
+                    self.planner.forget(slot_index)
+                    failures.append(failure)
         if failures:
             raise failures[0]

@@ -54,6 +54,7 @@ class Stager:
         self._threads = threads
         self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="dlo-pack")
         self.pack_s = 0.0  # host time spent packing (written by the job thread only)
+        self._stopped = False
 
     @property
     def staging_bytes(self) -> int:
@@ -83,9 +84,16 @@ class Stager:
             self._executor.record_copied_out(self._copied_out[turn])
         return marks
 
+    def wait_idle(self) -> None:
+        """Wait for every job submitted so far, whether a slot's queue holds it or not (one
+        submitted as a step was cut short, before its queue took it)."""
+        if not self._stopped:  # stopped: every job has finished
+            self._sequencer.submit(lambda: None).result()
+
     def stop(self) -> None:
         """Finish the queued jobs (their copies are then enqueued) and accept no more;
         idempotent. After it, synchronizing the device settles every staged copy."""
+        self._stopped = True
         self._sequencer.shutdown(wait=True)
         self._copiers.shutdown(wait=True)
 

@@ -12,9 +12,10 @@ after the slot's last use by the hot path's "free" event, and a block's first us
 copy by the "ready" event, so the table may change as soon as the copy is queued.
 
 Decide, then commit: `decide(block)` and `decide_preload(block)` change nothing and return
-what to do; the hot path queues the loads and only then commits the decision. A decision
-dropped midway (an error, Ctrl-C) leaves the table as it was, and the hot path forgets the
-slots it may have written (See [Note: one writer per slot] in dlo.hotpath.slot_queue).
+what to do; the hot path queues the loads and only then commits the decision, so the table is
+never ahead of the slots. A decision dropped midway (an error, Ctrl-C) leaves the table as it
+was; the slots it may have written are the hot path's to forget (See [Note: one writer per
+slot] in dlo.hotpath.slot_queue).
 """
 
 from __future__ import annotations
