@@ -152,6 +152,7 @@ class RankLocalRuntime(StreamingRuntime):
             try:
                 self._allocate_slots(*old_shape)
             except BaseException as second:
+                self._slot_shape = (0, 0)  # what it holds now: recovery allocates nothing
                 raise StreamingError(
                     f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
                     f"{old_shape[0]} slots of before ({second}): no block can stream until disable()"
