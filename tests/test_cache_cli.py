@@ -41,7 +41,7 @@ def tree(root):
     return {str(p.relative_to(root)): (p.lstat().st_mode, p.lstat().st_mtime_ns) for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("command", [["ls"], ["verify"], ["rm", "abc"], ["gc", "--max-size", "1G"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["rm", "abcdef01"], ["gc", "--max-size", "1G"]], ids=lambda c: c[0])
 def test_a_missing_cache_root_is_an_error_naming_it_and_is_not_created(tmp_path, capsys, command):
     root = tmp_path / "typo"
     assert main(["cache", *command, *cache(root)]) == 2
@@ -208,10 +208,39 @@ def test_a_full_length_key_that_does_not_exist_is_not_found(tmp_path, capsys):
 
 
 def test_an_ambiguous_prefix_asks_for_more_of_the_key(tmp_path, capsys):
-    prefix = os.path.commonprefix([publish(tmp_path, "one"), publish(tmp_path, "two")])
+    key = publish(tmp_path)
+    prefix = key[:8]
+    twin = prefix + ("0" if key[8] != "0" else "1") * 56  # a second entry sharing the first 8 digits
+    (tmp_path / "v1" / twin).mkdir(mode=0o700)
     assert main(["cache", "rm", prefix, *cache(tmp_path)]) == 2
     assert error_line(capsys) == f"dlo: error: {prefix!r} matches 2 entries in {tmp_path}; give more of the key"
     assert len(os.listdir(tmp_path / "v1")) == 2
+
+
+@pytest.mark.parametrize(
+    "key, why",
+    [
+        ("", "'' is too short: give at least 8 characters of the key (`dlo cache ls` shows 16)"),
+        ("{key7}", "'{key7}' is too short: give at least 8 characters of the key (`dlo cache ls` shows 16)"),
+        ("{KEY}", "'{KEY}' is not (the start of) a key: keys are lowercase hex digits"),
+    ],
+    ids=["empty", "seven", "upper"],
+)
+@pytest.mark.parametrize("action", ["rm", "verify"])
+def test_a_key_too_short_to_name_one_entry_is_refused_and_nothing_is_touched(tmp_path, action, key, why):
+    """An unset $KEY in a script (`dlo cache rm "$KEY"`) prefixes every key: the only entry
+    would go. Refused by the parser, from a real process, before the cache is looked at."""
+    published = publish(tmp_path)
+    before = tree(tmp_path)
+    typed = key.format(key7=published[:7], KEY=published[:16].upper())
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", action, typed, *cache(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"dlo: error: argument KEY: {why.format(key7=published[:7], KEY=published[:16].upper())} "
+        f"(see `dlo cache {action} --help`)"
+    ]
+    assert tree(tmp_path) == before
 
 
 def test_timeout_without_force_is_refused_before_anything_is_removed(tmp_path, capsys):

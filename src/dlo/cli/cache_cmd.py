@@ -18,6 +18,12 @@ from dlo.host.cache.unavailable import CacheUnavailable
 
 DEFAULT_FORCE_TIMEOUT_S = 600.0
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+# A KEY argument names one entry by at least this many of its hex digits: an empty string
+# (a script's unset $KEY) or a few characters prefix every key, or most, and `rm` would
+# remove whichever entry happened to be the only match. `ls` shows 16.
+MIN_KEY_PREFIX = 8
+SHOWN_KEY = 16
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 def parse_size(text: str) -> int:
@@ -27,6 +33,21 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 200G, 512M or 1.5T")
     number, unit = match.groups()
     return int(float(number) * 1024 ** "BKMGT".index(unit.upper() or "B"))
+
+
+def key_prefix(text: str) -> str:
+    """An argparse type: a KEY argument, refused unless it is MIN_KEY_PREFIX or more hex digits."""
+    if _HEX.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not (the start of) a key: keys are lowercase hex digits")
+    if len(text) < MIN_KEY_PREFIX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too short: give at least {MIN_KEY_PREFIX} characters of the key "
+            f"(`dlo cache ls` shows {SHOWN_KEY})"
+        )
+    return text
+
+
+key_prefix.__name__ = "key"  # argparse's "invalid key value: ..."
 
 
 def add_parser(commands) -> None:
@@ -45,10 +66,15 @@ def add_parser(commands) -> None:
     )
     verify = actions.add_parser("verify", parents=[common], help="re-hash entries (all, or KEY)")
     verify.add_argument(
-        "key", nargs="?", metavar="KEY", help="an entry's key, or a unique prefix of it as `ls` shows (default: every entry)"
+        "key", nargs="?", type=key_prefix, metavar="KEY",
+        help=f"an entry's key, or a unique prefix of it as `ls` shows, {MIN_KEY_PREFIX} characters or more "
+        "(default: every entry)",
     )
     remove = actions.add_parser("rm", parents=[common], help="remove an entry nobody uses")
-    remove.add_argument("key", metavar="KEY", help="the entry's key, or a unique prefix of it as `ls` shows")
+    remove.add_argument(
+        "key", type=key_prefix, metavar="KEY",
+        help=f"the entry's key, or a unique prefix of it as `ls` shows, {MIN_KEY_PREFIX} characters or more",
+    )
     remove.add_argument("--force", action="store_true", help="wait until no process uses it, then remove it")
     wait = f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
     remove.add_argument("--timeout", type=float, metavar="S", help=wait)
@@ -92,7 +118,7 @@ def _when(seconds: float) -> str:
 
 def _list(store: EntryStore) -> int:
     rows = [
-        [key[:16], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
+        [key[:SHOWN_KEY], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
         for key in store.keys()
     ]
     for left in store.leftovers():
@@ -100,7 +126,7 @@ def _list(store: EntryStore) -> int:
             when = _when(left.path.stat().st_mtime)
         except FileNotFoundError:  # removed since it was listed (gc, or its writer finished)
             continue
-        rows.append([left.key[:16], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
+        rows.append([left.key[:SHOWN_KEY], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
                      human_bytes(store.leftover_size(left)), when, "-"])
     print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
     return 0
@@ -108,16 +134,16 @@ def _list(store: EntryStore) -> int:
 
 def _verify(store: EntryStore, key: str | None) -> int:
     bad = 0
-    for key in [_resolve(store, key)] if key else store.keys():
+    for key in [_resolve(store, key)] if key is not None else store.keys():
         started = time.perf_counter()
         found = store.validate(key)
         seconds = time.perf_counter() - started
         if isinstance(found, Entry):
             found.close()
-            print(f"{key[:16]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
+            print(f"{key[:SHOWN_KEY]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
         else:
             bad += 1
-            print(f"{key[:16]}  BAD  {found}")
+            print(f"{key[:SHOWN_KEY]}  BAD  {found}")
     return 1 if bad else 0
 
 
@@ -129,12 +155,12 @@ def _remove(store: EntryStore, key: str, force: bool, timeout_s: float | None) -
         if time.monotonic() >= deadline:
             users = store.users(key)
             if force:
-                raise ConfigError(f"timed out after {wait_s:g} s: {key[:16]} is still in use by {users} process(es)")
+                raise ConfigError(f"timed out after {wait_s:g} s: {key[:SHOWN_KEY]} is still in use by {users} process(es)")
             raise ConfigError(
-                f"{key[:16]} is in use by {users} process(es); stop them, or add --force to wait for them"
+                f"{key[:SHOWN_KEY]} is in use by {users} process(es); stop them, or add --force to wait for them"
             )
         time.sleep(0.2)
-    print(f"removed {key[:16]}")
+    print(f"removed {key[:SHOWN_KEY]}")
     return 0
 
 
@@ -151,9 +177,9 @@ def _collect(store: EntryStore, max_size: int) -> int:
             removed = False
         if removed:
             total -= size
-            print(f"evicted {key[:16]} ({human_bytes(size)})")
+            print(f"evicted {key[:SHOWN_KEY]} ({human_bytes(size)})")
         else:
-            print(f"kept {key[:16]}: in use")
+            print(f"kept {key[:SHOWN_KEY]}: in use")
     for path in store.tidy():
         print(f"removed {path}")
     print(f"cache size {human_bytes(total)} (limit {human_bytes(max_size)})")
