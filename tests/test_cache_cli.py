@@ -280,3 +280,23 @@ def test_ls_skips_a_writer_that_finished_while_it_looked(tmp_path, capsys, monke
     monkeypatch.setattr(entry_store, "is_held", finished)
     assert main(["cache", "ls", *cache(tmp_path)]) == 0
     assert "dead_writer" not in capsys.readouterr().out
+
+
+def test_gc_keeps_every_entrys_last_use_so_eviction_stays_least_recently_used_first(tmp_path):
+    """Removing a dead process's hold (what every gc does) is no use of the entry: a no-op
+    `gc` from a real process leaves the "last used" time it evicts by, and `ls` shows, as
+    they were."""
+    first, second = publish(tmp_path, "first"), publish(tmp_path, "second")
+    store = EntryStore(tmp_path)
+    for key in (first, second):
+        os.close(store.hold(key))  # a process used it and exited: its hold file is left, dead
+    used = {key: store.last_used(key) for key in (first, second)}
+    assert used[first] <= used[second]
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", "gc", "--max-size", "10G", *cache(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / ".users" / first) == []  # the dead holds went
+    assert {key: store.last_used(key) for key in (first, second)} == used
+    assert main(["cache", "gc", "--max-size", str(store.size(second)), *cache(tmp_path)]) == 0
+    assert store.keys() == [second]  # the least recently used went first
+    assert os.listdir(tmp_path / ".used") == [second]  # and its record with it
