@@ -21,7 +21,7 @@ from torch import nn
 import dlo
 from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.denoise_loop import Trajectory, denoise
+from dlo.cli.denoise_loop import Trajectory, check_trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.weight_bytes import payload_bytes
@@ -114,6 +114,7 @@ def run_demo(
     dlo.quantize_resident(reference, config)
     compile_resident_like_streamed(reference, compile_how, leading)
     resident = denoise(reference, entry, steps, dtype, device)
+    check_trajectory("resident", resident)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
     fp8_error = None
@@ -132,6 +133,7 @@ def run_demo(
         compile_model(streamed, compile_how)
     with dlo.enable(streamed, device, config, plan=plan) as handle:
         run = denoise(streamed, entry, steps, dtype, device)
+        check_trajectory("streamed", run)
         stats = handle.stats()
         if trace_path:
             with published(Path(trace_path).expanduser()) as partial:

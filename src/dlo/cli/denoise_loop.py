@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dlo.pipelines.media_output import check_finite
 from dlo.models.tiny import TinyModel
 
 
@@ -41,3 +42,10 @@ def denoise(
             latent = latent - velocity / steps
             outputs.append(velocity.cpu())
     return Trajectory(outputs, step_s, 0)
+
+
+def check_trajectory(run: str, trajectory: Trajectory) -> None:
+    """Refuse a run whose outputs hold NaN or infinity (NonFiniteOutput), naming the first such
+    step: two such runs are never equal (NaN != NaN), and neither says anything about dlo."""
+    for step, output in enumerate(trajectory.outputs, start=1):
+        check_finite(f"the {run} run's output at step {step}", output)

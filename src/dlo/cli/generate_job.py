@@ -15,7 +15,7 @@ from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
 from dlo.cli.parallel_run import Parallel, ParallelRun, enable_context_parallel
 from dlo.pipelines.loading import load_pipeline
-from dlo.pipelines.media_output import write_image, write_video
+from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one wraps onto these)
 
@@ -65,7 +65,8 @@ class Generated:
 def generate(
     job: GenerateJob, device: torch.device, seed: int, parallel: ParallelRun = ParallelRun(), progress: bool = True
 ) -> Generated:
-    """Load the pipeline with its transformer streamed by dlo and run the call with `seed`."""
+    """Load the pipeline with its transformer streamed by dlo and run the call with `seed`; an
+    output with non-finite values is refused (NonFiniteOutput) before anything is written."""
     transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)
     pipe = load_pipeline(job.model_dir, job.pipeline, job.dtype, transformer=transformer)
     pipe.set_progress_bar_config(disable=not progress)
@@ -76,10 +77,10 @@ def generate(
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}) as handle:
         started = time.perf_counter()
         with torch.inference_mode():
-            result = pipe(**job.call, generator=torch.Generator(device="cpu").manual_seed(seed))
+            result = pipe(**job.call, **ARRAY_OUTPUT, generator=torch.Generator(device="cpu").manual_seed(seed))
         seconds = time.perf_counter() - started
         stats = handle.stats()
-    media = result.frames[0] if job.video else result.images[0]
+    media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     return Generated(media, stats, seconds, handle.placement, sequence_ranks)
 

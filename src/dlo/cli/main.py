@@ -19,6 +19,7 @@ from dlo.models.tiny import TINY_MODELS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
 from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS
 from dlo.pipelines.library_noise import quiet_other_libraries
+from dlo.pipelines.media_output import NonFiniteOutput
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -286,6 +287,9 @@ def _run(argv: list[str] | None) -> int:
         args.record_timeline = True  # --trace implies recording the timeline
     try:
         return args.run(args)
+    except NonFiniteOutput as err:  # the work ran and its result is refused: status 1, not a usage error
+        print(f"dlo: error: {err}", file=sys.stderr)
+        return 1
     except DloError as err:
         print(f"dlo: error: {err}", file=sys.stderr)
         return 2
