@@ -262,6 +262,18 @@ def test_video_requests_are_checked_before_they_are_queued(server):
     assert call(f"{base}/v1/videos/video_nonexistent")[0] == 404
 
 
+def test_a_job_without_a_size_beyond_the_transformers_positions_is_refused_before_it_is_queued(server):
+    """WanPipeline's default 832x480 is 52 latent patches across, the tiny Wan's RoPE tables
+    cover 32: refused at once naming the limit, not failed at run time with a shape error."""
+    status, answer, _ = call(f"{server.base}/v1/videos", {"prompt": "a red cube", "num_inference_steps": 2})
+    assert status == 400 and answer["error"]["param"] == "size"
+    assert answer["error"]["message"].startswith(
+        "size=480x832x81: WanTransformer3DModel places at most 32 latent patches per side (rope_max_seq_len 32 in its "
+        "config): height and width up to 512, frames up to 125; ask for a smaller size (this is WanPipeline's default)"
+    )
+    assert call(f"{server.base}/health")[1]["pending"] == 0  # no job was made
+
+
 class _FakePool:
     """The pool's side of VideoJobs: jobs whose futures the test resolves."""
 
