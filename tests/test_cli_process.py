@@ -181,6 +181,42 @@ def test_make_tiny_writes_a_pipeline_that_its_suggested_command_runs(tmp_path, m
     assert "exists and is not an empty directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("directory", "line"),
+    [
+        ("/proc/x", "DIR /proc/x: cannot be written (No such file or directory)"),
+        ("{tmp}/a-file/x", "DIR {tmp}/a-file/x: a parent of it is a file, not a directory"),
+        ("{tmp}/missing/x", "DIR {tmp}/missing/x: directory {tmp}/missing does not exist"),
+    ],
+    ids=["proc", "file-as-parent", "missing-parent"],
+)
+def test_make_tiny_where_nothing_can_be_written_is_one_line_and_exit_2(directory, line, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    directory = directory.format(tmp=tmp_path)
+    done = subprocess.run([*DLO, "make-tiny", "flux", directory], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [f"dlo: error: {line.format(tmp=tmp_path)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_ctrl_c_during_make_tiny_leaves_nothing_and_the_same_command_then_works(tmp_path):
+    """The pipeline is written beside DIR and renamed onto it once complete."""
+    directory = tmp_path / "tiny-flux"
+    stderr_log = tmp_path / "stderr.txt"
+    with open(stderr_log, "w") as log:
+        process = subprocess.Popen([*DLO, "make-tiny", "flux", str(directory)], stderr=log, stdout=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        # interrupted once a component is on disk
+        interrupt_when(process, lambda: any(tmp_path.glob(".tiny-flux.dlo-partial-*/*/config.json")))
+    assert process.returncode == 130 and stderr_log.read_text().splitlines()[-1] == "dlo: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.txt"]
+    done = subprocess.run([*DLO, "make-tiny", "flux", str(directory)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (directory / "model_index.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "stderr.txt", "tiny-flux"
+    ]
+
+
 def test_quiet_output_hides_the_text_encoders_loading_bars_but_keeps_the_download_bar(tiny_flux_dir, tmp_path):
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging

@@ -10,6 +10,7 @@ from dlo.cli.format import human_bytes
 from dlo.cli.generate import FLAG_OF_ARGUMENT
 from dlo.errors import ConfigError
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, TINY_PIPELINES
+from dlo.pipelines.output_path import published_directory
 
 
 def try_command(kind: str, directory: Path) -> str:
@@ -23,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
     directory = Path(args.directory).expanduser()
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ConfigError(f"DIR {directory}: exists and is not an empty directory; give a new one")
-    TINY_PIPELINES[args.kind](directory)
+    with published_directory(directory, "DIR") as partial:
+        TINY_PIPELINES[args.kind](partial)
     size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     print(f"wrote a tiny {args.kind} pipeline (random weights, {human_bytes(size)}) to {directory}")
     print(f"try: {try_command(args.kind, directory)}")
