@@ -24,6 +24,7 @@ from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.denoise_loop import Trajectory, check_trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_config_for_model
+from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
@@ -54,6 +55,7 @@ class DemoResult:
     resident: Trajectory
     streamed: Trajectory
     stats: OffloadStats
+    bytes_before_last_step: int | None  # streamed when the step before the last ended (see step_bytes)
     fp8_error: QuantizationError | None = None
     fp8_gemms: bool = False
 
@@ -131,8 +133,14 @@ def run_demo(
     if compile_how != "none":
         torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
         compile_model(streamed, compile_how)
+    before_last: list[int] = []
     with dlo.enable(streamed, device, config, plan=plan) as handle:
-        run = denoise(streamed, entry, steps, dtype, device)
+
+        def after_step(step: int) -> None:
+            if step == StepBytes.sampled_after(steps):
+                before_last.append(handle.stats().bytes_streamed)
+
+        run = denoise(streamed, entry, steps, dtype, device, after_step=after_step)
         check_trajectory("streamed", run)
         stats = handle.stats()
         if trace_path:
@@ -147,6 +155,7 @@ def run_demo(
         resident=Trajectory(resident.outputs, resident.step_s, resident_bytes),
         streamed=Trajectory(run.outputs, run.step_s, stats.peak_device_bytes),
         stats=stats,
+        bytes_before_last_step=before_last[0] if before_last else None,
         fp8_error=fp8_error,
         fp8_gemms=config.fp8_compute,
     )
@@ -183,8 +192,8 @@ def render(result: DemoResult) -> str:
         ["time per step (median)", median_ms(result.resident), median_ms(result.streamed)],
         [memory, human_bytes(result.resident.device_bytes), human_bytes(result.streamed.device_bytes)],
         ["blocks streamed", "-", f"{stats.streamed_blocks} (+{stats.resident_blocks} resident)"],
-        ["bytes streamed per step", "-", human_bytes(stats.bytes_streamed / steps)],
-        ["H2D rate", "-", f"{stats.h2d_gbps:.2f} GB/s"],
+        ["bytes streamed per step", "-", StepBytes(result.bytes_before_last_step, stats.bytes_streamed, steps).text()],
+        ["H2D rate", "-", h2d_text(stats.h2d_gbps, result.device.type, digits=2)],
         ["exposed copy per step", "-", f"{stats.exposed_copy_s / steps * 1e3:.2f} ms"],
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],

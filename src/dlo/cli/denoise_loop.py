@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,11 @@ def _sync(device: torch.device) -> None:
 
 
 def denoise(
-    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1
+    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1,
+    after_step: Callable[[int], None] | None = None,
 ) -> Trajectory:
-    """A denoising-style loop: each step feeds the model's output back into the latent."""
+    """A denoising-style loop: each step feeds the model's output back into the latent.
+    `after_step(step)` runs after each step, outside its timing."""
     inputs = entry.inputs(seed=prompt_seed, dtype=dtype, device=device)
     latent = inputs.pop("hidden_states")
     outputs, step_s = [], []
@@ -41,6 +44,8 @@ def denoise(
             step_s.append(time.perf_counter() - started)
             latent = latent - velocity / steps
             outputs.append(velocity.cpu())
+            if after_step is not None:
+                after_step(step)
     return Trajectory(outputs, step_s, 0)
 
 

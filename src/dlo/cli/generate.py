@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
     generated = generate(job, device, args.seed)
     write_output(job, generated.media, output)
-    print(render_stats(generated.stats, args.steps, generated.seconds, device))
+    print(render_stats(generated.stats, args.steps, generated.seconds, device, generated.before_last_step))
     print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in generated.placement.items()))
     print(f"wrote {output}")
     return 0
