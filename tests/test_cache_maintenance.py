@@ -164,7 +164,7 @@ def test_a_tmpfs_root_is_refused_unless_allowed(tmp_path, caplog):
 
 
 def test_sizes_parse_like_humans_write_them():
-    from dlo.cli.cache_cmd import parse_size
+    from dlo.cli.cache_flags import parse_size
 
     assert parse_size("200G") == 200 * 2**30 and parse_size("1.5T") == int(1.5 * 2**40)
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000

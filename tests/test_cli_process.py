@@ -2,6 +2,7 @@
 Hugging Face cache, `dlo make-tiny`."""
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -85,7 +86,7 @@ def test_version(capsys):
 
 
 def _options(command: str) -> set[str]:
-    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    commands = next(a for a in build_parser()._actions if a.dest == "subcommand")
     return set(commands.choices[command]._option_string_actions)
 
 
@@ -247,8 +248,8 @@ def test_a_command_that_loads_no_pipeline_does_not_import_transformers(tmp_path)
 
 
 def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_path):
-    """The console script's first import (torch, through the CLI) is held until Ctrl-C: the
-    interrupt lands inside it and still ends with one line and 130, no traceback."""
+    """The command's first import of torch (after parsing) is held until Ctrl-C: the interrupt
+    lands inside it and still ends with one line and 130, no traceback."""
     ready = tmp_path / "importing-torch"
     script = (
         "import sys, time\n"
@@ -261,8 +262,71 @@ def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_pa
         "from dlo.cli.launch import main\n"
         "sys.exit(main())\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", script, "--version"], stderr=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-c", script, "inspect", "wan"], stderr=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     stderr = interrupt_when(process, ready.exists)
     assert process.returncode == 130
     assert stderr.splitlines() == ["dlo: interrupted"]
+
+
+# Heavy libraries the command line must not import to parse, answer --help or refuse flags.
+HEAVY = ("torch", "diffusers", "transformers", "numpy", "safetensors")
+
+
+def test_help_version_and_flag_refusals_import_no_torch(tmp_path):
+    """See [Note: parse before torch]: each of these, in one fresh process, leaves torch (and
+    the other heavy libraries) unimported, with the status and the one line a user gets."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("")
+    out = str(tmp_path / "o.png")
+    cases = [
+        (["--help"], 0), (["--version"], 0),
+        *[([command, "--help"], 0) for command in ("demo", "generate", "serve", "inspect", "make-tiny", "cache")],
+        (["cache", "rm", "--help"], 0),
+        (["demo", "--model", "nope"], 2),  # an invalid choice
+        (["demo", "--steps", "0"], 2),  # a bounded number
+        (["demo", "--num-slots", "1"], 2),  # OffloadConfig's own validation
+        (["demo", "--nproc", "2", "--trace", str(tmp_path / "t.json")], 2),
+        (["generate", "m", "--output", out], 2),  # --prompt missing
+        (["generate", "m", "--prompt", "x", "--output", out, "--bogus-flag"], 2),
+        (["generate", "m", "--prompt", "x", "--output", str(tmp_path / "o.mp3")], 2),
+        (["generate", "m", "--prompt", "x", "--output", out, "--ulysses", "2"], 2),
+        (["generate", "m", "--prompt", "x", "--output", str(tmp_path / "missing" / "o.png")], 2),
+        (["serve", "m", "--port", "0"], 2),
+        (["inspect", "wan", "--dtype", "float64"], 2),
+        (["cache", "rm", ""], 2),
+        (["cache", "rm", "abcdef01", "--timeout", "3"], 2),
+        (["make-tiny", "flux", str(tmp_path / "full")], 2),
+    ]
+    script = (
+        "import json, sys\n"
+        "from dlo.cli.main import main\n"
+        f"heavy = {HEAVY!r}\n"
+        "report = []\n"
+        f"for argv in {[argv for argv, _ in cases]!r}:\n"
+        "    try:\n"
+        "        status = main(argv)\n"
+        "    except SystemExit as exited:\n"
+        "        status = exited.code\n"
+        "    report.append([status, [name for name in heavy if name in sys.modules]])\n"
+        "print(json.dumps(report), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stderr.splitlines()[-1])
+    refusals = [line for line in done.stderr.splitlines()[:-1] if line.startswith("dlo: error: ")]
+    assert [(argv, status, imported) for (argv, _), (status, imported) in zip(cases, report)] == [
+        (argv, status, []) for argv, status in cases
+    ]
+    assert len(refusals) == sum(status == 2 for _, status in cases)  # one line each
+
+
+def test_the_console_command_answers_a_flag_refusal_without_importing_torch():
+    """The console script (dlo.cli.launch), as PYTHONPROFILEIMPORTTIME shows it: no torch among
+    the modules the process imported."""
+    argv = ["generate", "m", "--prompt", "x", "--output", "o.png", "--bogus-flag"]
+    console = "import sys; from dlo.cli.launch import main; sys.exit(main())"
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    done = subprocess.run([sys.executable, "-c", console, *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "dlo.cli.main" in imported and not imported & set(HEAVY)

@@ -13,7 +13,7 @@ import pytest
 
 import dlo
 from dlo.cli import model_source
-from dlo.cli.generate_job import MAX_SEED
+from dlo.pipelines.call_rules import MAX_SEED
 from dlo.cli.main import main
 from dlo.models.tiny import TinyModel
 

@@ -20,16 +20,17 @@ from torch import nn
 
 import dlo
 from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
-from dlo.cli.config_flags import config_from_flags, device_and_dtype
+from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.denoise_loop import Trajectory, check_trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_config_for_model
+from dlo.cli.flag_checks import demo_config
 from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
-from dlo.pipelines.output_path import check_publishable, published
+from dlo.pipelines.output_path import published
 
 
 @dataclass(frozen=True)
@@ -236,19 +237,13 @@ def save_outputs(path: str, resident: list[torch.Tensor], streamed: list[torch.T
 
 
 def run(args: argparse.Namespace) -> int:
+    """After flag_checks.check_demo (main runs it)."""
     device, dtype = device_and_dtype(args)
-    config = config_from_flags(args, **({"use_allgather": True} if args.nproc > 1 else {}))  # the all-gather demo
-    for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
-        if path:
-            check_publishable(Path(path).expanduser(), flag)
+    config = demo_config(args)
     check_config_for_model(build_on_meta(args.model), config, args.model, dtype, device)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
-        if args.trace or args.from_checkpoint is not None:
-            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
-        if args.compile != "none":
-            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --compile")
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype, args.save_outputs)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace, compile_how=args.compile)

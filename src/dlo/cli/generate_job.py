@@ -14,13 +14,11 @@ import dlo
 from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
-from dlo.cli.parallel_run import Parallel, ParallelRun, enable_context_parallel
+from dlo.cli.parallel_run import Parallel, ParallelRun
+from dlo.cli.sequence_parallel import enable_context_parallel
 from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.pipelines.loading import load_pipeline
 from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
-
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one wraps onto these)
-
 
 def render_stats(
     stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device | str,

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 
 import dlo
-from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny, serve
+from dlo.cli import cache_flags
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
-from dlo.cli.generate_job import MAX_SEED
+from dlo.cli.flag_checks import check_demo, check_generate
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
-from dlo.models.tiny import TINY_MODELS
+from dlo.models.tiny_configs import TINY_CONFIGS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
-from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS
+from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS, MAX_SEED
 from dlo.pipelines.library_noise import quiet_other_libraries
 from dlo.pipelines.media_output import NonFiniteOutput
+
+# [Note: parse before torch]
+# This module and everything it imports parse and check the flags without torch, diffusers or
+# the cache's hashing: `dlo --help`, `--version`, every subcommand's --help and every refusal
+# of the flags alone answer at once. A command names its module (`command`, imported after
+# parsing, with torch: seconds) and a `check` of its flags alone, run before that import.
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -74,7 +81,7 @@ def _add_demo(commands) -> None:
         "print time per step, device memory, bytes streamed and the achieved H2D rate. Exit status 1 if "
         "the outputs differ.",
     )
-    parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
+    parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_CONFIGS), help="built-in model")
     add_device_flags(parser)
     parser.add_argument("--steps", type=positive_int, default=6, help="denoising steps (default: 6)")
     parser.add_argument(
@@ -102,7 +109,7 @@ def _add_demo(commands) -> None:
     _add_verbose(parser)
     add_compile_flag(parser)
     add_config_flags(parser)
-    parser.set_defaults(run=demo.run)
+    parser.set_defaults(command="dlo.cli.demo", check=check_demo)
 
 
 def _add_generate(commands) -> None:
@@ -152,7 +159,7 @@ def _add_generate(commands) -> None:
     _add_verbose(parser)
     add_config_flags(parser, defaults={"use_allgather": "on with --nproc, else off"})
     add_compile_flag(parser)
-    parser.set_defaults(run=generate.run)
+    parser.set_defaults(command="dlo.cli.generate", check=check_generate)
 
 
 def _add_generate_ranks(parser: argparse.ArgumentParser) -> None:
@@ -225,7 +232,11 @@ def _add_serve(commands) -> None:
     add_device_flags(parser)
     _add_verbose(parser)
     add_config_flags(parser)
-    parser.set_defaults(run=serve.run, host_weight_cache=True)
+    parser.set_defaults(command="dlo.cli.serve", host_weight_cache=True)
+
+
+# The OffloadConfig fields that change what inspect prints (its only config flags).
+INSPECT_CONFIG_FIELDS = ("num_slots", "resident_layers")
 
 
 def _add_inspect(commands) -> None:
@@ -240,12 +251,12 @@ def _add_inspect(commands) -> None:
         metavar="MODEL",
         help="a diffusers model or pipeline directory, a Hugging Face hub id in the hub cache (org/name), a "
         f"diffusers class name (default config, e.g. WanTransformer3DModel) or a built-in model "
-        f"({', '.join(sorted(TINY_MODELS))})",
+        f"({', '.join(sorted(TINY_CONFIGS))})",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="size the weights in this dtype")
+    parser.add_argument("--dtype", choices=DTYPES, help="size the weights in this dtype")
     _add_verbose(parser)
-    add_config_flags(parser, only=inspect_plan.CONFIG_FIELDS)
-    parser.set_defaults(run=inspect_plan.run)
+    add_config_flags(parser, only=INSPECT_CONFIG_FIELDS)
+    parser.set_defaults(command="dlo.cli.inspect_plan")
 
 
 def _add_make_tiny(commands) -> None:
@@ -259,7 +270,7 @@ def _add_make_tiny(commands) -> None:
     parser.add_argument("kind", choices=sorted(TINY_PIPELINES), help="flux (image) or wan (video)")
     parser.add_argument("directory", metavar="DIR", help="where to write it (must not exist, or be empty)")
     _add_verbose(parser)
-    parser.set_defaults(run=make_tiny.run)
+    parser.set_defaults(command="dlo.cli.make_tiny")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,11 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dlo {dlo.__version__}")
     _add_verbose(parser, top_level=True)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(check=None)  # See [Note: parse before torch]
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_demo(commands)
     _add_generate(commands)
     _add_serve(commands)
-    cache_cmd.add_parser(commands)
+    cache_flags.add_parser(commands)
     _add_inspect(commands)
     _add_make_tiny(commands)
     return parser
@@ -286,7 +298,9 @@ def _run(argv: list[str] | None) -> int:
     if getattr(args, "trace", None) and not args.record_timeline:
         args.record_timeline = True  # --trace implies recording the timeline
     try:
-        return args.run(args)
+        if args.check is not None:
+            args.check(args)
+        return importlib.import_module(args.command).run(args)
     except NonFiniteOutput as err:  # the work ran and its result is refused: status 1, not a usage error
         print(f"dlo: error: {err}", file=sys.stderr)
         return 1

@@ -7,7 +7,6 @@ import shlex
 from pathlib import Path
 
 from dlo.cli.format import human_bytes
-from dlo.cli.generate import FLAG_OF_ARGUMENT
 from dlo.errors import ConfigError
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, TINY_PIPELINES
 from dlo.pipelines.output_path import published_directory
@@ -15,6 +14,8 @@ from dlo.pipelines.output_path import published_directory
 
 def try_command(kind: str, directory: Path) -> str:
     """A `dlo generate` command line that fits the tiny pipeline."""
+    from dlo.cli.generate import FLAG_OF_ARGUMENT  # torch, there by now. See [Note: parse before torch]
+
     sizes = [f"{FLAG_OF_ARGUMENT[k]} {v}" for k, v in GENERATE_DEFAULTS[kind].items()]
     output = "cube.png" if kind == "flux" else "cat.gif"
     return f"dlo generate {shlex.quote(str(directory))} --prompt 'a red cube' --steps 2 {' '.join(sizes)} --output {output}"

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo.errors import ConfigError
-from dlo.host.checkpoint import read_json_object
 
 # Pipelines that pack 2x2 latent patches into one token whatever the transformer's patch_size
 # (Flux's config says patch_size=1): their sizes are multiples of 2 x the VAE scale.
@@ -30,6 +29,9 @@ _POSITIONS_PER_SIDE = {
 # Default ceiling on the transformer's sequence (latent patches x latent frames), what its
 # attention cost grows with: 2**17 tokens, e.g. Wan 1280x720 at 121 frames (111600), Flux 5792².
 DEFAULT_MAX_TOKENS = 2**17
+# The largest seed of a call: torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one
+# wraps onto these).
+MAX_SEED = 2**64 - 1
 
 
 class CallRuleError(ConfigError):
@@ -103,6 +105,8 @@ def _position_limit(transformer: dict) -> PositionLimit | None:
 
 def read_call_rules(model_dir: Path, pipeline_cls: type) -> CallRules:
     """The rules of `pipeline_cls` loaded from `model_dir`, from configs and signatures only."""
+    from dlo.host.checkpoint import read_json_object  # torch. See [Note: parse before torch]
+
     vae_dir = model_dir / "vae"
     vae = read_json_object(vae_dir / "config.json") if (vae_dir / "config.json").is_file() else {}
     transformer = read_json_object(model_dir / "transformer" / "config.json")
