@@ -87,6 +87,15 @@ def used_cache(tmp_path):
     return root, key
 
 
+def test_ls_shows_each_entrys_model_and_dtype(used_cache, tmp_path, capsys):
+    root, key = used_cache
+    assert main(["cache", "ls", *cache(root)]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["key", "model", "dtype", "size", "last", "used", "in", "use", "by"]
+    # loaded with torch_dtype=None: each tensor in the checkpoint's own dtype
+    assert row.split()[:4] == [key[:16], "WanTransformer3DModel", str(tmp_path / "wan"), "checkpoint"]
+
+
 def test_ls_and_verify_change_nothing(used_cache, capsys):
     root, key = used_cache
     before = tree(root)

@@ -33,13 +33,19 @@ def _resolve(store: EntryStore, key: str) -> str:
     raise ConfigError(f"{key!r} matches {len(matches)} entries in {store.root}; give more of the key")
 
 
-def _model(store: EntryStore, key: str) -> str:
-    """The model an entry's manifest names, for display only (validation judges it)."""
+def _described(store: EntryStore, key: str) -> tuple[str, str]:
+    """(model, dtype) an entry's manifest names, for display only (validation judges it). The
+    dtype: the load's ("checkpoint": each tensor's own), then the float8 format it streams in."""
     try:
         identity = json.loads((store.entry_path(key) / MANIFEST).read_text()).get("identity")
-        return f"{identity['model_class'].rsplit('.', 1)[-1]} {identity['model_path']}"
+        model = f"{identity['model_class'].rsplit('.', 1)[-1]} {identity['model_path']}"
+        dtype = str(identity["dtype"]).removeprefix("torch.")
+        stream = identity.get("stream")
+        if stream is not None:
+            dtype += f" as {stream['dtype']} {stream['scale']}"
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return "?"
+        return "?", "?"
+    return model, dtype
 
 
 def _when(seconds: float) -> str:
@@ -48,7 +54,8 @@ def _when(seconds: float) -> str:
 
 def _list(store: EntryStore) -> int:
     rows = [
-        [key[:SHOWN_KEY], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
+        [key[:SHOWN_KEY], *_described(store, key), human_bytes(store.size(key)), _when(store.last_used(key)),
+         str(store.users(key))]
         for key in store.keys()
     ]
     for left in store.leftovers():
@@ -57,8 +64,9 @@ def _list(store: EntryStore) -> int:
         except FileNotFoundError:  # removed since it was listed (gc, or its writer finished)
             continue
         rows.append([left.key[:SHOWN_KEY], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
-                     human_bytes(store.leftover_size(left)), when, "-"])
-    print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
+                     "-", human_bytes(store.leftover_size(left)), when, "-"])
+    header = ["key", "model", "dtype", "size", "last used", "in use by"]
+    print(table(header, rows) if rows else f"{store.root}: no entries")
     return 0
 
 
@@ -73,7 +81,9 @@ def _verify(store: EntryStore, key: str | None) -> int:
             print(f"{key[:SHOWN_KEY]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
         else:
             bad += 1
-            print(f"{key[:SHOWN_KEY]}  BAD  {found}")
+            # A load never maps it (it validates first) and publishes a good copy in its place.
+            print(f"{key[:SHOWN_KEY]}  BAD  {found}; remove it: dlo cache rm {key[:SHOWN_KEY]} (the next load that "
+                  "uses it publishes it again)")
     return 1 if bad else 0
 
 
