@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -140,8 +141,30 @@ def test_generate_a_hub_id_from_the_cache_offline_quietly(hub_cache, tiny_flux_d
     assert done.returncode == 0, done.stderr
     assert Image.open(out).size == (32, 32)
     # progress bars only: no warnings, notices or deprecations from dlo's calls or other libraries
-    for noise in ("Warning", "warning", "[transformers]", "torch_dtype", "deprecated"):
+    for noise in ("Warning", "warning", "[transformers]", "torch_dtype", "deprecated", "Loading pipeline components"):
         assert noise not in done.stderr
+
+
+def test_make_tiny_prints_no_bars_of_the_libraries_that_write_it(tmp_path):
+    done = subprocess.run([*DLO, "make-tiny", "wan", str(tmp_path / "wan")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == ""  # no "Writing model shards", no notices
+
+
+def test_a_fallback_warning_names_dlo_once_and_a_tmpfs_cache_dir_is_not_created(tiny_flux_dir, tmp_path):
+    """The fallback is one line `WARNING dlo: ...` (not `WARNING dlo.host.cache.consume: dlo: ...`),
+    and the refused cache root on tmpfs, and its parents, are never made."""
+    root = Path("/dev/shm") / f"dlo-test-{os.getpid()}-{tmp_path.name}"
+    if not root.parent.is_dir():
+        pytest.skip("no /dev/shm here")
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
+            "--width", "32", "--output", str(tmp_path / "x.png"), "--host-weight-cache", "--cache-dir",
+            str(root / "cache")]
+    done = subprocess.run([*DLO, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    assert warning.startswith("WARNING dlo: host weight cache fallback invalid_configuration: the cache root ")
+    assert "is on tmpfs" in warning
+    assert not root.exists()
 
 
 def test_a_hub_id_not_in_the_cache_says_so_offline(hub_cache, monkeypatch, capsys):
@@ -152,7 +175,7 @@ def test_a_hub_id_not_in_the_cache_says_so_offline(hub_cache, monkeypatch, capsy
     assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png"]) == 2
     assert capsys.readouterr().err == (
         f"dlo: error: MODEL org/absent: not in the Hugging Face cache {hub_cache} and HF_HUB_OFFLINE is set; download "
-        "it first (`huggingface-cli download org/absent`) or pass its directory\n"
+        "it first (`hf download org/absent`) or pass its directory\n"
     )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png", "--offline"]) == 2
@@ -224,12 +247,16 @@ def test_quiet_output_hides_the_text_encoders_loading_bars_but_keeps_the_downloa
 
     argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
             "--width", "32", "--output", str(tmp_path / "x.png")]
+    from diffusers.utils import logging as diffusers_logging
+
     try:
         assert main(argv) == 0
         assert not transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+        assert not diffusers_logging.is_progress_bar_enabled()  # "Loading pipeline components..."
     finally:
         transformers_logging.enable_progress_bar()
         enable_progress_bars()
+        diffusers_logging.enable_progress_bar()
 
 
 def test_a_command_that_loads_no_pipeline_does_not_import_transformers(tmp_path):

@@ -232,8 +232,12 @@ def test_a_missing_text_encoder_names_its_directory(damaged_flux_dir, weights_ne
         (["demo", "--resident-layers", "100"], "--resident-layers 100: wan-demo has 8 blocks; give 0 to 8"),
         (["generate", "{wan}", "--prompt", "x", "--output", "{tmp}/d.gif"],
          "--height/--width/--frames 480x832x81: WanTransformer3DModel places at most 32 latent patches per side"),
+        (["generate", "{flux}", "--prompt", "x", "--output", "{tmp}/o.png", "--bogus-flag"],
+         "dlo: error: unrecognized arguments: --bogus-flag (see `dlo generate --help`)"),
+        (["cache", "rm", "abcdef01", "--bogus-flag"], "unrecognized arguments: --bogus-flag --device cpu (see `dlo cache rm --help`)"),
     ],
-    ids=["output-is-a-directory", "demo-resident-layers", "tiny-wan-default-size"],
+    ids=["output-is-a-directory", "demo-resident-layers", "tiny-wan-default-size", "unknown-generate-flag",
+         "unknown-cache-flag"],
 )
 def test_the_process_prints_one_line_and_exits_2(argv, line, tiny_flux_dir, tiny_wan_dir, tmp_path):
     (tmp_path / "out.png").mkdir()

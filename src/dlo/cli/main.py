@@ -30,10 +30,28 @@ from dlo.pipelines.media_output import NonFiniteOutput
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2."""
+    """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2, naming
+    the help of the (sub)command the wrong argument was given to."""
 
     def error(self, message: str) -> None:
         self.exit(2, f"dlo: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:  # the innermost subcommand's parser returns first: its name stays
+            vars(parsed).setdefault(_TAKEN_BY, self.prog)
+        return parsed, extras
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # argparse's own parse_args would name the top-level help
+            help_of = vars(parsed).pop(_TAKEN_BY)
+            self.exit(2, f"dlo: error: unrecognized arguments: {' '.join(extras)} (see `{help_of} --help`)\n")
+        vars(parsed).pop(_TAKEN_BY, None)
+        return parsed
+
+
+_TAKEN_BY = "_dlo_parser_of_extras"  # the namespace attribute naming the parser left with unknown arguments
 
 
 def bounded_int(low: int, high: int | None = None):

@@ -9,6 +9,7 @@ from pathlib import Path
 from dlo.cli.format import human_bytes
 from dlo.errors import ConfigError
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, TINY_PIPELINES
+from dlo.pipelines.library_noise import quiet_loading_bars
 from dlo.pipelines.output_path import published_directory
 
 
@@ -26,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ConfigError(f"DIR {directory}: exists and is not an empty directory; give a new one")
     with published_directory(directory, "DIR") as partial:
+        quiet_loading_bars()
         TINY_PIPELINES[args.kind](partial)
     size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     print(f"wrote a tiny {args.kind} pipeline (random weights, {human_bytes(size)}) to {directory}")
