@@ -1,9 +1,7 @@
 """An output computed from non-finite values is refused, never written (issue 35): a NaN cast to
 8 bits is 0, so a damaged weight file used to give an all-black image and exit status 0."""
 
-import json
 import shutil
-import struct
 import subprocess
 import sys
 
@@ -12,20 +10,9 @@ import torch
 
 from dlo.pipelines.media_output import NonFiniteOutput, check_finite
 from dlo.models.tiny import TINY_MODELS
+from nan_weights import poison
 
 DLO = [sys.executable, "-m", "dlo.cli.main"]
-NAN_BYTES = b"\xff" * 8  # two float32 NaNs, as 8 flipped bytes can make
-
-
-def poison(weights, name):
-    """Overwrite the first 8 bytes of tensor `name`'s data in a safetensors file, in place."""
-    with open(weights, "r+b") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        start, _ = json.loads(file.read(length))[name]["data_offsets"]
-        file.seek(8 + length + start)
-        file.write(NAN_BYTES)
-
-
 def refusal(done):
     """The one `dlo: error:` line of a refused run (progress bars aside), after status 1."""
     assert done.returncode == 1, done.stderr
