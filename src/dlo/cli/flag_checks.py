@@ -1,6 +1,6 @@
-"""What `dlo generate` and `dlo demo` refuse from their flags alone: main runs these checks
-before it imports the command's module, and torch with it (see [Note: parse before torch]);
-the commands then derive their config with the same functions."""
+"""What `dlo generate`, `dlo demo` and `dlo serve` refuse from their flags alone: main runs
+these checks before it imports the command's module, and torch with it (see [Note: parse
+before torch]); the commands then derive their config with the same functions."""
 
 from __future__ import annotations
 
@@ -64,3 +64,15 @@ def check_demo(args: argparse.Namespace) -> None:
             raise ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
         if args.compile != "none":
             raise ConfigError("--nproc runs the all-gather demo; it does not take --compile")
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue {args.max_queue}: give 0 or more")
+    if not args.timeout_s > 0 or args.timeout_s == float("inf"):
+        raise ConfigError(f"--timeout-s {args.timeout_s}: give a number of seconds > 0")
+    if not args.keep_videos_s > 0:
+        raise ConfigError(f"--keep-videos-s {args.keep_videos_s}: give a number of seconds > 0")
+    if not 0 <= args.stall_timeout_s < float("inf"):
+        raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
+    config_from_flags(args)

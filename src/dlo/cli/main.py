@@ -13,7 +13,7 @@ from dlo.cli import cache_flags
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
-from dlo.cli.flag_checks import check_demo, check_generate
+from dlo.cli.flag_checks import check_demo, check_generate, check_serve
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
 from dlo.models.tiny_configs import TINY_CONFIGS
@@ -248,9 +248,14 @@ def _add_serve(commands) -> None:
         "failed; 0: never (default: 600)",
     )
     add_device_flags(parser)
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info",
+        help="dlo serve's own lines (one per request, the replicas' starts, deaths and restarts, the drain) and "
+        "uvicorn's, from this level up; other libraries' warnings only with -v (default: info)",
+    )
     _add_verbose(parser)
     add_config_flags(parser)
-    parser.set_defaults(command="dlo.cli.serve", host_weight_cache=True)
+    parser.set_defaults(command="dlo.cli.serve", check=check_serve, host_weight_cache=True)
 
 
 # The OffloadConfig fields that change what inspect prints (its only config flags).
