@@ -41,7 +41,7 @@ def tree(root):
     return {str(p.relative_to(root)): (p.lstat().st_mode, p.lstat().st_mtime_ns) for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("command", [["ls"], ["verify"], ["rm", "abc"], ["gc", "--max-size", "1G"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["rm", "abcdef01"], ["gc", "--max-size", "1G"]], ids=lambda c: c[0])
 def test_a_missing_cache_root_is_an_error_naming_it_and_is_not_created(tmp_path, capsys, command):
     root = tmp_path / "typo"
     assert main(["cache", *command, *cache(root)]) == 2
@@ -85,6 +85,15 @@ def used_cache(tmp_path):
     assert (root / ".locks" / f"{key}.lock").exists() and len(os.listdir(root / "sources")) == 1
     assert len(os.listdir(root / ".users" / key)) == 1
     return root, key
+
+
+def test_ls_shows_each_entrys_model_and_dtype(used_cache, tmp_path, capsys):
+    root, key = used_cache
+    assert main(["cache", "ls", *cache(root)]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["key", "model", "dtype", "size", "last", "used", "in", "use", "by"]
+    # loaded with torch_dtype=None: each tensor in the checkpoint's own dtype
+    assert row.split()[:4] == [key[:16], "WanTransformer3DModel", str(tmp_path / "wan"), "checkpoint"]
 
 
 def test_ls_and_verify_change_nothing(used_cache, capsys):
@@ -208,10 +217,39 @@ def test_a_full_length_key_that_does_not_exist_is_not_found(tmp_path, capsys):
 
 
 def test_an_ambiguous_prefix_asks_for_more_of_the_key(tmp_path, capsys):
-    prefix = os.path.commonprefix([publish(tmp_path, "one"), publish(tmp_path, "two")])
+    key = publish(tmp_path)
+    prefix = key[:8]
+    twin = prefix + ("0" if key[8] != "0" else "1") * 56  # a second entry sharing the first 8 digits
+    (tmp_path / "v1" / twin).mkdir(mode=0o700)
     assert main(["cache", "rm", prefix, *cache(tmp_path)]) == 2
     assert error_line(capsys) == f"dlo: error: {prefix!r} matches 2 entries in {tmp_path}; give more of the key"
     assert len(os.listdir(tmp_path / "v1")) == 2
+
+
+@pytest.mark.parametrize(
+    "key, why",
+    [
+        ("", "'' is too short: give at least 8 characters of the key (`dlo cache ls` shows 16)"),
+        ("{key7}", "'{key7}' is too short: give at least 8 characters of the key (`dlo cache ls` shows 16)"),
+        ("{KEY}", "'{KEY}' is not (the start of) a key: keys are lowercase hex digits"),
+    ],
+    ids=["empty", "seven", "upper"],
+)
+@pytest.mark.parametrize("action", ["rm", "verify"])
+def test_a_key_too_short_to_name_one_entry_is_refused_and_nothing_is_touched(tmp_path, action, key, why):
+    """An unset $KEY in a script (`dlo cache rm "$KEY"`) prefixes every key: the only entry
+    would go. Refused by the parser, from a real process, before the cache is looked at."""
+    published = publish(tmp_path)
+    before = tree(tmp_path)
+    typed = key.format(key7=published[:7], KEY=published[:16].upper())
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", action, typed, *cache(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"dlo: error: argument KEY: {why.format(key7=published[:7], KEY=published[:16].upper())} "
+        f"(see `dlo cache {action} --help`)"
+    ]
+    assert tree(tmp_path) == before
 
 
 def test_timeout_without_force_is_refused_before_anything_is_removed(tmp_path, capsys):
@@ -251,3 +289,23 @@ def test_ls_skips_a_writer_that_finished_while_it_looked(tmp_path, capsys, monke
     monkeypatch.setattr(entry_store, "is_held", finished)
     assert main(["cache", "ls", *cache(tmp_path)]) == 0
     assert "dead_writer" not in capsys.readouterr().out
+
+
+def test_gc_keeps_every_entrys_last_use_so_eviction_stays_least_recently_used_first(tmp_path):
+    """Removing a dead process's hold (what every gc does) is no use of the entry: a no-op
+    `gc` from a real process leaves the "last used" time it evicts by, and `ls` shows, as
+    they were."""
+    first, second = publish(tmp_path, "first"), publish(tmp_path, "second")
+    store = EntryStore(tmp_path)
+    for key in (first, second):
+        os.close(store.hold(key))  # a process used it and exited: its hold file is left, dead
+    used = {key: store.last_used(key) for key in (first, second)}
+    assert used[first] <= used[second]
+    command = [sys.executable, "-m", "dlo.cli.main", "cache", "gc", "--max-size", "10G", *cache(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / ".users" / first) == []  # the dead holds went
+    assert {key: store.last_used(key) for key in (first, second)} == used
+    assert main(["cache", "gc", "--max-size", str(store.size(second)), *cache(tmp_path)]) == 0
+    assert store.keys() == [second]  # the least recently used went first
+    assert os.listdir(tmp_path / ".used") == [second]  # and its record with it

@@ -101,7 +101,10 @@ def test_verify_reports_a_corrupted_entry(tmp_path, capsys):
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     assert main(["cache", "verify", "--cache-dir", str(tmp_path)]) == 1
-    assert "BAD" in capsys.readouterr().out
+    (line,) = capsys.readouterr().out.splitlines()
+    key = entry.path.name[:16]
+    assert line.startswith(f"{key}  BAD  ") and "does not hash to its manifest digest" in line
+    assert line.endswith(f"; remove it: dlo cache rm {key} (the next load that uses it publishes it again)")
 
 
 def _refused_and_rebuilt(root, tamper, reason):
@@ -151,8 +154,10 @@ def test_a_tmpfs_root_is_refused_unless_allowed(tmp_path, caplog):
     root = SHM / f"dlo-test-{os.getpid()}"
     try:
         with caplog.at_level(logging.WARNING):
-            _, plan = dlo.load_transformer(directory, dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(root)))
+            refused = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(root / "cache"))
+            _, plan = dlo.load_transformer(directory, refused)
         assert plan is None and "is on tmpfs" in caplog.text
+        assert not root.exists()  # refused before anything was made: no empty directories left
         allowed = dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(root), cache_allow_any_filesystem=True)
         _, plan = dlo.load_transformer(directory, allowed)
         assert plan is not None
@@ -164,7 +169,7 @@ def test_a_tmpfs_root_is_refused_unless_allowed(tmp_path, caplog):
 
 
 def test_sizes_parse_like_humans_write_them():
-    from dlo.cli.cache_cmd import parse_size
+    from dlo.cli.cache_flags import parse_size
 
     assert parse_size("200G") == 200 * 2**30 and parse_size("1.5T") == int(1.5 * 2**40)
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000

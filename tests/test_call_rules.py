@@ -1,8 +1,12 @@
 """The call rules: what a pipeline accepts, read from its directory's configs, checked by a pure function."""
 
+import dataclasses
+
 import pytest
 
-from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, tokens, validate_call
+from dlo.pipelines.call_rules import (
+    CallRequest, CallRuleError, CallRules, PositionLimit, read_call_rules, tokens, validate_call,
+)
 
 # Wan-shaped rules written out: VAE scale 8 x patch 2, 4k+1 frames, 512 text tokens, 480x832x81 default.
 WAN = CallRules("WanPipeline", spatial_multiple=16, temporal_multiple=4, max_sequence_length=512, vae_channels=96,
@@ -23,6 +27,41 @@ def test_rules_are_read_from_the_pipeline_configs(tiny_flux_dir, tiny_wan_dir):
     wan = read_call_rules(tiny_wan_dir, diffusers.WanPipeline)
     assert (wan.spatial_multiple, wan.temporal_multiple, wan.max_sequence_length) == (16, 4, 512)
     assert wan.default_size == (480, 832, 81)
+    assert flux.positions is None  # Flux computes its RoPE for any size
+    assert wan.positions == PositionLimit("WanTransformer3DModel", "rope_max_seq_len", 32, temporal_patch=1)
+
+
+# The tiny Wan's RoPE limit on Wan-shaped rules: 32 latent patches of 16 pixels a side, 32 latent frames.
+ROPE_32 = dataclasses.replace(WAN, positions=PositionLimit("WanTransformer3DModel", "rope_max_seq_len", 32, 1))
+SD3_GRID = dataclasses.replace(FLUX, pipeline="StableDiffusion3Pipeline",
+                               positions=PositionLimit("SD3Transformer2DModel", "pos_embed_max_size", 96, None))
+
+
+@pytest.mark.parametrize(
+    ("rules", "request_", "refused"),
+    [
+        (ROPE_32, CallRequest(height=512, width=512, num_frames=125), False),  # every axis at its limit
+        (ROPE_32, CallRequest(height=528, width=512, num_frames=5), True),
+        (ROPE_32, CallRequest(height=32, width=528, num_frames=5), True),
+        (ROPE_32, CallRequest(height=32, width=32, num_frames=129), True),  # 33 latent frames
+        (ROPE_32, CallRequest(), True),  # the default 480x832: 52 patches across
+        (SD3_GRID, CallRequest(height=1536, width=1536), False),  # 96 patches of 16 pixels
+        (SD3_GRID, CallRequest(height=1552, width=64), True),
+    ],
+)
+def test_a_size_beyond_the_transformers_positions_is_refused_naming_its_config_field(rules, request_, refused):
+    if not refused:
+        assert validate_call(rules, request_, 2**30, 2) == request_
+        return
+    with pytest.raises(CallRuleError) as error:
+        validate_call(rules, request_, 2**30, 2)
+    limit = rules.positions
+    assert error.value.field == "size"
+    assert error.value.allowed.startswith(
+        f"{limit.transformer} places at most {limit.per_side} latent patches per side ({limit.field} "
+        f"{limit.per_side} in its config): height and width up to {limit.per_side * 16}"
+    )
+    assert ("frames up to 125" in error.value.allowed) == (limit.temporal_patch is not None)
 
 
 def test_tokens_count_latent_patches_and_latent_frames():

@@ -90,6 +90,17 @@ def test_demo_with_automatic_residency_under_a_budget(tmp_path, capsys):
     assert_streamed_like_a_fresh_resident_run(saved, "flux", 4)
 
 
+def test_demo_bytes_per_step_are_a_steady_steps_not_the_measuring_call_and_residency_loads(capsys):
+    """With every block made resident after the measuring call, a step streams nothing: the
+    per-step figure says so (the run's total, measuring call and resident copies, beside it)."""
+    argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "3", "--resident", "auto", "--hbm-budget-gib", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0 (+5 resident)" in out
+    assert re.search(r"bytes streamed per step +- +0 B \([\d.]+ [KM]iB over the 3 steps\)", out), out
+    assert re.search(r"H2D rate +- +n/a \(cpu\)", out), out
+
+
 def test_a_budget_below_what_streaming_needs_is_one_line_from_the_demo_before_any_weight(capsys, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("a model was built before the budget was checked")

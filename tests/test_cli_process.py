@@ -2,6 +2,7 @@
 Hugging Face cache, `dlo make-tiny`."""
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -85,7 +87,7 @@ def test_version(capsys):
 
 
 def _options(command: str) -> set[str]:
-    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    commands = next(a for a in build_parser()._actions if a.dest == "subcommand")
     return set(commands.choices[command]._option_string_actions)
 
 
@@ -139,8 +141,30 @@ def test_generate_a_hub_id_from_the_cache_offline_quietly(hub_cache, tiny_flux_d
     assert done.returncode == 0, done.stderr
     assert Image.open(out).size == (32, 32)
     # progress bars only: no warnings, notices or deprecations from dlo's calls or other libraries
-    for noise in ("Warning", "warning", "[transformers]", "torch_dtype", "deprecated"):
+    for noise in ("Warning", "warning", "[transformers]", "torch_dtype", "deprecated", "Loading pipeline components"):
         assert noise not in done.stderr
+
+
+def test_make_tiny_prints_no_bars_of_the_libraries_that_write_it(tmp_path):
+    done = subprocess.run([*DLO, "make-tiny", "wan", str(tmp_path / "wan")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == ""  # no "Writing model shards", no notices
+
+
+def test_a_fallback_warning_names_dlo_once_and_a_tmpfs_cache_dir_is_not_created(tiny_flux_dir, tmp_path):
+    """The fallback is one line `WARNING dlo: ...` (not `WARNING dlo.host.cache.consume: dlo: ...`),
+    and the refused cache root on tmpfs, and its parents, are never made."""
+    root = Path("/dev/shm") / f"dlo-test-{os.getpid()}-{tmp_path.name}"
+    if not root.parent.is_dir():
+        pytest.skip("no /dev/shm here")
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
+            "--width", "32", "--output", str(tmp_path / "x.png"), "--host-weight-cache", "--cache-dir",
+            str(root / "cache")]
+    done = subprocess.run([*DLO, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    assert warning.startswith("WARNING dlo: host weight cache fallback invalid_configuration: the cache root ")
+    assert "is on tmpfs" in warning
+    assert not root.exists()
 
 
 def test_a_hub_id_not_in_the_cache_says_so_offline(hub_cache, monkeypatch, capsys):
@@ -151,7 +175,7 @@ def test_a_hub_id_not_in_the_cache_says_so_offline(hub_cache, monkeypatch, capsy
     assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png"]) == 2
     assert capsys.readouterr().err == (
         f"dlo: error: MODEL org/absent: not in the Hugging Face cache {hub_cache} and HF_HUB_OFFLINE is set; download "
-        "it first (`huggingface-cli download org/absent`) or pass its directory\n"
+        "it first (`hf download org/absent`) or pass its directory\n"
     )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert main(["generate", "org/absent", "--prompt", "x", "--output", "x.png", "--offline"]) == 2
@@ -181,18 +205,58 @@ def test_make_tiny_writes_a_pipeline_that_its_suggested_command_runs(tmp_path, m
     assert "exists and is not an empty directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("directory", "line"),
+    [
+        ("/proc/x", "DIR /proc/x: cannot be written (No such file or directory)"),
+        ("{tmp}/a-file/x", "DIR {tmp}/a-file/x: a parent of it is a file, not a directory"),
+        ("{tmp}/missing/x", "DIR {tmp}/missing/x: directory {tmp}/missing does not exist"),
+    ],
+    ids=["proc", "file-as-parent", "missing-parent"],
+)
+def test_make_tiny_where_nothing_can_be_written_is_one_line_and_exit_2(directory, line, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    directory = directory.format(tmp=tmp_path)
+    done = subprocess.run([*DLO, "make-tiny", "flux", directory], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [f"dlo: error: {line.format(tmp=tmp_path)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_ctrl_c_during_make_tiny_leaves_nothing_and_the_same_command_then_works(tmp_path):
+    """The pipeline is written beside DIR and renamed onto it once complete."""
+    directory = tmp_path / "tiny-flux"
+    stderr_log = tmp_path / "stderr.txt"
+    with open(stderr_log, "w") as log:
+        process = subprocess.Popen([*DLO, "make-tiny", "flux", str(directory)], stderr=log, stdout=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        # interrupted once a component is on disk
+        interrupt_when(process, lambda: any(tmp_path.glob(".tiny-flux.dlo-partial-*/*/config.json")))
+    assert process.returncode == 130 and stderr_log.read_text().splitlines()[-1] == "dlo: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.txt"]
+    done = subprocess.run([*DLO, "make-tiny", "flux", str(directory)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (directory / "model_index.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "stderr.txt", "tiny-flux"
+    ]
+
+
 def test_quiet_output_hides_the_text_encoders_loading_bars_but_keeps_the_download_bar(tiny_flux_dir, tmp_path):
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging
 
     argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--steps", "1", "--height", "32",
             "--width", "32", "--output", str(tmp_path / "x.png")]
+    from diffusers.utils import logging as diffusers_logging
+
     try:
         assert main(argv) == 0
         assert not transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+        assert not diffusers_logging.is_progress_bar_enabled()  # "Loading pipeline components..."
     finally:
         transformers_logging.enable_progress_bar()
         enable_progress_bars()
+        diffusers_logging.enable_progress_bar()
 
 
 def test_a_command_that_loads_no_pipeline_does_not_import_transformers(tmp_path):
@@ -211,8 +275,8 @@ def test_a_command_that_loads_no_pipeline_does_not_import_transformers(tmp_path)
 
 
 def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_path):
-    """The console script's first import (torch, through the CLI) is held until Ctrl-C: the
-    interrupt lands inside it and still ends with one line and 130, no traceback."""
+    """The command's first import of torch (after parsing) is held until Ctrl-C: the interrupt
+    lands inside it and still ends with one line and 130, no traceback."""
     ready = tmp_path / "importing-torch"
     script = (
         "import sys, time\n"
@@ -225,8 +289,71 @@ def test_ctrl_c_while_the_command_line_is_still_importing_prints_one_line(tmp_pa
         "from dlo.cli.launch import main\n"
         "sys.exit(main())\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", script, "--version"], stderr=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-c", script, "inspect", "wan"], stderr=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     stderr = interrupt_when(process, ready.exists)
     assert process.returncode == 130
     assert stderr.splitlines() == ["dlo: interrupted"]
+
+
+# Heavy libraries the command line must not import to parse, answer --help or refuse flags.
+HEAVY = ("torch", "diffusers", "transformers", "numpy", "safetensors")
+
+
+def test_help_version_and_flag_refusals_import_no_torch(tmp_path):
+    """See [Note: parse before torch]: each of these, in one fresh process, leaves torch (and
+    the other heavy libraries) unimported, with the status and the one line a user gets."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("")
+    out = str(tmp_path / "o.png")
+    cases = [
+        (["--help"], 0), (["--version"], 0),
+        *[([command, "--help"], 0) for command in ("demo", "generate", "serve", "inspect", "make-tiny", "cache")],
+        (["cache", "rm", "--help"], 0),
+        (["demo", "--model", "nope"], 2),  # an invalid choice
+        (["demo", "--steps", "0"], 2),  # a bounded number
+        (["demo", "--num-slots", "1"], 2),  # OffloadConfig's own validation
+        (["demo", "--nproc", "2", "--trace", str(tmp_path / "t.json")], 2),
+        (["generate", "m", "--output", out], 2),  # --prompt missing
+        (["generate", "m", "--prompt", "x", "--output", out, "--bogus-flag"], 2),
+        (["generate", "m", "--prompt", "x", "--output", str(tmp_path / "o.mp3")], 2),
+        (["generate", "m", "--prompt", "x", "--output", out, "--ulysses", "2"], 2),
+        (["generate", "m", "--prompt", "x", "--output", str(tmp_path / "missing" / "o.png")], 2),
+        (["serve", "m", "--port", "0"], 2),
+        (["inspect", "wan", "--dtype", "float64"], 2),
+        (["cache", "rm", ""], 2),
+        (["cache", "rm", "abcdef01", "--timeout", "3"], 2),
+        (["make-tiny", "flux", str(tmp_path / "full")], 2),
+    ]
+    script = (
+        "import json, sys\n"
+        "from dlo.cli.main import main\n"
+        f"heavy = {HEAVY!r}\n"
+        "report = []\n"
+        f"for argv in {[argv for argv, _ in cases]!r}:\n"
+        "    try:\n"
+        "        status = main(argv)\n"
+        "    except SystemExit as exited:\n"
+        "        status = exited.code\n"
+        "    report.append([status, [name for name in heavy if name in sys.modules]])\n"
+        "print(json.dumps(report), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    report = json.loads(done.stderr.splitlines()[-1])
+    refusals = [line for line in done.stderr.splitlines()[:-1] if line.startswith("dlo: error: ")]
+    assert [(argv, status, imported) for (argv, _), (status, imported) in zip(cases, report)] == [
+        (argv, status, []) for argv, status in cases
+    ]
+    assert len(refusals) == sum(status == 2 for _, status in cases)  # one line each
+
+
+def test_the_console_command_answers_a_flag_refusal_without_importing_torch():
+    """The console script (dlo.cli.launch), as PYTHONPROFILEIMPORTTIME shows it: no torch among
+    the modules the process imported."""
+    argv = ["generate", "m", "--prompt", "x", "--output", "o.png", "--bogus-flag"]
+    console = "import sys; from dlo.cli.launch import main; sys.exit(main())"
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    done = subprocess.run([sys.executable, "-c", console, *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "dlo.cli.main" in imported and not imported & set(HEAVY)

@@ -13,7 +13,7 @@ import pytest
 
 import dlo
 from dlo.cli import model_source
-from dlo.cli.generate_job import MAX_SEED
+from dlo.pipelines.call_rules import MAX_SEED
 from dlo.cli.main import main
 from dlo.models.tiny import TinyModel
 
@@ -69,6 +69,14 @@ def refusal(argv, capsys) -> str:
         ("flux", ["--height", "100000", "--width", "100000"], "--height/--width/--frames 100000x100000: 39062500 transformer tokens, over the limit of 131072"),
         ("flux", ["--height", "64", "--width", "64", "--max-tokens", "15"], "64x64: 16 transformer tokens, over the limit of 15"),
         ("flux", ["--resident-layers", "100"], "--resident-layers 100: the transformer has 5 blocks; give 0 to 5"),
+        # the tiny Wan's RoPE tables cover 32 latent patches a side: Wan's default 480x832 is 30x52 of them
+        ("wan", ["--output", "{tmp}/x.gif"], "--height/--width/--frames 480x832x81: WanTransformer3DModel places at "
+         "most 32 latent patches per side (rope_max_seq_len 32 in its config): height and width up to 512, frames up "
+         "to 125; ask for a smaller size (this is WanPipeline's default)"),
+        ("wan", ["--height", "32", "--width", "528", "--frames", "5", "--output", "{tmp}/x.gif"],
+         "--height/--width/--frames 32x528x5: WanTransformer3DModel places at most 32 latent patches per side"),
+        ("wan", ["--height", "32", "--width", "32", "--frames", "129", "--output", "{tmp}/x.gif"],
+         "--height/--width/--frames 32x32x129: WanTransformer3DModel places at most 32 latent patches per side"),
         ("flux", ["--seed", "-1"], f"argument --seed: must be from 0 to {MAX_SEED}, got -1"),
         ("flux", ["--seed", str(2**64)], f"argument --seed: must be from 0 to {MAX_SEED}, got {2**64}"),
         ("flux", ["--nproc", "3", "--parallel", "dp", "--seed", str(MAX_SEED - 1)],
@@ -222,12 +230,18 @@ def test_a_missing_text_encoder_names_its_directory(damaged_flux_dir, weights_ne
     [
         (["generate", "{flux}", "--prompt", "x", "--output", "{tmp}/out.png"], "--output {tmp}/out.png: is a directory"),
         (["demo", "--resident-layers", "100"], "--resident-layers 100: wan-demo has 8 blocks; give 0 to 8"),
+        (["generate", "{wan}", "--prompt", "x", "--output", "{tmp}/d.gif"],
+         "--height/--width/--frames 480x832x81: WanTransformer3DModel places at most 32 latent patches per side"),
+        (["generate", "{flux}", "--prompt", "x", "--output", "{tmp}/o.png", "--bogus-flag"],
+         "dlo: error: unrecognized arguments: --bogus-flag (see `dlo generate --help`)"),
+        (["cache", "rm", "abcdef01", "--bogus-flag"], "unrecognized arguments: --bogus-flag --device cpu (see `dlo cache rm --help`)"),
     ],
-    ids=["output-is-a-directory", "demo-resident-layers"],
+    ids=["output-is-a-directory", "demo-resident-layers", "tiny-wan-default-size", "unknown-generate-flag",
+         "unknown-cache-flag"],
 )
-def test_the_process_prints_one_line_and_exits_2(argv, line, tiny_flux_dir, tmp_path):
+def test_the_process_prints_one_line_and_exits_2(argv, line, tiny_flux_dir, tiny_wan_dir, tmp_path):
     (tmp_path / "out.png").mkdir()
-    argv = [a.format(flux=tiny_flux_dir, tmp=tmp_path) for a in argv]
+    argv = [a.format(flux=tiny_flux_dir, wan=tiny_wan_dir, tmp=tmp_path) for a in argv]
     done = subprocess.run([sys.executable, "-m", "dlo.cli.main", *argv, "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [done.stderr.strip()] and line.format(tmp=tmp_path) in done.stderr

@@ -204,3 +204,29 @@ def test_pipeline_components_go_to_the_device_while_they_fit_the_room_left():
     assert place_within(sizes, room=100) == {"text_encoder": "device", "vae": "device", "text_encoder_2": "cpu offload"}
     assert place_within(sizes, room=50) == {"text_encoder": "cpu offload", "vae": "device", "text_encoder_2": "cpu offload"}
     assert place_within(sizes, room=-5) == dict.fromkeys(sizes, "cpu offload")
+
+
+def _column(printed: str, header: str) -> str:
+    """The transformer row's cell under `header` in generate's statistics table."""
+    lines = printed.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("component"))
+    start = lines[top].index(header)
+    widths = lines[top + 1]  # the dashes under each header
+    end = widths.find(" ", start)
+    row = next(line for line in lines[top + 2:] if line.startswith("transformer"))
+    return row[start:end if end != -1 else None].strip()
+
+
+def test_streamed_per_step_is_what_inspect_predicts_per_call_and_h2d_is_na_on_cpu(tiny_flux_dir, tmp_path, capsys):
+    """Guidance 0: one transformer call a step. The counters also hold the prefetch of the
+    next call's first block after the last step, which the per-step figure leaves out."""
+    assert main(["inspect", str(tiny_flux_dir)]) == 0
+    per_call = capsys.readouterr().out.split("streamed per call:")[1].split()[:2]
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / "x.png")]
+    assert main([*argv, *flags("flux")]) == 0  # 2 steps
+    printed = capsys.readouterr().out
+    per_step = _column(printed, "streamed/step")
+    assert per_step.startswith(" ".join(per_call) + " (") and per_step.endswith(" over the 2 steps)")
+    assert _column(printed, "H2D") == "n/a (cpu)"
+    assert main([*argv, *flags("flux"), "--steps", "1"]) == 0
+    assert _column(capsys.readouterr().out, "streamed/step").endswith(" in all (with the next call's prefetch)")

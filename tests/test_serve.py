@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import torch
 from PIL import Image
 
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from nan_weights import poison
 from plain_pipeline import plain_pipeline
 from serve_process import call as _call
 from serve_process import running_server
@@ -86,6 +88,10 @@ def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
         (dict(size="big"), "size"),
         (dict(n=3), "n"),
         (dict(n="two"), "n"),
+        (dict(n="2"), "n"),  # strict: a string is no number, a boolean no count
+        (dict(n=True), "n"),
+        (dict(seed=2**64), "seed"),  # dlo generate's maximum, 2**64 - 1, plus one
+        (dict(seed=2**64 - 1, n=2), "seed"),  # image 1 would use seed + 1
         (dict(num_inference_steps=SLOW_STEPS + 1), "num_inference_steps"),
         (dict(size="²x64"), "size"),
         (dict(seed=-1), "seed"),
@@ -96,7 +102,8 @@ def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
         (dict(negative_prompt="x" * 10_001), "negative_prompt"),
     ],
     ids=[
-        "no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "steps-over-max", "size-unicode-digit",
+        "no-prompt", "size-multiple", "size-format", "n-over-max", "n-type", "n-string", "n-bool", "seed-over-max",
+        "seed-plus-n-over-max", "steps-over-max", "size-unicode-digit",
         "seed-negative", "unknown-field", "guidance-nan", "guidance-minus-inf", "guidance-huge", "negative-prompt-long",
     ],
 )
@@ -105,6 +112,22 @@ def test_bad_requests_are_400_naming_the_field(server, change, param):
     body = {k: v for k, v in {**REQUEST, **change}.items() if v is not None}
     status, answer, _ = _call(f"{base}/v1/images/generations", body)
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
+
+
+def test_a_size_refusal_names_the_size_asked_and_which_side_is_wrong(server):
+    base, _ = server
+    status, answer, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "size": "65x64"})
+    assert status == 400 and answer["error"]["param"] == "size"
+    assert answer["error"]["message"] == (
+        "size=65x64: the width 65: FluxPipeline takes positive multiples of 16 (16, 32, ...)"
+    )
+
+
+def test_the_largest_seed_and_a_null_response_format_are_taken(server):
+    base, _ = server
+    body = {**REQUEST, "seed": 2**64 - 1, "response_format": None, "num_inference_steps": 1}
+    status, answer, _ = _call(f"{base}/v1/images/generations", body)
+    assert status == 200 and len(answer["data"]) == 1, answer
 
 
 def _start(base: str, body: dict) -> tuple[threading.Thread, dict]:
@@ -304,6 +327,17 @@ def test_a_replica_killed_mid_request_fails_only_that_request_and_comes_back(que
     queued.join(timeout=120)
     status, body, _ = survivor["answer"]
     assert status == 200 and len(body["data"]) == 1
+    # The log, in uvicorn's form: the death with its exit code and the job it took down (the
+    # access lines name the same job ids), the restart, the new replica ready, each request.
+    (_, _, log), _ = queue_server
+    text = log.read_text()
+    killed_job = re.search(r'"POST /v1/images/generations HTTP/1.1" 500 [\d.]+ s job (\d+)\n', text).group(1)
+    old_pid, new_pid = before["replica_pids"][0], health[1]["replica_pids"][0]
+    assert (f"WARNING:  dlo serve: replica 0 (pid {old_pid}) died (exit code {-signal.SIGKILL}) while running job "
+            f"{killed_job}\n") in text
+    assert f"INFO:     dlo serve: restarting replica 0 (restart {health[1]['restarts']})\n" in text
+    assert f"INFO:     dlo serve: replica 0 ready (pid {new_pid})\n" in text
+    assert re.search(r'INFO:     127\.0\.0\.1:\d+ - "POST /v1/images/generations HTTP/1\.1" 200 [\d.]+ s job \d+\n', text)
 
 
 def test_once_every_replica_is_given_up_jobs_fail_and_are_refused_and_sigterm_exits(queue_server):
@@ -417,3 +451,23 @@ def test_devices_that_cannot_be_honoured_are_refused_before_anything_loads(
     assert main(["serve", str(tmp_path / "missing"), "--replicas", "3", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_an_image_from_non_finite_values_fails_its_request_naming_it_and_log_level_quiets_the_log(
+    tiny_flux_dir, tmp_path_factory
+):
+    """A transformer file with 8 bytes of NaN: the request gets 500 naming the non-finite
+    values (not a black PNG). With --log-level warning the log has no line per request."""
+    directory = tmp_path_factory.mktemp("pipelines") / "flux-nan"
+    shutil.copytree(tiny_flux_dir, directory)
+    poison(directory / "transformer" / "diffusion_pytorch_model.safetensors", "proj_out.weight")
+    cache, log_dir = tmp_path_factory.mktemp("serve-nan-cache"), tmp_path_factory.mktemp("serve-nan-log")
+    with running_server(directory, cache, log_dir, ["--log-level", "warning"]) as running:
+        status, answer, _ = _call(f"{running.base}/v1/images/generations", REQUEST)
+        assert status == 500
+        assert "NonFiniteOutput: the generated image has 12288 non-finite values (NaN or infinity) of 12288" in (
+            answer["error"]["message"]
+        )
+        assert _call(f"{running.base}/health")[0] == 200  # the replica serves on
+    text = running.log.read_text()
+    assert "POST /v1/images/generations" not in text and "dlo serve: replica 0 ready" not in text

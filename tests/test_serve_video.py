@@ -262,6 +262,50 @@ def test_video_requests_are_checked_before_they_are_queued(server):
     assert call(f"{base}/v1/videos/video_nonexistent")[0] == 404
 
 
+def test_get_videos_lists_the_jobs_kept_newest_first_in_pages(server):
+    """What the openai client's videos.list() reads: data, has_more, last_id (its next page's `after`)."""
+    base = server.base
+    made = [call(f"{base}/v1/videos", {**VIDEO, "seed": 100 + k})[1]["id"] for k in range(3)]
+    status, page, _ = call(f"{base}/v1/videos?limit=2")
+    assert status == 200 and page["object"] == "list" and [v["id"] for v in page["data"]] == made[::-1][:2]
+    assert page["has_more"] is True and page["last_id"] == made[1] and page["data"][0]["object"] == "video"
+    status, rest, _ = call(f"{base}/v1/videos?limit=2&after={page['last_id']}")
+    assert status == 200 and rest["data"][0]["id"] == made[0]
+    status, oldest_first, _ = call(f"{base}/v1/videos?order=asc&limit=100")
+    assert [v["id"] for v in oldest_first["data"]][-3:] == made and oldest_first["has_more"] is False
+    assert call(f"{base}/v1/videos?after=video_nonexistent")[0] == 404
+    status, answer, _ = call(f"{base}/v1/videos?limit=0")
+    assert status == 400 and answer["error"]["param"] == "limit"
+    for video_id in made:
+        call(f"{base}/v1/videos/{video_id}", method="DELETE")
+    _idle(base)
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the client marks videos.create so
+def test_a_multipart_video_request_is_told_to_send_json(server):
+    """The openai client's videos.create sends multipart form data."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(BadRequestError) as refused:
+        client.videos.create(prompt="a red cube", size="32x32", extra_body={"num_frames": 5})
+    assert "send the request as JSON (Content-Type: application/json), not multipart form data" in str(refused.value)
+    assert call(f"{server.base}/health")[1]["pending"] == 0
+
+
+def test_a_job_without_a_size_beyond_the_transformers_positions_is_refused_before_it_is_queued(server):
+    """WanPipeline's default 832x480 is 52 latent patches across, the tiny Wan's RoPE tables
+    cover 32: refused at once naming the limit, not failed at run time with a shape error."""
+    status, answer, _ = call(f"{server.base}/v1/videos", {"prompt": "a red cube", "num_inference_steps": 2})
+    assert status == 400 and answer["error"]["param"] == "size"
+    assert answer["error"]["message"].startswith(
+        "size=auto (480x832x81, height x width x frames): WanTransformer3DModel places at most 32 latent patches per "
+        "side (rope_max_seq_len 32 in its config): height and width up to 512, frames up to 125; ask for a smaller "
+        "size (this is WanPipeline's default)"
+    )
+    assert call(f"{server.base}/health")[1]["pending"] == 0  # no job was made
+
+
 class _FakePool:
     """The pool's side of VideoJobs: jobs whose futures the test resolves."""
 
@@ -392,3 +436,11 @@ def test_sigterm_drains_the_held_jobs_then_exits_0(server):
         assert fetch(f"{base}/v1/videos/{ids[0]}/content")[0] == 200
         assert process.poll() is None  # replica 1 still holds a job
     assert process.wait(timeout=60) == 0
+    text = server.log.read_text()
+    drain = [line for line in text.splitlines() if "dlo serve: SIGTERM" in line or "dlo serve: drained" in line
+             or "dlo serve: stopped" in line]
+    assert drain == [
+        "INFO:     dlo serve: SIGTERM: draining: the 3 job(s) held finish, new jobs get 503",
+        "INFO:     dlo serve: drained: every job held has finished; stopping",
+        "INFO:     dlo serve: stopped; the replicas have exited",
+    ]

@@ -1,63 +1,19 @@
-"""`dlo cache ls | verify | rm | gc`: maintenance of the host weight cache."""
+"""`dlo cache ls | verify | rm | gc`: maintenance of the host weight cache (flags: cache_flags)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import re
 import time
 
+from dlo.cli.cache_flags import DEFAULT_FORCE_TIMEOUT_S, SHOWN_KEY
 from dlo.cli.format import human_bytes, table
-from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.manifest import MANIFEST
 from dlo.host.cache.trust import root_refusal
 from dlo.host.cache.unavailable import CacheUnavailable
-
-DEFAULT_FORCE_TIMEOUT_S = 600.0
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'200G', '1.5T', '512M', '1000' (bytes) -> bytes (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 200G, 512M or 1.5T")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** "BKMGT".index(unit.upper() or "B"))
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser(
-        "cache",
-        help="list, verify and evict host weight cache entries",
-        description="Maintain the host weight cache (OffloadConfig(host_weight_cache=True)). Entries held by a "
-        "running process are never evicted.",
-    )
-    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    default_dir = OffloadConfig().cache_dir
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--cache-dir", default=default_dir, help=f"cache root (default: {default_dir})")
-    actions.add_parser(
-        "ls", parents=[common], help="key, model, size, last used, in use by N; and leftovers gc would remove"
-    )
-    verify = actions.add_parser("verify", parents=[common], help="re-hash entries (all, or KEY)")
-    verify.add_argument(
-        "key", nargs="?", metavar="KEY", help="an entry's key, or a unique prefix of it as `ls` shows (default: every entry)"
-    )
-    remove = actions.add_parser("rm", parents=[common], help="remove an entry nobody uses")
-    remove.add_argument("key", metavar="KEY", help="the entry's key, or a unique prefix of it as `ls` shows")
-    remove.add_argument("--force", action="store_true", help="wait until no process uses it, then remove it")
-    wait = f"with --force: seconds to wait (default: {DEFAULT_FORCE_TIMEOUT_S:g})"
-    remove.add_argument("--timeout", type=float, metavar="S", help=wait)
-    collect = actions.add_parser(
-        "gc", parents=[common], help="evict least recently used entries nobody uses, and remove what is left over"
-    )
-    collect.add_argument("--max-size", type=parse_size, required=True, metavar="SIZE", help="e.g. 200G")
-    parser.set_defaults(run=run)
-
 
 def _store(args: argparse.Namespace) -> EntryStore:
     """The cache at --cache-dir, which must exist: these commands never create one."""
@@ -77,13 +33,19 @@ def _resolve(store: EntryStore, key: str) -> str:
     raise ConfigError(f"{key!r} matches {len(matches)} entries in {store.root}; give more of the key")
 
 
-def _model(store: EntryStore, key: str) -> str:
-    """The model an entry's manifest names, for display only (validation judges it)."""
+def _described(store: EntryStore, key: str) -> tuple[str, str]:
+    """(model, dtype) an entry's manifest names, for display only (validation judges it). The
+    dtype: the load's ("checkpoint": each tensor's own), then the float8 format it streams in."""
     try:
         identity = json.loads((store.entry_path(key) / MANIFEST).read_text()).get("identity")
-        return f"{identity['model_class'].rsplit('.', 1)[-1]} {identity['model_path']}"
+        model = f"{identity['model_class'].rsplit('.', 1)[-1]} {identity['model_path']}"
+        dtype = str(identity["dtype"]).removeprefix("torch.")
+        stream = identity.get("stream")
+        if stream is not None:
+            dtype += f" as {stream['dtype']} {stream['scale']}"
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return "?"
+        return "?", "?"
+    return model, dtype
 
 
 def _when(seconds: float) -> str:
@@ -92,7 +54,8 @@ def _when(seconds: float) -> str:
 
 def _list(store: EntryStore) -> int:
     rows = [
-        [key[:16], _model(store, key), human_bytes(store.size(key)), _when(store.last_used(key)), str(store.users(key))]
+        [key[:SHOWN_KEY], *_described(store, key), human_bytes(store.size(key)), _when(store.last_used(key)),
+         str(store.users(key))]
         for key in store.keys()
     ]
     for left in store.leftovers():
@@ -100,24 +63,27 @@ def _list(store: EntryStore) -> int:
             when = _when(left.path.stat().st_mtime)
         except FileNotFoundError:  # removed since it was listed (gc, or its writer finished)
             continue
-        rows.append([left.key[:16], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
-                     human_bytes(store.leftover_size(left)), when, "-"])
-    print(table(["key", "model", "size", "last used", "in use by"], rows) if rows else f"{store.root}: no entries")
+        rows.append([left.key[:SHOWN_KEY], f"({left.kind.value}, in {left.path.relative_to(store.root)}: dlo cache gc removes it)",
+                     "-", human_bytes(store.leftover_size(left)), when, "-"])
+    header = ["key", "model", "dtype", "size", "last used", "in use by"]
+    print(table(header, rows) if rows else f"{store.root}: no entries")
     return 0
 
 
 def _verify(store: EntryStore, key: str | None) -> int:
     bad = 0
-    for key in [_resolve(store, key)] if key else store.keys():
+    for key in [_resolve(store, key)] if key is not None else store.keys():
         started = time.perf_counter()
         found = store.validate(key)
         seconds = time.perf_counter() - started
         if isinstance(found, Entry):
             found.close()
-            print(f"{key[:16]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
+            print(f"{key[:SHOWN_KEY]}  ok  ({human_bytes(store.size(key))} re-hashed in {seconds:.2f} s)")
         else:
             bad += 1
-            print(f"{key[:16]}  BAD  {found}")
+            # A load never maps it (it validates first) and publishes a good copy in its place.
+            print(f"{key[:SHOWN_KEY]}  BAD  {found}; remove it: dlo cache rm {key[:SHOWN_KEY]} (the next load that "
+                  "uses it publishes it again)")
     return 1 if bad else 0
 
 
@@ -129,12 +95,12 @@ def _remove(store: EntryStore, key: str, force: bool, timeout_s: float | None) -
         if time.monotonic() >= deadline:
             users = store.users(key)
             if force:
-                raise ConfigError(f"timed out after {wait_s:g} s: {key[:16]} is still in use by {users} process(es)")
+                raise ConfigError(f"timed out after {wait_s:g} s: {key[:SHOWN_KEY]} is still in use by {users} process(es)")
             raise ConfigError(
-                f"{key[:16]} is in use by {users} process(es); stop them, or add --force to wait for them"
+                f"{key[:SHOWN_KEY]} is in use by {users} process(es); stop them, or add --force to wait for them"
             )
         time.sleep(0.2)
-    print(f"removed {key[:16]}")
+    print(f"removed {key[:SHOWN_KEY]}")
     return 0
 
 
@@ -151,9 +117,9 @@ def _collect(store: EntryStore, max_size: int) -> int:
             removed = False
         if removed:
             total -= size
-            print(f"evicted {key[:16]} ({human_bytes(size)})")
+            print(f"evicted {key[:SHOWN_KEY]} ({human_bytes(size)})")
         else:
-            print(f"kept {key[:16]}: in use")
+            print(f"kept {key[:SHOWN_KEY]}: in use")
     for path in store.tidy():
         print(f"removed {path}")
     print(f"cache size {human_bytes(total)} (limit {human_bytes(max_size)})")
@@ -161,8 +127,7 @@ def _collect(store: EntryStore, max_size: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "rm" and args.timeout is not None and not args.force:
-        raise ConfigError("--timeout is how long --force waits for an entry's users; add --force or drop --timeout")
+    """After cache_flags.check."""
     store = _store(args)
     if args.action == "ls":
         return _list(store)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from dlo.errors import ConfigError
-from dlo.hotpath.compiled_call import isolate
-from dlo.planning.offload_plan import discover, resolve_blocks
+
+if TYPE_CHECKING:
+    from torch import nn
 
 COMPILE_CHOICES = ("none", "regional", "full")
 
@@ -42,6 +42,9 @@ def compile_resident_like_streamed(model: nn.Module, how: str, resident_layers: 
     first give the blocks dlo would stream the call boundary they have under dlo, so the graphs
     are cut at the same places (see [Note: compiled blocks]). For a reference only: the
     boundaries stay."""
+    from dlo.hotpath.compiled_call import isolate  # torch. See [Note: parse before torch]
+    from dlo.planning.offload_plan import discover, resolve_blocks
+
     if how == "full":
         isolate([ref.module for ref in resolve_blocks(model, discover(model))[resident_layers:]])
     compile_model(model, how)

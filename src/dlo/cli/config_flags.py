@@ -5,29 +5,41 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
-import torch
-
-from dlo.backend.device import resolve_device
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# --dtype's choices: names of torch dtypes, torch imported only to resolve them. See [Note:
+# parse before torch]
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="'cuda', 'cuda:N', 'cpu' or 'auto' (default)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
 
 
 def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    import torch
+
+    from dlo.backend.device import resolve_device
+
     try:
         device = resolve_device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     except ConfigError as err:
         raise ConfigError(in_flag_terms(str(err), {"device"})) from None
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return device, dtype
+    return device, torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
 
 def add_config_flags(

@@ -20,15 +20,17 @@ from torch import nn
 
 import dlo
 from dlo.cli.compile_flag import compile_model, compile_resident_like_streamed
-from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.denoise_loop import Trajectory, denoise
+from dlo.cli.config_flags import device_and_dtype
+from dlo.cli.denoise_loop import Trajectory, check_trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_config_for_model
+from dlo.cli.flag_checks import demo_config
+from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
-from dlo.pipelines.output_path import check_publishable, published
+from dlo.pipelines.output_path import published
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class DemoResult:
     resident: Trajectory
     streamed: Trajectory
     stats: OffloadStats
+    bytes_before_last_step: int | None  # streamed when the step before the last ended (see step_bytes)
     fp8_error: QuantizationError | None = None
     fp8_gemms: bool = False
 
@@ -114,6 +117,7 @@ def run_demo(
     dlo.quantize_resident(reference, config)
     compile_resident_like_streamed(reference, compile_how, leading)
     resident = denoise(reference, entry, steps, dtype, device)
+    check_trajectory("resident", resident)
     resident_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weight_bytes
     del reference
     fp8_error = None
@@ -130,8 +134,15 @@ def run_demo(
     if compile_how != "none":
         torch._dynamo.reset()  # the streamed model's compile counters count its own graphs
         compile_model(streamed, compile_how)
+    before_last: list[int] = []
     with dlo.enable(streamed, device, config, plan=plan) as handle:
-        run = denoise(streamed, entry, steps, dtype, device)
+
+        def after_step(step: int) -> None:
+            if step == StepBytes.sampled_after(steps):
+                before_last.append(handle.stats().bytes_streamed)
+
+        run = denoise(streamed, entry, steps, dtype, device, after_step=after_step)
+        check_trajectory("streamed", run)
         stats = handle.stats()
         if trace_path:
             with published(Path(trace_path).expanduser()) as partial:
@@ -145,6 +156,7 @@ def run_demo(
         resident=Trajectory(resident.outputs, resident.step_s, resident_bytes),
         streamed=Trajectory(run.outputs, run.step_s, stats.peak_device_bytes),
         stats=stats,
+        bytes_before_last_step=before_last[0] if before_last else None,
         fp8_error=fp8_error,
         fp8_gemms=config.fp8_compute,
     )
@@ -181,8 +193,8 @@ def render(result: DemoResult) -> str:
         ["time per step (median)", median_ms(result.resident), median_ms(result.streamed)],
         [memory, human_bytes(result.resident.device_bytes), human_bytes(result.streamed.device_bytes)],
         ["blocks streamed", "-", f"{stats.streamed_blocks} (+{stats.resident_blocks} resident)"],
-        ["bytes streamed per step", "-", human_bytes(stats.bytes_streamed / steps)],
-        ["H2D rate", "-", f"{stats.h2d_gbps:.2f} GB/s"],
+        ["bytes streamed per step", "-", StepBytes(result.bytes_before_last_step, stats.bytes_streamed, steps).text()],
+        ["H2D rate", "-", h2d_text(stats.h2d_gbps, result.device.type, digits=2)],
         ["exposed copy per step", "-", f"{stats.exposed_copy_s / steps * 1e3:.2f} ms"],
         ["setup", "-", f"{stats.setup_s * 1e3:.1f} ms"],
         ["host copy of the blocks", "-", _backing(stats)],
@@ -225,19 +237,13 @@ def save_outputs(path: str, resident: list[torch.Tensor], streamed: list[torch.T
 
 
 def run(args: argparse.Namespace) -> int:
+    """After flag_checks.check_demo (main runs it)."""
     device, dtype = device_and_dtype(args)
-    config = config_from_flags(args, **({"use_allgather": True} if args.nproc > 1 else {}))  # the all-gather demo
-    for flag, path in (("--trace", args.trace), ("--save-outputs", args.save_outputs)):
-        if path:
-            check_publishable(Path(path).expanduser(), flag)
+    config = demo_config(args)
     check_config_for_model(build_on_meta(args.model), config, args.model, dtype, device)
     if args.nproc > 1:
         from dlo.cli.demo_ranks import run_ranks
 
-        if args.trace or args.from_checkpoint is not None:
-            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --trace or --from-checkpoint")
-        if args.compile != "none":
-            raise dlo.ConfigError("--nproc runs the all-gather demo; it does not take --compile")
         return run_ranks(args.model, device.type, args.nproc, config, args.steps, dtype, args.save_outputs)
     if args.from_checkpoint is None:
         result = run_demo(args.model, device, config, args.steps, dtype, args.trace, compile_how=args.compile)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import dlo
-from dlo.cli.denoise_loop import denoise
+from dlo.cli.denoise_loop import check_trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
 from dlo.models.tiny import TINY_MODELS
@@ -39,8 +39,10 @@ def _rank(place: RankPlace, args: tuple) -> dict:
     block_bytes = sum(t.numel() * t.element_size() for ref in dlo.discover(reference).block_lists
                       for t in reference.get_submodule(ref).parameters())
     resident = denoise(reference.to(device), entry, steps, dtype, device, prompt_seed=rank)
+    check_trajectory("resident", resident)
     with dlo.enable(streamed, device, config) as handle:
         run = denoise(streamed, entry, steps, dtype, device, prompt_seed=rank)
+        check_trajectory("streamed", run)
         stats = handle.stats()
     identical = all(torch.equal(a, b) for a, b in zip(resident.outputs, run.outputs))
     # As bytes: a tensor put on a multiprocessing queue travels as a file descriptor of shared

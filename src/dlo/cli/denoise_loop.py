@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from dlo.pipelines.media_output import check_finite
 from dlo.models.tiny import TinyModel
 
 
@@ -24,9 +26,11 @@ def _sync(device: torch.device) -> None:
 
 
 def denoise(
-    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1
+    model: nn.Module, entry: TinyModel, steps: int, dtype: torch.dtype, device: torch.device, prompt_seed: int = 1,
+    after_step: Callable[[int], None] | None = None,
 ) -> Trajectory:
-    """A denoising-style loop: each step feeds the model's output back into the latent."""
+    """A denoising-style loop: each step feeds the model's output back into the latent.
+    `after_step(step)` runs after each step, outside its timing."""
     inputs = entry.inputs(seed=prompt_seed, dtype=dtype, device=device)
     latent = inputs.pop("hidden_states")
     outputs, step_s = [], []
@@ -40,4 +44,13 @@ def denoise(
             step_s.append(time.perf_counter() - started)
             latent = latent - velocity / steps
             outputs.append(velocity.cpu())
+            if after_step is not None:
+                after_step(step)
     return Trajectory(outputs, step_s, 0)
+
+
+def check_trajectory(run: str, trajectory: Trajectory) -> None:
+    """Refuse a run whose outputs hold NaN or infinity (NonFiniteOutput), naming the first such
+    step: two such runs are never equal (NaN != NaN), and neither says anything about dlo."""
+    for step, output in enumerate(trajectory.outputs, start=1):
+        check_finite(f"the {run} run's output at step {step}", output)

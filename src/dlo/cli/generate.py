@@ -8,18 +8,18 @@ from pathlib import Path
 
 import torch
 
-from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.generate_job import MAX_SEED, GenerateJob, generate, render_stats, write_output
+from dlo.cli.config_flags import device_and_dtype
+from dlo.cli.flag_checks import generate_config
+from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
 from dlo.cli.model_source import resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
-from dlo.cli.parallel_run import ParallelRun, check_sequence_split, parallel_run_from_flags
+from dlo.cli.parallel_run import parallel_run_from_flags
+from dlo.cli.sequence_parallel import check_sequence_split
 from dlo.errors import ConfigError
-from dlo.host.checkpoint import read_json_object
 from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.pipelines.loading import check_components, pipeline_class
-from dlo.pipelines.media_output import check_output_kind, check_output_suffix
-from dlo.pipelines.output_path import check_publishable
+from dlo.pipelines.media_output import check_output_kind
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
 FLAG_OF_ARGUMENT = {
@@ -64,33 +64,13 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     return given
 
 
-def check_seed(seed: int, parallel: ParallelRun) -> None:
-    """--seed is 0 to MAX_SEED (the parser's type); in DP the last rank's seed + rank too."""
-    last = parallel.seed(seed, parallel.nproc - 1)
-    if last > MAX_SEED:
-        raise ConfigError(
-            f"--seed {seed}: with --parallel dp rank r uses --seed + r, and rank {parallel.nproc - 1}'s would be over "
-            f"{MAX_SEED}; give at most {MAX_SEED - (parallel.nproc - 1)}"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
-    # Every check reads flags, configs and headers only; weights load after the last one. Those of
-    # the flags alone come first: a hub id's lookup may download tens of GB.
+    """After flag_checks.check_generate (main runs it): every further check reads configs and
+    headers only; weights load after the last one."""
     parallel = parallel_run_from_flags(args)
-    check_seed(args.seed, parallel)
     output = Path(args.output).expanduser()
-    check_output_suffix(output)
-    for path in parallel.outputs(output):
-        check_publishable(path, "--output")
     device, dtype = device_and_dtype(args)
-    if parallel.mode is not None and ":" in args.device:
-        raise ConfigError(
-            f"--device {args.device}: with --nproc each rank takes its own device (rank r: cuda:r); pass --device "
-            f"{device.type}"
-        )
-    use_allgather = args.use_allgather if args.use_allgather is not None else parallel.mode is not None
-    config = config_from_flags(args, use_allgather=use_allgather)
+    config = generate_config(args, parallel)
     model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
     cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
@@ -106,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
     generated = generate(job, device, args.seed)
     write_output(job, generated.media, output)
-    print(render_stats(generated.stats, args.steps, generated.seconds, device))
+    print(render_stats(generated.stats, args.steps, generated.seconds, device, generated.before_last_step))
     print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in generated.placement.items()))
     print(f"wrote {output}")
     return 0

@@ -3,6 +3,7 @@ transformer streamed, run, its output written, its statistics rendered."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,22 +14,27 @@ import dlo
 from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
-from dlo.cli.parallel_run import Parallel, ParallelRun, enable_context_parallel
+from dlo.cli.parallel_run import Parallel, ParallelRun
+from dlo.cli.sequence_parallel import enable_context_parallel
+from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.pipelines.loading import load_pipeline
-from dlo.pipelines.media_output import write_image, write_video
+from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
 
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one wraps onto these)
-
-
-def render_stats(stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device | str) -> str:
+def render_stats(
+    stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device | str,
+    before_last_step: dict[str, int],
+) -> str:
+    """`before_last_step`: each component's bytes streamed when the step before the last ended
+    (see step_bytes)."""
     rows = []
+    device_type = torch.device(device).type
     for name, s in stats.items():
         rows.append(
             [
                 name,
                 f"{s.streamed_blocks} (+{s.resident_blocks})",
-                human_bytes(s.bytes_streamed / max(steps, 1)),
-                f"{s.h2d_gbps:.1f} GB/s",
+                StepBytes(before_last_step.get(name), s.bytes_streamed, steps).text(),
+                h2d_text(s.h2d_gbps, device_type),
                 f"{s.exposed_copy_s / max(steps, 1) * 1e3:.1f} ms",
                 human_bytes(s.peak_device_bytes),
                 f"{s.backing} (registered)" if s.registered_bytes else s.backing,
@@ -60,12 +66,14 @@ class Generated:
     seconds: float
     placement: dict[str, str]
     sequence_ranks: int  # ranks the transformer's sequence was split across (diffusers' SP group)
+    before_last_step: dict[str, int]  # bytes streamed by each component when the step before the last ended
 
 
 def generate(
     job: GenerateJob, device: torch.device, seed: int, parallel: ParallelRun = ParallelRun(), progress: bool = True
 ) -> Generated:
-    """Load the pipeline with its transformer streamed by dlo and run the call with `seed`."""
+    """Load the pipeline with its transformer streamed by dlo and run the call with `seed`; an
+    output with non-finite values is refused (NonFiniteOutput) before anything is written."""
     transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)
     pipe = load_pipeline(job.model_dir, job.pipeline, job.dtype, transformer=transformer)
     pipe.set_progress_bar_config(disable=not progress)
@@ -73,15 +81,28 @@ def generate(
         enable_context_parallel(pipe, parallel, device)  # first: dlo then gathers over its SP group
     sp_group = diffusers_sp_group(pipe.transformer)
     compile_model(pipe.transformer, job.compile)
+    before_last: dict[str, int] = {}
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}) as handle:
+
+        def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
+            if step == StepBytes.sampled_after(job.steps):  # once: stats() waits for the device
+                before_last.update({name: s.bytes_streamed for name, s in handle.stats().items()})
+            return {}
+
+        sampled = {"callback_on_step_end": step_end} if "callback_on_step_end" in _parameters(job.pipeline) else {}
         started = time.perf_counter()
         with torch.inference_mode():
-            result = pipe(**job.call, generator=torch.Generator(device="cpu").manual_seed(seed))
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            result = pipe(**job.call, **ARRAY_OUTPUT, **sampled, generator=generator)
         seconds = time.perf_counter() - started
         stats = handle.stats()
-    media = result.frames[0] if job.video else result.images[0]
+    media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
-    return Generated(media, stats, seconds, handle.placement, sequence_ranks)
+    return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last)
+
+
+def _parameters(pipeline: type) -> frozenset[str]:
+    return frozenset(inspect.signature(pipeline.__call__).parameters)
 
 
 def write_output(job: GenerateJob, media: object, path: Path) -> None:

@@ -31,7 +31,8 @@ def _rank(place: RankPlace, payload: tuple) -> dict:
     if path is not None:
         write_output(job, generated.media, path)
     return dict(stats=generated.stats, seconds=generated.seconds, placement=generated.placement, seed=seed,
-                output=path, device=str(place.device), sequence_ranks=generated.sequence_ranks)
+                output=path, device=str(place.device), sequence_ranks=generated.sequence_ranks,
+                before_last_step=generated.before_last_step)
 
 
 def run_ranks(job: GenerateJob, parallel: ParallelRun, device_type: str, seed: int, output: Path, verbose: bool) -> int:
@@ -45,7 +46,8 @@ def run_ranks(job: GenerateJob, parallel: ParallelRun, device_type: str, seed: i
         print(f"data parallel across {parallel.nproc} ranks, rank r with seed {seed} + r")
     for rank, report in sorted(reports.items()):
         share = f"1/{report['sequence_ranks']} of the sequence" if report["sequence_ranks"] > 1 else f"seed {report['seed']}"
-        print(f"\nrank {rank} ({share}): " + render_stats(report["stats"], job.steps, report["seconds"], report["device"]))
+        stats = render_stats(report["stats"], job.steps, report["seconds"], report["device"], report["before_last_step"])
+        print(f"\nrank {rank} ({share}): {stats}")
     placement = reports[0]["placement"]
     print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in placement.items()))
     for report in reports.values():

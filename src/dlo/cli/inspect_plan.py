@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dlo.cli.config_flags import DTYPES, config_from_flags
+from dlo.cli.config_flags import config_from_flags, torch_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_source import is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta
@@ -15,10 +15,6 @@ from dlo.host.preflight import Fallback
 from dlo.host.tensor_source import count_adapters
 from dlo.planning.offload_plan import discover
 from dlo.planning.plan_summary import PlanSummary, summarize
-
-# The OffloadConfig fields that change what inspect prints (its only config flags).
-CONFIG_FIELDS = ("num_slots", "resident_layers")
-
 
 def render(summary: PlanSummary, weight_bytes: int) -> str:
     """`weight_bytes`: the model's payload; the summary's sizes are aligned layouts."""
@@ -62,7 +58,7 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
 
 def _plan_text(module, args: argparse.Namespace) -> str:
     if args.dtype:
-        module = module.to(DTYPES[args.dtype])
+        module = module.to(torch_dtype(args.dtype))
     return render(summarize(module, discover(module), config_from_flags(args)), payload_bytes(module))
 
 
@@ -72,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if not Path(target).expanduser().is_dir():
         print(_plan_text(build_on_meta(target), args))
         return 0
-    result = preflight(target, DTYPES[args.dtype] if args.dtype else None)
+    result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
     try:
         print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
         print(render_preflight(result))

@@ -3,29 +3,55 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 
 import dlo
-from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny, serve
+from dlo.cli import cache_flags
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
-from dlo.cli.generate_job import MAX_SEED
+from dlo.cli.flag_checks import check_demo, check_generate, check_serve
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
-from dlo.models.tiny import TINY_MODELS
+from dlo.models.tiny_configs import TINY_CONFIGS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
-from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS
+from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS, MAX_SEED
 from dlo.pipelines.library_noise import quiet_other_libraries
+from dlo.pipelines.media_output import NonFiniteOutput
+
+# [Note: parse before torch]
+# This module and everything it imports parse and check the flags without torch, diffusers or
+# the cache's hashing: `dlo --help`, `--version`, every subcommand's --help and every refusal
+# of the flags alone answer at once. A command names its module (`command`, imported after
+# parsing, with torch: seconds) and a `check` of its flags alone, run before that import.
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2."""
+    """Usage errors as one line, like every other refusal: `dlo: error: ...`, status 2, naming
+    the help of the (sub)command the wrong argument was given to."""
 
     def error(self, message: str) -> None:
         self.exit(2, f"dlo: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:  # the innermost subcommand's parser returns first: its name stays
+            vars(parsed).setdefault(_TAKEN_BY, self.prog)
+        return parsed, extras
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # argparse's own parse_args would name the top-level help
+            help_of = vars(parsed).pop(_TAKEN_BY)
+            self.exit(2, f"dlo: error: unrecognized arguments: {' '.join(extras)} (see `{help_of} --help`)\n")
+        vars(parsed).pop(_TAKEN_BY, None)
+        return parsed
+
+
+_TAKEN_BY = "_dlo_parser_of_extras"  # the namespace attribute naming the parser left with unknown arguments
 
 
 def bounded_int(low: int, high: int | None = None):
@@ -73,7 +99,7 @@ def _add_demo(commands) -> None:
         "print time per step, device memory, bytes streamed and the achieved H2D rate. Exit status 1 if "
         "the outputs differ.",
     )
-    parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_MODELS), help="built-in model")
+    parser.add_argument("--model", default="wan-demo", choices=sorted(TINY_CONFIGS), help="built-in model")
     add_device_flags(parser)
     parser.add_argument("--steps", type=positive_int, default=6, help="denoising steps (default: 6)")
     parser.add_argument(
@@ -101,7 +127,7 @@ def _add_demo(commands) -> None:
     _add_verbose(parser)
     add_compile_flag(parser)
     add_config_flags(parser)
-    parser.set_defaults(run=demo.run)
+    parser.set_defaults(command="dlo.cli.demo", check=check_demo)
 
 
 def _add_generate(commands) -> None:
@@ -151,7 +177,7 @@ def _add_generate(commands) -> None:
     _add_verbose(parser)
     add_config_flags(parser, defaults={"use_allgather": "on with --nproc, else off"})
     add_compile_flag(parser)
-    parser.set_defaults(run=generate.run)
+    parser.set_defaults(command="dlo.cli.generate", check=check_generate)
 
 
 def _add_generate_ranks(parser: argparse.ArgumentParser) -> None:
@@ -222,9 +248,18 @@ def _add_serve(commands) -> None:
         "failed; 0: never (default: 600)",
     )
     add_device_flags(parser)
+    parser.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info",
+        help="dlo serve's own lines (one per request, the replicas' starts, deaths and restarts, the drain) and "
+        "uvicorn's, from this level up; other libraries' warnings only with -v (default: info)",
+    )
     _add_verbose(parser)
     add_config_flags(parser)
-    parser.set_defaults(run=serve.run, host_weight_cache=True)
+    parser.set_defaults(command="dlo.cli.serve", check=check_serve, host_weight_cache=True)
+
+
+# The OffloadConfig fields that change what inspect prints (its only config flags).
+INSPECT_CONFIG_FIELDS = ("num_slots", "resident_layers")
 
 
 def _add_inspect(commands) -> None:
@@ -239,12 +274,12 @@ def _add_inspect(commands) -> None:
         metavar="MODEL",
         help="a diffusers model or pipeline directory, a Hugging Face hub id in the hub cache (org/name), a "
         f"diffusers class name (default config, e.g. WanTransformer3DModel) or a built-in model "
-        f"({', '.join(sorted(TINY_MODELS))})",
+        f"({', '.join(sorted(TINY_CONFIGS))})",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="size the weights in this dtype")
+    parser.add_argument("--dtype", choices=DTYPES, help="size the weights in this dtype")
     _add_verbose(parser)
-    add_config_flags(parser, only=inspect_plan.CONFIG_FIELDS)
-    parser.set_defaults(run=inspect_plan.run)
+    add_config_flags(parser, only=INSPECT_CONFIG_FIELDS)
+    parser.set_defaults(command="dlo.cli.inspect_plan")
 
 
 def _add_make_tiny(commands) -> None:
@@ -258,7 +293,7 @@ def _add_make_tiny(commands) -> None:
     parser.add_argument("kind", choices=sorted(TINY_PIPELINES), help="flux (image) or wan (video)")
     parser.add_argument("directory", metavar="DIR", help="where to write it (must not exist, or be empty)")
     _add_verbose(parser)
-    parser.set_defaults(run=make_tiny.run)
+    parser.set_defaults(command="dlo.cli.make_tiny")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,11 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dlo {dlo.__version__}")
     _add_verbose(parser, top_level=True)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(check=None)  # See [Note: parse before torch]
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_demo(commands)
     _add_generate(commands)
     _add_serve(commands)
-    cache_cmd.add_parser(commands)
+    cache_flags.add_parser(commands)
     _add_inspect(commands)
     _add_make_tiny(commands)
     return parser
@@ -285,7 +321,12 @@ def _run(argv: list[str] | None) -> int:
     if getattr(args, "trace", None) and not args.record_timeline:
         args.record_timeline = True  # --trace implies recording the timeline
     try:
-        return args.run(args)
+        if args.check is not None:
+            args.check(args)
+        return importlib.import_module(args.command).run(args)
+    except NonFiniteOutput as err:  # the work ran and its result is refused: status 1, not a usage error
+        print(f"dlo: error: {err}", file=sys.stderr)
+        return 1
     except DloError as err:
         print(f"dlo: error: {err}", file=sys.stderr)
         return 2

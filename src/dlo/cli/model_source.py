@@ -36,14 +36,14 @@ def _hub_snapshot(repo_id: str, cache_only: str | None) -> Path:
     if cache_only or constants.HF_HUB_OFFLINE:
         why = cache_only or "HF_HUB_OFFLINE is set"
         raise ConfigError(
-            f"{missing} and {why}; download it first (`huggingface-cli download {repo_id}`) or pass its directory"
+            f"{missing} and {why}; download it first (`hf download {repo_id}`) or pass its directory"
         )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
     except RepositoryNotFoundError:
         raise ConfigError(
             f"MODEL {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
-            "(log in with `huggingface-cli login`)"
+            "(log in with `hf auth login`)"
         ) from None
     except (HfHubHTTPError, OSError) as err:
         raise ConfigError(f"{missing} and the download failed ({_first_line(err)})") from None

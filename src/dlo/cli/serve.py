@@ -45,15 +45,8 @@ def check_serve_extra() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """After flag_checks.check_serve (main runs it)."""
     check_serve_extra()
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue {args.max_queue}: give 0 or more")
-    if not args.timeout_s > 0 or args.timeout_s == float("inf"):
-        raise ConfigError(f"--timeout-s {args.timeout_s}: give a number of seconds > 0")
-    if not args.keep_videos_s > 0:
-        raise ConfigError(f"--keep-videos-s {args.keep_videos_s}: give a number of seconds > 0")
-    if not 0 <= args.stall_timeout_s < float("inf"):
-        raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
     devices = replica_devices(args.devices, args.device, args.replicas)
     model_name = served_name(args.model_dir)
     model_dir = resolve_model(args.model_dir, "dlo serve does not download")
@@ -88,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         stall_s=args.stall_timeout_s,
         keep_videos=args.keep_videos,
         keep_videos_s=args.keep_videos_s,
+        log_level=args.log_level,
     )
     placement = ", ".join(devices) if devices else str(device)
     serve(server, f"{cls.__name__} from {model_dir}, {args.replicas} replica(s) on {placement}")

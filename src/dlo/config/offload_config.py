@@ -5,10 +5,9 @@ from __future__ import annotations
 import enum
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from dlo.errors import ConfigError
 
@@ -56,7 +55,10 @@ def _stream_dtype_name(value: object) -> str | None:
     """The canonical name of a stream dtype given as a torch dtype or a string."""
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
+    # A torch dtype exists only once torch is imported: the config does not import it, the
+    # command line parses its flags from these fields without it. See [Note: parse before torch]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     if isinstance(value, str) and value in STREAM_DTYPES:
         return STREAM_DTYPES[value]

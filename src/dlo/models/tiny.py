@@ -1,8 +1,8 @@
 """Small real diffusers transformers with random seeded weights, and inputs for them.
 
 Used by `dlo demo`, the tests and `dlo inspect`: nothing is downloaded. Each entry builds
-the real diffusers class from a tiny config, so the streamed code paths are the ones large
-checkpoints take.
+the real diffusers class from its tiny config (dlo.models.tiny_configs), so the streamed code
+paths are the ones large checkpoints take.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dlo.models.tiny_configs import TINY_CONFIGS
 
 Inputs = dict[str, Any]
 
@@ -151,95 +153,19 @@ def _ltx_inputs(g, dtype, device):
     )
 
 
+# Inputs of each TINY_CONFIGS model, shaped by its config (channels, text width, patching).
+_INPUTS: dict[str, Callable[[torch.Generator, torch.dtype, torch.device], Inputs]] = {
+    "wan": _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 32)),
+    "wan-demo": _wan_inputs(latent=(1, 16, 4, 16, 16), text=(1, 32, 256)),
+    "flux": _flux_inputs,
+    "flux2": _flux2_inputs,
+    "sd3": _sd3_inputs,
+    "qwenimage": _qwen_inputs,
+    "hunyuanvideo": _hunyuan_inputs,
+    "cogvideox": _cogvideox_inputs,
+    "ltx": _ltx_inputs,
+}
+
 TINY_MODELS: dict[str, TinyModel] = {
-    m.name: m
-    for m in (
-        TinyModel(
-            "wan",
-            "WanTransformer3DModel",
-            dict(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
-                out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=4, rope_max_seq_len=32,
-            ),
-            _wan_inputs(latent=(1, 4, 2, 8, 8), text=(1, 12, 32)),
-        ),
-        # The `dlo demo` default: big enough that copies and compute are visible in the table.
-        TinyModel(
-            "wan-demo",
-            "WanTransformer3DModel",
-            dict(
-                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16,
-                out_channels=16, text_dim=256, freq_dim=64, ffn_dim=1024, num_layers=8, rope_max_seq_len=64,
-            ),
-            _wan_inputs(latent=(1, 16, 4, 16, 16), text=(1, 32, 256)),
-        ),
-        TinyModel(
-            "flux",
-            "FluxTransformer2DModel",
-            dict(
-                patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
-                axes_dims_rope=(4, 6, 6),
-            ),
-            _flux_inputs,
-        ),
-        TinyModel(
-            "flux2",
-            "Flux2Transformer2DModel",
-            dict(
-                patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32,
-                axes_dims_rope=(4, 4, 4, 4),
-            ),
-            _flux2_inputs,
-        ),
-        TinyModel(
-            "sd3",
-            "SD3Transformer2DModel",
-            dict(
-                sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
-                pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16,
-            ),
-            _sd3_inputs,
-        ),
-        TinyModel(
-            "qwenimage",
-            "QwenImageTransformer2DModel",
-            dict(
-                patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-            ),
-            _qwen_inputs,
-        ),
-        TinyModel(
-            "hunyuanvideo",
-            "HunyuanVideoTransformer3DModel",
-            dict(
-                in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-                num_single_layers=2, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
-                pooled_projection_dim=16, rope_axes_dim=(4, 6, 6),
-            ),
-            _hunyuan_inputs,
-        ),
-        TinyModel(
-            "cogvideox",
-            "CogVideoXTransformer3DModel",
-            dict(
-                num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
-                text_embed_dim=32, num_layers=3, sample_width=8, sample_height=8, sample_frames=5,
-                patch_size=2, max_text_seq_length=8,
-            ),
-            _cogvideox_inputs,
-        ),
-        TinyModel(
-            "ltx",
-            "LTXVideoTransformer3DModel",
-            dict(
-                in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
-                cross_attention_dim=32, num_layers=3, caption_channels=32,
-            ),
-            _ltx_inputs,
-        ),
-    )
+    name: TinyModel(name, tiny.class_name, tiny.config, _INPUTS[name]) for name, tiny in TINY_CONFIGS.items()
 }

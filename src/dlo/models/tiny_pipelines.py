@@ -4,7 +4,7 @@ For tests and demos of `dlo generate` / `dlo.enable_pipeline` where nothing can 
 each function builds every component of a real pipeline class (scheduler, VAE, tokenizers, text
 encoders, transformer) from a tiny config, built locally, and `save_pretrained`s it, so
 `DiffusionPipeline.from_pretrained(directory)` loads it from disk alone. The transformers reuse
-the configs of `dlo.models.tiny.TINY_MODELS`, widened to match the VAE and text encoders.
+the configs of `dlo.models.tiny_configs.TINY_CONFIGS`, widened to match the VAE and text encoders.
 `GENERATE_DEFAULTS` holds call arguments that fit these pipelines (sizes the VAEs and patching
 divide, a sequence length the tokenizers pad to); a 2-step call takes well under a second on a CPU.
 """
@@ -15,12 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from torch import nn
-
-from dlo.models.tiny import TINY_MODELS
+from dlo.models.tiny_configs import TINY_CONFIGS
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import CLIPTokenizer, PreTrainedConfig, T5Tokenizer
 
 # Words the tokenizers know whole; anything else falls back to bytes (CLIP) or letters (T5).
@@ -38,13 +36,15 @@ GENERATE_DEFAULTS: dict[str, dict[str, Any]] = {
     "wan": {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": _TEXT_LENGTH, "guidance_scale": 5.0},
 }
 
-M = TypeVar("M", bound=nn.Module)
+M = TypeVar("M", bound="nn.Module")
 
 
 def _seeded(seed: int, make: Callable[[], M]) -> M:
     """`make()` under `torch.manual_seed(seed)` (the caller's RNG state is restored), then every
     parameter shifted by seeded noise so that zero-initialised projections and biases carry signal
     too (norm scales stay near 1)."""
+    import torch  # See [Note: parse before torch] (dlo/cli/main.py): the CLI lists TINY_PIPELINES
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = make().eval()
@@ -119,7 +119,7 @@ def save_tiny_flux_pipeline(directory: Path, seed: int = 0) -> Path:
         text_encoder_2=_seeded(seed, lambda: T5EncoderModel(_t5_config(T5Config, len(tokenizer_2)))),
         tokenizer_2=tokenizer_2,
         transformer=_seeded(seed, lambda: FluxTransformer2DModel(**{
-            **TINY_MODELS["flux"].config,
+            **TINY_CONFIGS["flux"].config,
             "in_channels": latent_channels * 4,  # 2x2 patches of latents, packed
             "joint_attention_dim": _TEXT_DIM,
             "pooled_projection_dim": _TEXT_DIM,
@@ -145,7 +145,7 @@ def save_tiny_wan_pipeline(directory: Path, seed: int = 0) -> Path:
         )),
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
         transformer=_seeded(seed, lambda: WanTransformer3DModel(**{
-            **TINY_MODELS["wan"].config, "in_channels": z_dim, "out_channels": z_dim, "text_dim": _TEXT_DIM,
+            **TINY_CONFIGS["wan"].config, "in_channels": z_dim, "out_channels": z_dim, "text_dim": _TEXT_DIM,
         })),
     )
     pipe.save_pretrained(directory)

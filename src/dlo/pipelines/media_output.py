@@ -4,11 +4,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlo.errors import ConfigError
+from dlo.errors import ConfigError, DloError
 from dlo.pipelines.output_path import published
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
+# A pipeline call's output as float arrays, before the cast to 8 bits: a NaN cast to uint8
+# becomes 0, so an image computed from non-finite values would be written as a black one.
+ARRAY_OUTPUT = {"output_type": "np"}
+
+
+class NonFiniteOutput(DloError, ArithmeticError):
+    """A computed output holds NaN or infinity; nothing was written (exit status 1)."""
+
+
+def check_finite(what: str, values: object) -> None:
+    """Refuse `values` (an array or tensor) holding NaN or infinity, in one line naming `what`."""
+    import torch
+
+    tensor = torch.as_tensor(values)
+    bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+    if bad:
+        raise NonFiniteOutput(
+            f"{what} has {bad} non-finite values (NaN or infinity) of {tensor.numel()}; nothing was written. Damaged "
+            "weights or a float16 overflow cause this: check the model's files, or try another --dtype"
+        )
+
+
+def finite_media(result: object, video: bool) -> object:
+    """The first image (a PIL image) or video (its frames, an array) of a pipeline call made
+    with ARRAY_OUTPUT, refused by check_finite before anything is made of it."""
+    media = result.frames[0] if video else result.images[0]
+    check_finite("the generated video" if video else "the generated image", media)
+    if video:
+        return media
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor.numpy_to_pil(media)[0]  # as the pipeline's own output_type="pil"
 
 
 def has_mp4_encoder() -> bool:

@@ -13,10 +13,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from dlo.errors import ConfigError
+
+
+def _cannot_create(path: Path, flag: str, err: OSError) -> ConfigError:
+    """The one-line refusal of `path` when creating it, or its partial sibling, failed with `err`."""
+    if err.errno == errno.ENOTDIR:
+        return ConfigError(f"{flag} {path}: a parent of it is a file, not a directory")
+    if err.errno == errno.ENOENT and not path.parent.is_dir():
+        return ConfigError(f"{flag} {path}: directory {path.parent} does not exist")
+    return ConfigError(f"{flag} {path}: cannot be written ({os.strerror(err.errno)})")
 
 
 def check_writable(path: Path, flag: str) -> None:
@@ -32,11 +42,7 @@ def check_writable(path: Path, flag: str) -> None:
         what = "is a directory; give a file name inside it" if path.is_dir() else "exists and is not a regular file"
         raise ConfigError(f"{flag} {path}: {what}") from None
     except OSError as err:
-        if err.errno == errno.ENOTDIR:
-            raise ConfigError(f"{flag} {path}: a parent of it is a file, not a directory") from None
-        if err.errno == errno.ENOENT and not path.parent.is_dir():
-            raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist") from None
-        raise ConfigError(f"{flag} {path}: cannot be written ({os.strerror(err.errno)})") from None
+        raise _cannot_create(path, flag, err) from None
     os.close(fd)
     if not existed:
         path.unlink()
@@ -74,3 +80,20 @@ def published(path: Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def published_directory(path: Path, flag: str) -> Iterator[Path]:
+    """A sibling directory, renamed onto `path` (missing, or an empty directory) once complete:
+    an interrupted or failed write leaves nothing behind. Creating it first is the check that
+    `path` can be written at all, refused naming `flag` (see check_writable)."""
+    partial = partial_sibling(path)
+    try:
+        os.mkdir(partial, 0o755)
+    except OSError as err:
+        raise _cannot_create(path, flag, err) from None
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

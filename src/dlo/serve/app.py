@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
+from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,6 +56,23 @@ def _unknown_video(video_id: str) -> JSONResponse:
 
 
 _JOB_PATHS = frozenset({"/v1/images/generations", "/v1/videos"})
+# The openai client's videos.create sends multipart form data (for a reference image, which dlo
+# does not take); the fields' types are JSON's.
+_SEND_JSON = (
+    "body: send the request as JSON (Content-Type: application/json), not multipart form data; with the openai "
+    "client: client.post('/videos', body={...}, cast_to=openai.types.Video) instead of client.videos.create"
+)
+
+# One line per request, in uvicorn's access log's form, with the seconds it took and the job it
+# made (the pool's job id: what the replicas' lines name; and a video's id).
+access_log = logging.getLogger("dlo.serve.access")
+
+
+def _log_access(request: Request, status: int, seconds: float) -> None:
+    client = f"{request.client.host}:{request.client.port}" if request.client else "-"
+    line = f"{request.method} {request.url.path} HTTP/{request.scope.get('http_version', '1.1')}"
+    job = getattr(request.state, "job", None)
+    access_log.info('%s - "%s" %d %.3f s%s', client, line, status, seconds, f" {job}" if job else "")
 
 
 def make_app(
@@ -68,6 +87,8 @@ def make_app(
     async def invalid(request, err: RequestValidationError) -> JSONResponse:
         """FastAPI's 422 as OpenAI's 400, naming the first field that is wrong (None: the body
         is not JSON)."""
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return _error(400, None, _SEND_JSON)
         first = err.errors()[0]
         loc = first.get("loc") or ()
         param = loc[-1] if loc and isinstance(loc[-1], str) and loc[-1] != "body" else None
@@ -81,6 +102,7 @@ def make_app(
 
     @app.middleware("http")
     async def count(request, call_next):
+        started = time.perf_counter()
         # Before the body is read; a refusal that comes later is the pool's, in submit.
         refusal = pool.refusal
         # Only the job endpoints: polls, fetches and deletes still work, unknown paths stay 404.
@@ -90,6 +112,7 @@ def make_app(
             response = await call_next(request)
         if request.url.path.startswith("/v1/"):
             metrics.requests.labels(str(response.status_code)).inc()
+        _log_access(request, response.status_code, time.perf_counter() - started)
         return response
 
     @app.post("/v1/images/generations")
@@ -105,6 +128,7 @@ def make_app(
             return _queue_full(full)
         except Unavailable as refused:
             return _error(503, None, str(refused))
+        connection.state.job = f"job {job_id}"  # for the access log line
         result = asyncio.ensure_future(asyncio.wrap_future(future))
         hung_up = asyncio.ensure_future(_hung_up(connection))
         finished, _ = await asyncio.wait({result, hung_up}, timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -123,7 +147,7 @@ def make_app(
         return {"created": int(time.time()), "data": data}
 
     @app.post("/v1/videos")
-    async def create_video(request: VideoRequest):
+    async def create_video(request: VideoRequest, connection: Request):
         try:
             kwargs = pipeline_kwargs(request, rules, limits, parameters)
         except RequestError as err:
@@ -135,11 +159,19 @@ def make_app(
             file=VideoFile(VideoFormat(request.format or video_format), request.fps),
         )
         try:
-            return videos.submit(kwargs, shape)
+            video = videos.submit(kwargs, shape)
         except QueueFull as full:
             return _queue_full(full)
         except Unavailable as refused:
             return _error(503, None, str(refused))
+        connection.state.job = f"job {videos.pool_job(video['id'])} {video['id']}"  # for the access log line
+        return video
+
+    @app.get("/v1/videos")
+    async def list_videos(limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                          order: Literal["asc", "desc"] = "desc"):
+        page = videos.page(limit, after, descending=order == "desc")
+        return page if page is not None else _unknown_video(after)
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(video_id: str):

@@ -8,6 +8,7 @@ stops at once, uvicorn's way: stop accepting, wait for the HTTP requests in flig
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -15,6 +16,8 @@ import time
 import uvicorn
 
 from dlo.serve.pool import ReplicaPool
+
+logger = logging.getLogger(__name__)
 
 DRAINING = "the server is draining (it got SIGTERM): it finishes the jobs it holds and takes no new ones"
 
@@ -31,6 +34,7 @@ class DrainingServer(uvicorn.Server):
         if sig != signal.SIGTERM:
             super().handle_exit(sig, frame)
         elif self._draining:  # the second: stop now
+            logger.warning("dlo serve: a second SIGTERM: stopping now, without the jobs still held")
             self.should_exit = True
         else:
             self._draining = True
@@ -41,6 +45,8 @@ class DrainingServer(uvicorn.Server):
         # A request whose headers came before the signal is refused by the pool's submit, so
         # no job is admitted after `pending` was last read here.
         self._pool.stop_admitting(DRAINING)
+        logger.info("dlo serve: SIGTERM: draining: the %d job(s) held finish, new jobs get 503", self._pool.pending)
         while self._pool.pending:
             time.sleep(0.1)
+        logger.info("dlo serve: drained: every job held has finished; stopping")
         self.should_exit = True  # read by uvicorn's main loop

@@ -131,6 +131,8 @@ class ReplicaPool:
                 error = self._await_ready(replica, ready_timeout_s)
                 if error:
                     failures.append(f"replica {index}: {error}")
+                else:
+                    logger.info("dlo serve: replica %d ready (pid %d)", index, replica.process.pid)
             if failures:
                 raise ConfigError("dlo serve: the replicas could not load the pipeline: " + "; ".join(failures))
         except BaseException:
@@ -144,6 +146,8 @@ class ReplicaPool:
         process = self._context.Process(target=replica_main, args=(self._specs[index], theirs, os.getpid()), daemon=True)
         process.start()
         theirs.close()  # the child's end: only the child holds it, so its death closes the pipe
+        logger.info("dlo serve: replica %d started (pid %d, %s): loading the pipeline", index, process.pid,
+                    self._specs[index].device)
         return _Replica(process, ours)
 
     @staticmethod
@@ -290,6 +294,8 @@ class ReplicaPool:
             if isinstance(message, Ready):  # a restarted replica
                 replica.ready = not message.error
                 replica.failed_starts = 0 if replica.ready else replica.failed_starts
+                if not message.error:
+                    logger.info("dlo serve: replica %d ready (pid %d)", self._replicas.index(replica), replica.process.pid)
                 if message.error:  # it exits next: its end of file restarts it or gives it up
                     self._load_error = message.error
                     logger.error(
@@ -321,6 +327,10 @@ class ReplicaPool:
             self._started.pop(job_id, None)
             self._on_progress.pop(job_id, None)
             failed_starts = dead.failed_starts + (not dead.ready)
+            if not self._closing.is_set():
+                doing = f"running job {job_id}" if job_id is not None else "idle" if dead.ready else "loading"
+                logger.warning("dlo serve: replica %d (pid %s) died (exit code %s) while %s", index, dead.process.pid,
+                               dead.process.exitcode, doing)
             unanswerable: list[tuple[int, Future[Done] | None]] = []
             refusal = ""
             if self._closing.is_set() or failed_starts >= _FAILED_STARTS:
@@ -335,6 +345,7 @@ class ReplicaPool:
                     # No replica will take the queued jobs: they fail now (answered, and not pending).
                     unanswerable = [(job.job_id, self._drop_queued(job.job_id)) for job in list(self._queue)]
             else:
+                logger.info("dlo serve: restarting replica %d (restart %d)", index, self.restarts + 1)
                 self._replicas[index] = self._start(index)  # it reports Ready on its pipe, read by this thread
                 self._replicas[index].failed_starts = failed_starts
                 self.restarts += 1

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media
+
 
 @dataclass(frozen=True)
 class ReplicaSpec:
@@ -208,8 +210,9 @@ def _run(pipe, job: Job, inbox: _Inbox) -> Done:
         for k in range(job.n):  # image k of a request is seed + k: the same as n requests of one image
             generator = torch.Generator(device="cpu").manual_seed(job.seed + k)
             with torch.inference_mode():
-                result = pipe(**kwargs, generator=generator)
-            files.append(_video_file(result.frames[0], job.video) if job.video else _png(result.images[0]))
+                result = pipe(**kwargs, **ARRAY_OUTPUT, generator=generator)
+            media = finite_media(result, job.video is not None)  # NonFiniteOutput fails the job, naming it
+            files.append(_video_file(media, job.video) if job.video else _png(media))
             steps_run += 0 if counted else job.kwargs.get("num_inference_steps", 0)
         return Done(job.job_id, tuple(files), steps=steps_run)
     except _Cancelled:

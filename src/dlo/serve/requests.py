@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, validate_call
+from dlo.pipelines.call_rules import MAX_SEED, CallRequest, CallRuleError, CallRules, validate_call
 
 _PROMPT_CHARS = 10_000
 # max_sequence_length where the pipeline's signature gives no default (which would bound it):
@@ -25,15 +25,16 @@ _MOST_GUIDANCE = 1000.0
 
 
 class _PipelineFields(BaseModel):
-    """The fields both endpoints pass to the pipeline."""
+    """The fields both endpoints pass to the pipeline. Strict: `"n": "2"` or `"n": true` is
+    refused naming the field, not coerced (an integer where a number is asked is a number)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, max_length=_PROMPT_CHARS)
     model: str | None = None  # one model per server: accepted, not checked
     size: str | None = None  # "WxH"; unset or "auto": the pipeline's default
     negative_prompt: str | None = Field(default=None, max_length=_PROMPT_CHARS)
-    seed: int = Field(default=0, ge=0, le=2**63 - 1 - 1024)  # image k of an image request uses seed + k
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)  # as `dlo generate --seed`; image k of a request uses seed + k
     num_inference_steps: int = Field(default=28, ge=1)
     guidance_scale: float | None = Field(default=None, ge=-_MOST_GUIDANCE, le=_MOST_GUIDANCE, allow_inf_nan=False)
     max_sequence_length: int | None = Field(default=None, ge=1, le=_MOST_TEXT_TOKENS)
@@ -46,7 +47,7 @@ class ImageRequest(_PipelineFields):
     quality: str | None = None
     style: str | None = None
     n: int = Field(default=1, ge=1)
-    response_format: Literal["b64_json"] = "b64_json"
+    response_format: Literal["b64_json"] | None = None  # null, as unset: b64_json, the only one
 
 
 class VideoRequest(_PipelineFields):
@@ -90,6 +91,11 @@ def pipeline_kwargs(
             raise RequestError(None, f"{rules.pipeline} makes videos, not images: use POST /v1/videos")
         if request.n > limits.max_images:
             raise RequestError("n", f"n={request.n}: at most {limits.max_images} images per request")
+        if request.seed + request.n - 1 > MAX_SEED:
+            raise RequestError(
+                "seed", f"seed={request.seed}: image k of a request uses seed + k, and image {request.n - 1}'s would be "
+                f"over {MAX_SEED}; give at most {MAX_SEED - request.n + 1}",
+            )
     if request.num_inference_steps > limits.max_steps:
         raise RequestError("num_inference_steps", f"at most {limits.max_steps} steps per request")
     height = width = None
@@ -105,8 +111,13 @@ def pipeline_kwargs(
             limits.dtype_bytes,
         )
     except CallRuleError as err:
-        field = {"height": "size", "width": "size"}.get(err.field, err.field)
-        raise RequestError(field, f"{field}={err.value}: {err.allowed}") from None
+        if err.field in ("height", "width"):  # of the request's WIDTHxHEIGHT: say which
+            raise RequestError("size", f"size={request.size}: the {err.field} {err.value}: {err.allowed}") from None
+        if err.field == "size":  # the size rules' HxW(xF), which the request's WxH (or none) resolved to
+            axes = "height x width" + (" x frames" if err.value.count("x") == 2 else "")
+            given = request.size if request.size not in (None, "auto") else "auto"
+            raise RequestError("size", f"size={given} ({err.value}, {axes}): {err.allowed}") from None
+        raise RequestError(err.field, f"{err.field}={err.value}: {err.allowed}") from None
     wanted = {
         "prompt": request.prompt,
         "negative_prompt": request.negative_prompt,

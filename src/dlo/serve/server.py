@@ -9,12 +9,14 @@ them, as Ctrl-C does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
+import uvicorn.logging
 
 from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import CallRules
@@ -24,6 +26,8 @@ from dlo.serve.pool import Metrics, ReplicaPool
 from dlo.serve.replica import ReplicaSpec
 from dlo.serve.requests import Limits
 from dlo.serve.videos import VideoJobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ServerSpec:
     stall_s: float
     keep_videos: int
     keep_videos_s: float
+    log_level: str = "info"  # of dlo serve's own lines and uvicorn's: debug, info, warning or error
 
 
 def _refused_port(host: str, port: int, err: OSError) -> ConfigError:
@@ -91,9 +96,22 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def log_like_uvicorn(level: str) -> None:
+    """dlo serve's own lines (the logger `dlo.serve`: one per request, the replicas' starts,
+    deaths and restarts, the drain) printed as uvicorn prints its own, `INFO:     ...`, from
+    `level` up; other libraries stay as quiet as the command line keeps them."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(uvicorn.logging.DefaultFormatter("%(levelprefix)s %(message)s"))
+    served = logging.getLogger("dlo.serve")
+    served.handlers[:] = [handler]
+    served.setLevel(level.upper())
+    served.propagate = False  # not twice, through the command line's handler
+
+
 def serve(spec: ServerSpec, description: str) -> None:
     """Serve until interrupted or drained; `description` (what is served, where) opens the line
     printed once the server listens."""
+    log_like_uvicorn(spec.log_level)
     with bind(spec.host, spec.port) as sock, _sigterm_interrupts():
         pool = ReplicaPool(list(spec.replicas), spec.max_queue, Metrics(), stall_s=spec.stall_s)
         try:
@@ -102,10 +120,13 @@ def serve(spec: ServerSpec, description: str) -> None:
             print(f"dlo serve: {description}; http://{spec.host}:{spec.port}{endpoint}", flush=True)
             videos = VideoJobs(pool, spec.model_name, spec.keep_videos, spec.keep_videos_s)
             app = make_app(pool, videos, spec.rules, spec.limits, spec.parameters, spec.model_name)
-            server = DrainingServer(uvicorn.Config(app, host=spec.host, port=spec.port, log_level="warning"), pool)
+            # uvicorn's access log off: the app logs each request with its seconds and job (app.py).
+            config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level=spec.log_level, access_log=False)
+            server = DrainingServer(config, pool)
             try:
                 server.run(sockets=[sock])
             except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has stopped: it was handled
                 pass
         finally:
             pool.close()
+            logger.info("dlo serve: stopped; the replicas have exited")

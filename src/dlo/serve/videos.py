@@ -85,6 +85,30 @@ class VideoJobs:
         with self._lock:
             return self._view(video)
 
+    def page(self, limit: int, after: str | None, descending: bool) -> dict | None:
+        """GET /v1/videos: up to `limit` jobs kept (newest first when `descending`), those after
+        the job `after` (the previous page's last_id); None if `after` is unknown."""
+        with self._lock:
+            self._prune()
+            ordered = list(self._videos.values())  # in creation order: the dict's insertion order
+            if descending:
+                ordered.reverse()
+            ids = [video.id for video in ordered]
+            if after is not None and after not in ids:
+                return None
+            start = ids.index(after) + 1 if after is not None else 0
+            shown = [self._view(video) for video in ordered[start : start + limit]]
+            return {
+                "object": "list", "data": shown, "has_more": start + limit < len(ordered),
+                "first_id": shown[0]["id"] if shown else None, "last_id": shown[-1]["id"] if shown else None,
+            }
+
+    def pool_job(self, video_id: str) -> int | None:
+        """The pool's id of the job making `video_id` (what the replicas' log lines name)."""
+        with self._lock:
+            video = self._videos.get(video_id)
+            return video.job_id if video is not None else None
+
     def get(self, video_id: str) -> dict | None:
         with self._lock:
             self._prune()

@@ -7,6 +7,7 @@ Layout under the cache root (every directory DIR_MODE, every file FILE_MODE, see
     .tmp/<key>.<pid>.<uuid>/                                     a writer's work in progress
     .tmp/<key>.corrupt.<uuid>/, .tmp/<key>.evicted.<uuid>/       moved aside, removed by gc
     .users/<key>/<pid>.<uuid>                                    holds (see holds.py)
+    .used/<key>                                                  last use: its mtime (see holds.py)
     .stamps/<key>.json                                           file stamps (see stamps.py)
     sources/<digest>.json                                        warm start hints (source_index.py)
 
@@ -201,6 +202,9 @@ class EntryStore:
     def _users(self, key: str) -> Path:
         return self.root / ".users" / key
 
+    def _used(self, key: str) -> Path:
+        return self.root / ".used" / key
+
     def _lock(self, key: str, timeout_s: float) -> KeyLock:
         self._dir(".locks", create=True)
         return KeyLock(self.root / ".locks" / f"{key}.lock", timeout_s)
@@ -228,6 +232,8 @@ class EntryStore:
         """Mark `key` in use by this process until the returned fd is closed (holds.py).
         Hold before validating or publishing: an entry held can no longer be evicted."""
         self.entry_path(key)  # only a key becomes a path
+        self._dir(".used", create=True)
+        holds.record_use(self._used(key))
         self._dir(".users", create=True)
         return holds.hold(self._users(key))
 
@@ -236,10 +242,9 @@ class EntryStore:
         return holds.count_users(self._users(key)) if self._dir(".users", create=False) is not None else 0
 
     def last_used(self, key: str) -> float:
-        users = self._users(key)
-        if self._dir(".users", create=False) is not None and users.is_dir():
-            return users.stat().st_mtime
-        return self.entry_path(key).stat().st_mtime
+        """When a process last took a hold of `key` (its publication, if none ever did)."""
+        used = holds.last_use(self._used(key)) if self._dir(".used", create=False) is not None else None
+        return used if used is not None else self.entry_path(key).stat().st_mtime
 
     def keys(self) -> list[str]:
         """The published entries (names that are not keys are no entries of dlo's)."""
@@ -253,7 +258,8 @@ class EntryStore:
 
     def evict(self, key: str, lock_timeout_s: float = 0.0) -> bool:
         """Remove `key` unless a process holds it, with what belongs to it: its lock file,
-        the holds proved dead, its empty hold directory and the source records naming it.
+        the holds proved dead, its empty hold directory, its last-use record and the source
+        records naming it.
         Returns whether it was removed."""
         path = self.entry_path(key)
         with self._lock(key, lock_timeout_s) as lock:
@@ -268,6 +274,8 @@ class EntryStore:
             stamps = self._dir(".stamps", create=False)
             if stamps is not None:
                 Stamps(stamps).forget(key)
+            if self._dir(".used", create=False) is not None:
+                self._used(key).unlink(missing_ok=True)
             lock.remove_file()  # see [Note: removable lock files]
         return True
 
@@ -296,7 +304,8 @@ class EntryStore:
 
     def tidy(self) -> list[str]:
         """Remove what nothing will use again: leftovers under .tmp, holds proved dead and
-        empty hold directories, the lock files and source records of keys without an entry.
+        empty hold directories, the lock files, last-use records and source records of keys
+        without an entry.
         Never waits for a lock, never removes anything in use. Returns what it removed."""
         removed = []
         for path, key, kind in self._temp_dirs():
@@ -325,6 +334,11 @@ class EntryStore:
                             removed.append(f".locks/{name}")
                 except CacheUnavailable:
                     pass  # a writer holds it right now
+        used = self._dir(".used", create=False)
+        for name in os.listdir(used) if used is not None else []:
+            if is_key(name) and not self.entry_path(name).is_dir():
+                self._used(name).unlink(missing_ok=True)
+                removed.append(f".used/{name}")
         stamps = self._dir(".stamps", create=False)
         for name in os.listdir(stamps) if stamps is not None else []:
             key = name.removesuffix(".json")

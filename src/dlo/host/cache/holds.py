@@ -64,13 +64,35 @@ def hold(users: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename(users / f"{PENDING}{name}", users / name)
-            os.utime(users)  # "last used"
         except OSError as err:
             os.close(fd)
             (users / f"{PENDING}{name}").unlink(missing_ok=True)
             raise CacheUnavailable("cache_operation_failed", f"cannot hold {users.name}: {err}") from err
         return fd
     raise CacheUnavailable("cache_operation_failed", f"{users} kept disappearing while holding it")
+
+
+def record_use(path: Path) -> None:
+    """Set the modification time of `path` (created, FILE_MODE, in a trusted directory) to now:
+    the entry's "last used" time, the order in which `dlo cache gc` evicts. A file of its own,
+    which only this function changes: the hold directory's time also moves when a dead hold in
+    it is removed (every `gc` removes them), which would reorder the eviction."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | SAFE_OPEN, FILE_MODE)
+    except OSError as err:
+        raise CacheUnavailable(failure_code(err), f"cannot record the use of {path.name}: {err}") from err
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
+def last_use(path: Path) -> float | None:
+    """The time `record_use(path)` last ran, or None if it never did."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def _state(path: Path, remove_dead: bool) -> HoldState:
@@ -111,8 +133,8 @@ def count_users(users: Path) -> int:
 
 
 def sweep(users: Path, remove_dir: bool) -> int:
-    """Remove the holds proved dead (and, with `remove_dir`, the directory once empty; it
-    keeps the entry's "last used" time otherwise); returns the number of live users."""
+    """Remove the holds proved dead (and, with `remove_dir`, the directory once empty);
+    returns the number of live users."""
     live = hold_states(users, remove_dead=True).count(HoldState.LIVE)
     if not live and remove_dir:
         try:

@@ -82,9 +82,16 @@ def private_dir_reason(path: Path, create: bool) -> str | None:
 
 def root_refusal(root: Path, allow_any_filesystem: bool, create: bool = True) -> str | None:
     """Why the cache root cannot be used, or None. With `create`, a missing root is made
-    (its missing parents too, with the umask's modes: they are not the cache's)."""
+    (its missing parents too, with the umask's modes: they are not the cache's), unless its
+    filesystem is refused: that is known from the mount table before anything is created."""
     if not create and not os.path.lexists(root):
         return f"the cache root {root} does not exist (check --cache-dir / OffloadConfig.cache_dir)"
+    kind = filesystem_type(root)
+    if kind in REFUSED_FILESYSTEMS and not allow_any_filesystem:
+        return (
+            f"the cache root {root} is on {kind} ({REFUSED_FILESYSTEMS[kind]}); put OffloadConfig.cache_dir on a "
+            "local disk (cache_allow_any_filesystem=True overrides, for tests)"
+        )
     try:
         if create:
             root.parent.mkdir(parents=True, exist_ok=True)
@@ -93,12 +100,4 @@ def root_refusal(root: Path, allow_any_filesystem: bool, create: bool = True) ->
         return f"cannot create the cache root {root}: {err}"
     if reason is not None and os.path.islink(root):
         return f"the cache root {root} is a symlink: set --cache-dir / OffloadConfig.cache_dir to {os.path.realpath(root)}"
-    if reason is not None:
-        return reason
-    kind = filesystem_type(root)
-    if kind in REFUSED_FILESYSTEMS and not allow_any_filesystem:
-        return (
-            f"the cache root {root} is on {kind} ({REFUSED_FILESYSTEMS[kind]}); put OffloadConfig.cache_dir on a "
-            "local disk (cache_allow_any_filesystem=True overrides, for tests)"
-        )
-    return None
+    return reason
