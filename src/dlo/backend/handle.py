@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import weakref
@@ -14,10 +15,13 @@ from torch.utils.hooks import RemovableHandle
 
 from dlo.backend.auto_residency import AutoResidency
 from dlo.backend.fp8_compute import Fp8GemmConversion
+from dlo.backend.lora_fusion import LoraFusion
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
+from dlo.backend.state_dict_loads import StateDictLoads
+from dlo.backend.weight_changes import WeightChanges
 from dlo.config import OffloadConfig
-from dlo.errors import EnableError
+from dlo.errors import EnableError, StreamingError
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
@@ -27,7 +31,7 @@ from dlo.hotpath.staging import Stager
 from dlo.hotpath.transfer import Transfer
 from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
-from dlo.planning.offload_plan import OffloadPlan
+from dlo.planning.offload_plan import BlockRef, OffloadPlan
 from dlo.planning.wire_layout import bytes_by_dtype
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ class OffloadHandle:
         config: OffloadConfig,
         plan: OffloadPlan,
         runtime: StreamingRuntime,
+        streamed_refs: Sequence[BlockRef],
         streamed_calls: Sequence[StreamedCallHandle],
         managed: Sequence[nn.Module],
         resident_blocks: int,
@@ -98,6 +103,12 @@ class OffloadHandle:
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
+        # See [Note: stand-ins], [Note: editing a streamed block]; a private copy made for a
+        # changed block joins the releases.
+        pin = config.pin_memory and device.type == "cuda"
+        self._changes = WeightChanges(runtime, list(streamed_refs), self._releases, pin)
+        self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
+        self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
         self._finalizer: weakref.finalize | None = None
         self._streamed_calls = list(streamed_calls)
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
@@ -126,11 +137,13 @@ class OffloadHandle:
         )
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
+        self._loads.install()
 
     def abandon(self) -> None:
         """Undo activate() for a failed enable(), whose own rollback releases the host memory."""
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._loads.remove()
         for hook in self._root_hooks:
             hook.remove()
         for sub in self._managed:
@@ -138,6 +151,8 @@ class OffloadHandle:
                 del _MANAGED[sub]
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        self._changes.before_call()
+        self._fusion.before_call()
         for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
             call.keep_installed()
         self._watch_compiles()
@@ -176,6 +191,46 @@ class OffloadHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.disable()
+
+    def _enabled(self, operation: str) -> None:
+        if self.state is not HandleState.ENABLED:
+            raise StreamingError(
+                f"handle.{operation}: the handle is disabled and {type(self.module).__name__} is a plain module "
+                "again; change its weights directly"
+            )
+
+    def editing(self, *modules: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Between calls, `with handle.editing(block):` gives the streamed blocks holding
+        `modules` (a block or any module inside one; none: every streamed block) their real
+        values on the device for the body; what the body changes in them (in-place edits,
+        `p.data = ...`, PEFT merges) is then written into the blocks' host copies and streamed
+        from the next call on. Each open block takes its own device memory, a slot's size.
+        See [Note: editing a streamed block]"""
+        self._enabled("editing()")
+        indices = []
+        for module in modules:
+            index = self._changes.block_of(module)
+            if index is None:
+                raise StreamingError(
+                    f"handle.editing(): {type(module).__name__} is not a streamed block of {type(self.module).__name__} "
+                    "nor inside one; its weights are on the device as they are: change them directly"
+                )
+            indices.append(index)
+        return self._changes.editing(indices if modules else range(len(self._runtime.blocks)))
+
+    def fuse_lora(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
+        """diffusers' `fuse_lora()` for the streamed module: the LoRA layers' deltas are added to
+        the base weights dlo streams (their host copies), and to the other base weights where
+        they are. The arguments are diffusers'. Between calls. See [Note: fusing LoRA into
+        streamed blocks]"""
+        self._enabled("fuse_lora()")
+        self._fusion.fuse(lora_scale, safe_fusing, adapter_names)
+
+    def unfuse_lora(self) -> None:
+        """diffusers' `unfuse_lora()` for the streamed module. See [Note: fusing LoRA into
+        streamed blocks]"""
+        self._enabled("unfuse_lora()")
+        self._fusion.unfuse()
 
     def stats(self) -> OffloadStats:
         """Counters since enable(). Synchronizes the device to settle pending copy timings."""
@@ -225,6 +280,8 @@ class OffloadHandle:
             compile=self._compile_stats(),
             residency=self._residency.report() if self._residency is not None else None,
             host_bytes_by_dtype=_host_bytes_by_dtype(runtime),
+            rewritten_blocks=self._changes.rewritten_blocks,
+            copied_on_write_bytes=self._changes.copied_bytes,
         )
 
     def _compile_stats(self) -> CompileStats:
@@ -253,6 +310,12 @@ class OffloadHandle:
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats
+        refused = None
+        try:
+            self._changes.before_call()  # See [Note: stand-ins]
+        except StreamingError as err:  # the module is disabled first, then it is raised
+            refused = err
+        self._changes.write_back_resident()  # See [Note: editing a streamed block]
         final = self.stats()
         runtime = self._runtime
         registered = self._registration.registration
@@ -261,6 +324,7 @@ class OffloadHandle:
             hook.remove()
         if self._probe is not None:
             self._probe.remove()
+        self._loads.remove()
         with torch.no_grad():
             runtime.restore_blocks()
         if self._fp8_gemms is not None:
@@ -285,6 +349,8 @@ class OffloadHandle:
         self._runtime = self._probe = self._residency = None  # type: ignore[assignment]
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
+        if refused is not None:
+            raise refused
         return final
 
 
