@@ -3,7 +3,7 @@ seeded adapters, and inputs for the transformers of the tiny pipelines.
 
 Adapter "a" covers attention and feed-forward Linears of every block and one non-block
 Linear (so fusing touches streamed and resident base weights); "b" another rank and fewer
-targets. Their B matrices are seeded noise, not PEFT's zeros: a LoRA that changed nothing
+targets; Flux's "c" has a's shapes (to hot-swap it). Their B matrices are seeded noise, not PEFT's zeros: a LoRA that changed nothing
 could not be got wrong.
 """
 
@@ -23,6 +23,7 @@ ADAPTERS = {
         {
             "a": (4, ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "ff.net.2", "proj_out"]),
             "b": (8, ["to_k", "add_q_proj", "proj_out"]),
+            "c": (4, ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "ff.net.2", "proj_out"]),  # a's shape: hot-swaps it
         },
     ),
     "wan": (
@@ -72,3 +73,32 @@ def pipeline_inputs(kind: str, seed: int, dtype: torch.dtype = torch.float32) ->
     else:  # wan: a 16-channel latent
         inputs["hidden_states"] = torch.randn(1, 16, 2, 8, 8, generator=generator).to(dtype)
     return inputs
+
+
+def requantize_changed(model: torch.nn.Module, before: dict[str, torch.Tensor], config) -> None:
+    """The resident model fp8 streaming equals after a change: each weight `config` streams as
+    float8 that the change gave new values is quantized and dequantized again, as dlo
+    requantizes a changed weight's host copy; the others keep theirs (`before`: the weights'
+    values before the change, by name: `float8_weights`)."""
+    from dlo.host.fp8_codec import dequantized, quantize_into
+    from dlo.planning.fp8_selection import fp8_format
+
+    fp8 = fp8_format(config)
+    with torch.no_grad():
+        for name, old in before.items():
+            weight = model.get_parameter(name)
+            if torch.equal(weight, old):
+                continue
+            data = torch.empty(weight.shape, dtype=fp8.dtype)
+            scale = torch.empty(fp8.scale_shape(weight.shape[0]), dtype=torch.float32)
+            quantize_into(weight, data, scale, name)
+            weight.data = dequantized(data.to(weight.device), scale.to(weight.device), weight.dtype)
+
+
+def float8_weights(model: torch.nn.Module, config) -> dict[str, torch.Tensor]:
+    """Name -> a copy of each weight of `model` that `config` streams as float8."""
+    from dlo.planning.fp8_selection import quantized_tensors
+    from dlo.planning.offload_plan import discover, resolve_blocks
+
+    chosen = set().union(*(quantized_tensors(model, ref, config) for ref in resolve_blocks(model, discover(model))))
+    return {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in chosen}

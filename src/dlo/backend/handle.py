@@ -114,6 +114,7 @@ class OffloadHandle:
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
         self._compile_watch = CompileWatch()
         self._warned_recompiles = False
+        self._recompiles_seen = 0  # by the start of the last call
         self._root_hooks: list[RemovableHandle] = []
 
     def activate(self) -> None:
@@ -161,19 +162,23 @@ class OffloadHandle:
             self._residency.call_starts()
 
     def _watch_compiles(self) -> None:
+        """Warn once when one call recompiled more often than there are block classes: a
+        graph per block. (Per call: a change of a LoRA scale between calls recompiles each
+        class once, which is not that.)"""
         watch = self._compile_watch
         watch.poll()
-        if watch.recompiles > self._block_classes and not self._warned_recompiles:
+        seen, self._recompiles_seen = self._recompiles_seen, watch.recompiles
+        if watch.recompiles - seen > self._block_classes and not self._warned_recompiles:
             self._warned_recompiles = True
             logger.warning(
-                "dlo: torch.compile recompiled %d times for %d streamed block class(es) of %s: dynamo specializes "
-                "on something that differs from block to block (first reason: %s). Streaming keeps each weight's "
-                "shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
+                "dlo: torch.compile recompiled %d times in one call for %d streamed block class(es) of %s: dynamo "
+                "specializes on something that differs from block to block (first reason: %s). Streaming keeps each "
+                "weight's shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
                 "differ; TORCH_LOGS=recompiles lists every reason, handle.stats().compile counts them",
-                watch.recompiles,
+                watch.recompiles - seen,
                 self._block_classes,
                 type(self.module).__name__,
-                watch.recompile_reasons[0],
+                watch.recompile_reasons[seen],
             )
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
