@@ -109,6 +109,7 @@ class OffloadHandle:
         self._changes = WeightChanges(runtime, list(streamed_refs), self._releases, pin)
         self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
         self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
+        self._changes_settled: tuple[StreamingError, ...] | None = None  # by disable(): the refusal it raises
         self._finalizer: weakref.finalize | None = None
         self._streamed_calls = list(streamed_calls)
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
@@ -315,12 +316,13 @@ class OffloadHandle:
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats
-        refused = None
-        try:
-            self._changes.before_call()  # See [Note: stand-ins]
-        except StreamingError as err:  # the module is disabled first, then it is raised
-            refused = err
-        self._changes.write_back_resident()  # See [Note: editing a streamed block]
+        if self._changes_settled is None:  # once, also when a disable() cut short is called again
+            try:
+                self._changes.before_call()  # See [Note: stand-ins]
+                self._changes_settled = ()
+            except StreamingError as err:  # the module is disabled first, then it is raised
+                self._changes_settled = (err,)
+            self._changes.write_back_resident()  # See [Note: editing a streamed block]
         final = self.stats()
         runtime = self._runtime
         registered = self._registration.registration
@@ -352,10 +354,11 @@ class OffloadHandle:
         # are freed now, not when the caller drops this handle.
         runtime.promoted.clear()
         self._runtime = self._probe = self._residency = None  # type: ignore[assignment]
+        self._changes = self._fusion = self._loads = None  # type: ignore[assignment]
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
-        if refused is not None:
-            raise refused
+        if self._changes_settled:
+            raise self._changes_settled[0]
         return final
 
 

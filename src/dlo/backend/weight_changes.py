@@ -92,6 +92,7 @@ class WeightChanges:
         self._open: dict[int, _Opened] = {}
         self._editing = False  # inside editing(): its blocks stay open through calls made in it
         self._versions = [self._versions_of(i) for i in range(len(refs))]
+        self._stand_in_addresses = [[t.data_ptr() for t in block.placeholders] for block in runtime.blocks]
         self.rewritten_blocks = 0  # host copies rewritten since enable()
         self.copied_bytes = 0  # private bytes made for blocks of a read-only mapping
 
@@ -103,8 +104,8 @@ class WeightChanges:
     def refs(self) -> list[BlockRef]:
         return self._refs
 
-    def _versions_of(self, index: int) -> tuple[int, ...]:
-        return tuple(tensor._version for tensor in self._runtime.blocks[index].tensors)
+    def _versions_of(self, index: int) -> list[int]:
+        return [tensor._version for tensor in self._runtime.blocks[index].tensors]
 
     def block_of(self, module: nn.Module) -> int | None:
         """The index of the streamed block `module` is or lies in; None for any other module."""
@@ -224,22 +225,26 @@ class WeightChanges:
         runtime = self._runtime
         refused: list[str] = []
         for index, block in enumerate(runtime.blocks):
-            if index in runtime.promoted or index in self._open:
+            # Blocks an interrupt left running still point at their slots; the call's start frees them.
+            if index in runtime.promoted or index in self._open or runtime.planner.is_running(index):
                 continue
+            tensors = block.tensors
+            versions, addresses = [t._version for t in tensors], [t.data_ptr() for t in tensors]
+            if versions == self._versions[index] and addresses == self._stand_in_addresses[index]:
+                continue  # the per-call path: two lists compared per block
             changed = [
                 k
-                for k, (tensor, stand_in, version) in enumerate(zip(block.tensors, block.placeholders, self._versions[index]))
-                if tensor._version != version or tensor.data_ptr() != stand_in.data_ptr()
+                for k, (tensor, stand_in) in enumerate(zip(tensors, block.placeholders))
+                if versions[k] != self._versions[index][k] or addresses[k] != stand_in.data_ptr()
             ]
-            if changed:
-                refused.extend(
-                    _what_changed(block.name, block.layout.placements[k].spec, block.tensors[k], block.placeholders[k])
-                    for k in changed
-                )
-                block.point_at(block.placeholders)
-                for k in changed:  # an in-place write into the stand-in changed its one element
-                    _refill(block.placeholders[k])
-                self._versions[index] = self._versions_of(index)
+            refused.extend(
+                _what_changed(block.name, block.layout.placements[k].spec, tensors[k], block.placeholders[k])
+                for k in changed
+            )
+            block.point_at(block.placeholders)
+            for k in changed:  # an in-place write into the stand-in changed its one element
+                _refill(block.placeholders[k])
+            self._versions[index] = self._versions_of(index)
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
             raise StreamingError(
