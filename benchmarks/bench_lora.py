@@ -95,7 +95,8 @@ def add_lora(model: nn.Module, targets: list[str], rank: int, seed: int) -> None
 
 def timed(model: nn.Module, inputs: dict, device: torch.device, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
     with torch.inference_mode():
-        timed_forwards(model, inputs, device, args.warmup)
+        if args.warmup:
+            timed_forwards(model, inputs, device, args.warmup)
         seconds, output = timed_forwards(model, inputs, device, args.iters)
     return statistics.median(seconds), output.cpu()
 
@@ -167,19 +168,19 @@ def _mapped(name: str, device: torch.device, args: argparse.Namespace) -> Row:
 
 
 def table(rows: list[Row], args: argparse.Namespace) -> str:
-    lines = ["| shape | variant | median s | x floor | x resident | equal | fuse s | host GiB | copied GiB (fused blocks GiB) |",
+    lines = ["| shape | variant | median s | x floor | x resident | equal | fuse s | host MiB | copied MiB (fused blocks MiB) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         resident = next(r.median_s for r in rows if r.shape == row.shape and r.variant == "resident lora")
         floor = max(resident, block_bytes(SHAPES[row.shape]) / (args.link_gbps * GB))
         ratio = (lambda x: f"{row.median_s / x:.3f}") if row.median_s is not None else (lambda x: "")
-        copied = (f"{row.copied_on_write_bytes / 2**30:.2f} ({row.fused_block_bytes / 2**30:.2f})"
+        copied = (f"{row.copied_on_write_bytes / 2**20:.1f} ({row.fused_block_bytes / 2**20:.1f})"
                   if row.fused_block_bytes is not None else "")
         lines.append(
             f"| {row.shape} | {row.variant} | {'' if row.median_s is None else f'{row.median_s:.4f}'} | {ratio(floor)} | "
             f"{ratio(resident)} | {'' if row.identical is None else row.identical} | "
             f"{'' if row.fuse_s is None else f'{row.fuse_s:.2f}'} | "
-            f"{'' if row.host_bytes is None else f'{row.host_bytes / 2**30:.2f}'} | {copied} |"
+            f"{'' if row.host_bytes is None else f'{row.host_bytes / 2**20:.1f}'} | {copied} |"
         )
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@ seeded adapters, and inputs for the transformers of the tiny pipelines.
 
 Adapter "a" covers attention and feed-forward Linears of every block and one non-block
 Linear (so fusing touches streamed and resident base weights); "b" another rank and fewer
-targets; Flux's "c" has a's shapes (to hot-swap it). Their B matrices are seeded noise, not PEFT's zeros: a LoRA that changed nothing
+targets; Flux's "c" has a's shapes (to hot-swap it), Wan's "dora" is a DoRA adapter. Their B matrices are seeded noise, not PEFT's zeros: a LoRA that changed nothing
 could not be got wrong.
 """
 
@@ -28,7 +28,11 @@ ADAPTERS = {
     ),
     "wan": (
         "WanPipeline",
-        {"a": (4, ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2", "proj_out"]), "b": (8, ["to_v", "ffn.net.0.proj"])},
+        {
+            "a": (4, ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2", "proj_out"]),
+            "b": (8, ["to_v", "ffn.net.0.proj"]),
+            "dora": (4, ["to_q", "to_v"]),  # DoRA: its magnitudes are adapter tensors too
+        },
     ),
     "qwenimage": (
         "QwenImagePipeline",
@@ -47,7 +51,8 @@ def save_lora(model: torch.nn.Module, kind: str, adapter: str, directory: Path, 
     pipeline, adapters = ADAPTERS[kind]
     rank, targets = adapters[adapter]
     model = copy.deepcopy(model)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets), adapter_name=adapter)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_dora=adapter == "dora")
+    model.add_adapter(config, adapter_name=adapter)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.named_parameters():

@@ -207,3 +207,31 @@ def test_a_lora_loaded_before_enable_on_a_mapped_model_is_refused_naming_the_ord
     model.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer")
     with pytest.raises(dlo.EnableError, match=r"load LoRAs after dlo.enable\(model, device, config, plan=plan\)"):
         dlo.enable(model, "cpu", config, plan=plan)
+
+
+def test_dora_adapters_loaded_or_initialized_after_enable_fuse_and_unfuse_as_resident(tiny_pair, tiny_loras):
+    """A DoRA layer's magnitudes are adapter tensors (resident) and its merge reads the base
+    weight (in the opened block). PEFT initializing one reads the base weight too: a new DoRA
+    adapter is added inside handle.editing(), where the base weights hold their values."""
+    from peft import LoraConfig
+
+    reference, model, _ = tiny_pair("wan")
+    with dlo.enable(model, "cpu") as handle:
+        run(model, "wan")
+        both((reference, model), lambda m: m.load_lora_adapter(tiny_loras("wan")["dora"], adapter_name="d", prefix="transformer"))
+        assert torch.equal(run(reference, "wan", 2), run(model, "wan", 2))
+        reference.fuse_lora()
+        handle.fuse_lora()
+        assert torch.equal(run(reference, "wan", 3), run(model, "wan", 3))
+        reference.unfuse_lora()
+        handle.unfuse_lora()
+        assert torch.equal(run(reference, "wan", 4), run(model, "wan", 4))
+        config = LoraConfig(r=4, target_modules=["to_k"], use_dora=True, init_lora_weights="gaussian")
+        torch.manual_seed(7)
+        reference.add_adapter(config, adapter_name="fresh")
+        torch.manual_seed(7)
+        with handle.editing():
+            model.add_adapter(config, adapter_name="fresh")
+        both((reference, model), lambda m: m.set_adapters(["d", "fresh"], [1.0, 1.0]))
+        assert torch.equal(run(reference, "wan", 5), run(model, "wan", 5))
+    assert same_state(reference, model)
