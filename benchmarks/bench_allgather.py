@@ -1,4 +1,4 @@
-"""All-gather streaming on real ranks (SPEC §4): parity, speed and memory of a data-parallel
+"""All-gather streaming on real ranks (docs/guides/multi-gpu.md): parity, speed and memory of a data-parallel
 wave, and what the survivors do when a rank dies mid-wave.
 
 Run under torchrun, one process per GPU (NCCL), or per CPU process with --device cpu (Gloo).
@@ -103,8 +103,8 @@ saved checkpoint as much again):
   timeout 560 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_allgather.py \\
       --shapes flux --from-cache /tmp/dlo-bench-cache
 
-Rank 0 prints the markdown table last and writes the report as JSON to --json, by default
-$OUT/bench_allgather.json when OUT is set, rewritten after each shape.
+Rank 0 prints the markdown table last and writes the report as JSON to --json (results_json.py),
+rewritten after each shape.
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ from bench_streaming import (
     synchronize,
     to_device,
 )
+from results_json import default_path, write_json
 from torch import nn
 
 import dlo
@@ -250,7 +251,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
 def variant_config(variant: Variant, args: argparse.Namespace) -> dlo.OffloadConfig:
     cache = {}
     if variant.from_cache:
-        # A benchmark's own directory: any filesystem the user points it at (SPEC's tmpfs refusal is for users' caches).
+        # A benchmark's own directory: any filesystem the user points it at (the tmpfs refusal is for users' caches).
         cache = dict(host_weight_cache=True, cache_dir=str(args.from_cache / "cache"), cache_allow_any_filesystem=True)
     chunk = dict(gather_chunk_mib=variant.gather_chunk_mib) if variant.kind == "all-gather" else {}
     return dlo.OffloadConfig(
@@ -702,11 +703,6 @@ def environment(ranks: Ranks) -> dict[str, str]:
     return env
 
 
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-
 def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
     env = environment(ranks)
     if ranks.rank == 0:
@@ -718,18 +714,16 @@ def benchmark(ranks: Ranks, args: argparse.Namespace) -> None:
             continue
         rows += shape_rows
         if args.json is not None:
-            write_json(args.json, {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "environment": env,
-                "settings": {"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp,
-                             "num_slots": args.num_slots, "gather_chunk_mib": args.gather_chunk_mib,
-                             "stream_dtype": args.stream_dtype, "from_cache": str(args.from_cache),
-                             "fp8_scale": args.fp8_scale},
-                "block_bytes": {r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
-                "verdicts": verdicts(rows, ranks.world, ranks.is_cuda),
-                "table": markdown_table(rows),
-                "rows": [asdict(row) for row in rows],
-            })
+            write_json(
+                args.json, "bench_allgather", [asdict(row) for row in rows], markdown_table(rows),
+                environment=env,
+                settings={"warmup": args.warmup, "iters": args.iters, "seed": args.seed, "sp": args.sp,
+                          "num_slots": args.num_slots, "gather_chunk_mib": args.gather_chunk_mib,
+                          "stream_dtype": args.stream_dtype, "from_cache": str(args.from_cache),
+                          "fp8_scale": args.fp8_scale},
+                block_bytes={r.shape: block_bytes(SHAPES[r.shape]) for r in rows},
+                verdicts=verdicts(rows, ranks.world, ranks.is_cuda),
+            )
     if ranks.rank == 0:
         print()
         for line in verdicts(rows, ranks.world, ranks.is_cuda):
@@ -818,10 +812,8 @@ def survivor_failed(err: BaseException, call: int, ranks: Ranks, stamp: Path, js
         flush=True,
     )
     if json_path is not None:
-        write_json(json_path, {
-            "rank": ranks.rank, "call": call, "exception": chain, "message": str(err),
-            "seconds_after_death": after, "environment": environment(ranks),
-        })
+        row = {"rank": ranks.rank, "call": call, "exception": chain, "message": str(err), "seconds_after_death": after}
+        write_json(json_path, "bench_allgather_kill", [row], environment=environment(ranks))
 
 
 def kill_test(ranks: Ranks, args: argparse.Namespace) -> None:
@@ -902,11 +894,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kill-calls", type=int, default=4, help="calls the kill test makes (default: 4)")
     parser.add_argument("--pg-timeout", type=float, default=None,
                         help="process group timeout in seconds (default: 10 with --kill-rank, else 600)")
-    out = os.environ.get("OUT")
     parser.add_argument(
         "--json", type=Path, default=None,
-        help="JSON report (default: $OUT/bench_allgather.json, or $OUT/bench_allgather_kill.json with "
-        "--kill-rank, if OUT is set, else none)",
+        help="the run's JSON record (default: results_json.py's place for bench_allgather, or "
+        "bench_allgather_kill with --kill-rank)",
     )
     args = parser.parse_args(argv)
     check_run_args(parser, args)
@@ -914,8 +905,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--kill-calls must be >= 2: the victim dies in the second call")
     if args.pg_timeout is None:
         args.pg_timeout = 10.0 if args.kill_rank is not None else 600.0
-    if args.json is None and out:
-        args.json = Path(out) / ("bench_allgather_kill.json" if args.kill_rank is not None else "bench_allgather.json")
+    if args.json is None:
+        args.json = default_path("bench_allgather_kill" if args.kill_rank is not None else "bench_allgather")
     return args
 
 

@@ -27,6 +27,7 @@ import dlo
 from dlo.host.cache.identity import content_digest
 from dlo.host.loader import ordinary_load
 from dlo.models.tiny import TinyModel, _wan_inputs
+from results_json import add_json_flag, write_json
 
 WAN = TinyModel(
     "wan-bench",
@@ -57,6 +58,7 @@ def main() -> None:
                         help="bfloat16: the checkpoint is cast on load (real work for the ordinary path)")
     parser.add_argument("--fuse-qkv", action="store_true", help="the loader fuses the q/k/v projections")
     parser.add_argument("--repeats", type=int, default=3)
+    add_json_flag(parser, "bench_cache_startup")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -95,14 +97,19 @@ def main() -> None:
     warm_s, _ = timed(warm)
     print(f"model {args.model}: {nbytes / 1e9:.2f} GB on disk, load dtype {args.dtype}, fuse_qkv {args.fuse_qkv}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print("| load | median s | vs ordinary |")
-    print("|---|---|---|")
-    for name, seconds in (("ordinary (from_pretrained)", ordinary_s), ("cold: load + hash + publish + map", cold_s),
-                          ("warm: validate (SHA-256) + map", warm_s)):
-        print(f"| {name} | {seconds:.3f} | {ordinary_s / seconds:.2f}x |")
+    loads = (("ordinary (from_pretrained)", ordinary_s), ("cold: load + hash + publish + map", cold_s),
+             ("warm: validate (SHA-256) + map", warm_s))
+    lines = ["| load | median s | vs ordinary |", "|---|---|---|"]
+    lines += [f"| {name} | {seconds:.3f} | {ordinary_s / seconds:.2f}x |" for name, seconds in loads]
+    print("\n".join(lines))
     threads = len(os.sched_getaffinity(0))
     print(f"content hashing: {hashed / hash_s / 1e9:.2f} GB/s on {threads} threads "
           f"({hashed / hash_s / 1e9 / threads:.2f} GB/s per thread)")
+    write_json(
+        args.json, "bench_cache_startup", [{"load": name, "median_s": seconds} for name, seconds in loads],
+        "\n".join(lines), model=args.model, dtype=args.dtype, fuse_qkv=args.fuse_qkv, disk_bytes=nbytes,
+        hash_gbps=hashed / hash_s / 1e9, hash_threads=threads,
+    )
 
 
 if __name__ == "__main__":

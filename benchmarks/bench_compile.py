@@ -1,6 +1,6 @@
 """torch.compile with streaming: compiled resident vs compiled + dlo vs diffusers group offloading + compile.
 
-The models, weights, inputs and timing are bench_streaming.py's (SPEC §9 shapes: Wan-14B-shaped
+The models, weights, inputs and timing are bench_streaming.py's (the shapes of docs/benchmarks.md: Wan-14B-shaped
 12 layers at 480p/81 frames, Flux-shaped 6+12 at 1024², bf16, random weights from one seed).
 Variants, one at a time, each freed before the next (so every peak belongs to one variant):
 
@@ -40,16 +40,14 @@ CPU smoke test (tiny Wan, no diffusers variant):
 
   python benchmarks/bench_compile.py --device cpu --shapes tiny --warmup 1 --iters 2
 
-The markdown table comes last; it and the raw numbers go to --json as well (default
-$OUT/bench_compile.json when OUT is set), rewritten after each shape.
+The markdown table comes last; it and the raw numbers go to --json as well (results_json.py),
+rewritten after each shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
 import sys
 import time
@@ -78,6 +76,7 @@ from bench_streaming import (
     timed_forwards,
     to_device,
 )
+from results_json import add_json_flag, write_json
 
 import dlo
 from dlo.hotpath.compiled_call import CompileWatch, isolate
@@ -271,11 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--deterministic-algorithms", action="store_true",
         help="torch.use_deterministic_algorithms(True) too (it also filters inductor's reduction configurations)",
     )
-    out = os.environ.get("OUT")
-    parser.add_argument(
-        "--json", type=Path, default=Path(out) / "bench_compile.json" if out else None,
-        help="where to write the JSON report (default: $OUT/bench_compile.json if OUT is set, else none)",
-    )
+    add_json_flag(parser, "bench_compile")
     args = parser.parse_args(argv)
     check_run_args(parser, args)
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -328,21 +323,16 @@ def main(argv: list[str] | None = None) -> None:
         with shape_cache:
             runs = measure_all(name, variants, device, args, notes)
         rows += make_rows(name, runs)
-        if args.json is not None:
-            report = {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "environment": environment(device),
-                "settings": {
-                    "warmup": args.warmup, "iters": args.iters, "seed": args.seed, "mode": args.mode,
-                    "inductor_cache": args.inductor_cache, "inductor_deterministic": args.inductor_deterministic,
-                    "deterministic_algorithms": args.deterministic_algorithms,
-                },
-                "notes": notes,
-                "table": markdown_table(rows),
-                "rows": [asdict(r) for r in rows],
-            }
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(
+            args.json, "bench_compile", [asdict(r) for r in rows], markdown_table(rows),
+            environment=environment(device),
+            settings={
+                "warmup": args.warmup, "iters": args.iters, "seed": args.seed, "mode": args.mode,
+                "inductor_cache": args.inductor_cache, "inductor_deterministic": args.inductor_deterministic,
+                "deterministic_algorithms": args.deterministic_algorithms,
+            },
+            notes=notes,
+        )
     print()
     for note in notes:
         print(f"note: {note}")

@@ -42,6 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from results_json import add_json_flag, write_json
+
 VARIANTS = ("pinned", "mmap/staged", "mmap/registered", "cache/cold", "cache/full", "cache/stamp")
 PAGE_CACHE = ("hot", "cold")
 MARK = "FIRST-STEP "
@@ -217,6 +219,7 @@ def main() -> None:
         help="comma-separated, from " + ", ".join(VARIANTS) + " (default: all; cache/full and cache/stamp map the "
         "entry cache/cold publishes: with cache/cold left out they need the entry of an earlier run under --dir)",
     )
+    add_json_flag(parser, "bench_first_step")
     parser.add_argument(
         "--warm-up-libraries", action="store_true",
         help="diagnostic: one bf16 GEMM and one attention call before the load call, outside the timed path; "
@@ -243,9 +246,7 @@ def main() -> None:
             rows.append(row)
             print(table(rows).splitlines()[-1], flush=True)
     report = table(rows)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_first_step.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    write_json(args.json, "bench_first_step", [asdict(r) for r in rows], report)
     print(f"\n{Path(sys.executable).name} {' '.join(sys.argv)}\n{report}")
 
 

@@ -1,7 +1,7 @@
 """fp8 streaming against bf16 streaming, the quantized model resident, and diffusers' unscaled
 layerwise casting with group offloading: speed, bytes, bit identity and quantization error.
 
-Per shape (SPEC §9, random bf16 weights from one seed, as bench_streaming.py builds them), one
+Per shape (docs/benchmarks.md, random bf16 weights from one seed, as bench_streaming.py builds them), one
 variant at a time, each freed before the next:
 
   resident            the bf16 model on the device: the reference output for the error.
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -64,6 +63,7 @@ from bench_streaming import (
     timed_forwards,
     to_device,
 )
+from results_json import add_json_flag, write_json
 
 SCALES = ("per_channel", "per_tensor")
 
@@ -294,8 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "--variants", type=lambda text: text.split(","), default=list(variants),
         help=f"comma-separated from {', '.join(variants)} (the bf16 resident run, the error reference, always runs)",
     )
-    out = os.environ.get("OUT")
-    parser.add_argument("--json", type=Path, default=Path(out) / "bench_fp8.json" if out else None)
+    add_json_flag(parser, "bench_fp8")
     args = parser.parse_args(argv)
     check_run_args(parser, args)
     unknown = sorted(set(args.variants) - set(variants))
@@ -306,11 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     for name in args.shapes:
         rows += run_shape(name, device, args)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment(device),
-                      "rows": [asdict(r) for r in rows], "table": markdown_table(rows)}
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, "bench_fp8", [asdict(r) for r in rows], markdown_table(rows), environment=environment(device))
     print()
     print(markdown_table(rows))
 

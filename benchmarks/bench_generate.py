@@ -22,6 +22,7 @@ import torch
 
 import bench_streaming as bench
 import dlo
+from results_json import add_json_flag, write_json
 from dlo.models.tiny_pipelines import _seeded, _t5_tokenizer
 
 
@@ -67,6 +68,7 @@ def generate(pipe, steps: int, device: torch.device) -> tuple[np.ndarray, list[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
+    add_json_flag(parser, "bench_generate")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -89,10 +91,18 @@ def main() -> None:
     print(f"Wan-14B-shaped (12 layers) text-to-video, 480x832, 81 frames, {args.steps} steps, CFG (2 passes/step)")
     print(f"dlo: {stats.bytes_streamed / 1e9:.1f} GB streamed at {stats.h2d_gbps:.1f} GB/s, "
           f"exposed {stats.exposed_copy_s:.3f} s, videos bit-identical: {same}")
-    print("| variant | s/step (median, steps 2..n) | first step s | peak HBM GiB |")
-    print("|---|---|---|---|")
-    for name, steps, peak in rows:
-        print(f"| {name} | {statistics.median(steps[1:] or steps):.3f} | {steps[0]:.3f} | {peak / 2**30:.2f} |")
+    lines = ["| variant | s/step (median, steps 2..n) | first step s | peak HBM GiB |", "|---|---|---|---|"]
+    lines += [
+        f"| {name} | {statistics.median(steps[1:] or steps):.3f} | {steps[0]:.3f} | {peak / 2**30:.2f} |"
+        for name, steps, peak in rows
+    ]
+    print("\n".join(lines))
+    write_json(
+        args.json, "bench_generate",
+        [{"variant": name, "step_s": steps, "peak_hbm_bytes": peak} for name, steps, peak in rows], "\n".join(lines),
+        bytes_streamed=stats.bytes_streamed, h2d_gbps=stats.h2d_gbps, exposed_copy_s=stats.exposed_copy_s,
+        bit_identical=bool(same),
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ cache entry (issue 18: registered within 2 % of pinned).
 
 Inputs: Wan "480p" (1x16x21x60x104 latents, 512 text tokens: compute-bound) and "tiny"
 (1x16x1x8x8 latents, 16 text tokens: a forward takes as long as streaming the blocks); Flux
-"1024px" (4096 image + 512 text tokens: transfer-bound on the H200, SPEC §9). Effective GB/s =
+"1024px" (4096 image + 512 text tokens: transfer-bound on the H200, docs/benchmarks.md). Effective GB/s =
 block bytes / forward median. The page cache is hot (the files were just written). Outputs are
 checked bit-identical to the pinned variant. Host memory (smaps_rollup) is read while the
 variant is enabled: Private_Dirty is this process's private memory, Pss_File its share of the
@@ -41,7 +41,6 @@ On the GPU machine, from the repository root (diffusers from the wheels in .whl/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -52,6 +51,7 @@ import torch
 
 import bench_streaming as bench
 import dlo
+from results_json import add_json_flag, write_json
 
 GB = 1e9
 WAN_INPUTS = {
@@ -182,6 +182,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--stream-dtype", default=None, help="OffloadConfig.stream_dtype of every variant, e.g. fp8")
+    add_json_flag(parser, "bench_host_backings")
     args = parser.parse_args()
     device = torch.device("cuda")
     block_bytes = save_checkpoint(args.shape, args.dir, device)
@@ -209,9 +210,7 @@ def main() -> None:
         ]
         print(table(rows[-len(measured):]), flush=True)
     report = table(rows)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, f"bench_host_backings_{args.shape}.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    write_json(args.json, "bench_host_backings", [asdict(r) for r in rows], report, shape=args.shape, block_bytes=block_bytes)
     print(report)
 
 

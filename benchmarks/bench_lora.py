@@ -2,8 +2,8 @@
 every block, resident against dlo, unfused and fused; the time `handle.fuse_lora()` takes; and
 on a mapped checkpoint, the host bytes a fuse copies on write.
 
-Per shape (SPEC §9 shapes of bench_streaming.py, random bf16 weights from one seed), one variant
-at a time, each freed before the next:
+Per shape (the Flux- and Wan-shaped models of bench_streaming.py, random bf16 weights from one
+seed), one variant at a time, each freed before the next:
 
   resident lora       the model on the device, the LoRA added there (PEFT, unfused).
   resident fused      the same after diffusers' fuse_lora(): the LoRA in the base weights.

@@ -1,6 +1,6 @@
 """resident_layers='auto' under memory budgets vs every hand-set resident_layers vs diffusers.
 
-The models, weights, inputs and timing are bench_streaming.py's (SPEC §9 shapes, bf16, random
+The models, weights, inputs and timing are bench_streaming.py's (the shapes of docs/benchmarks.md, bf16, random
 weights from one seed). One model per shape is built on the CPU and enabled again for each run:
 
   hand-set r   dlo.OffloadConfig(resident_layers=r) for every r from 0 to the block count: the
@@ -27,15 +27,13 @@ CPU smoke test (tiny Wan; on the CPU copies do not overlap compute, and a budget
 
   python benchmarks/bench_residency.py --device cpu --shapes tiny --budgets 0.0003,0.0004 --iters 2
 
-The markdown tables come last; they and the raw numbers go to --json as well (default
-$OUT/bench_residency.json when OUT is set), rewritten after each shape.
+The markdown tables come last; they and the raw numbers go to --json as well (results_json.py),
+rewritten after each shape.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -59,6 +57,7 @@ from bench_streaming import (
     timed_forwards,
     to_device,
 )
+from results_json import add_json_flag, write_json
 
 
 @dataclass(frozen=True)
@@ -178,11 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=3, help="timed forwards per run (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1")
     parser.add_argument("--skip", type=lambda text: text.split(","), default=[], help="'diffusers' to skip it")
-    out = os.environ.get("OUT")
-    parser.add_argument(
-        "--json", type=Path, default=Path(out) / "bench_residency.json" if out else None,
-        help="where to write the JSON report (default: $OUT/bench_residency.json if OUT is set, else none)",
-    )
+    add_json_flag(parser, "bench_residency")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
@@ -197,15 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[Run] = []
     for name in args.shapes:
         runs += measure_shape(name, device, args)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            report = {
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "environment": environment(device),
-                "table": budget_table(runs, args.budgets),
-                "runs": [asdict(r) for r in runs],
-            }
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(
+            args.json, "bench_residency", [asdict(r) for r in runs], budget_table(runs, args.budgets),
+            environment=environment(device),
+        )
     print()
     print(budget_table(runs, args.budgets))
 

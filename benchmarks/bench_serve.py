@@ -1,7 +1,7 @@
 """`dlo serve` with 1 and then 2 replicas: aggregate throughput, latency, summed host PSS.
 
 The pipeline is a WanPipeline whose transformer is Wan-14B-shaped (bench_streaming.py's "wan"
-shape, SPEC §9: 40 heads x 128, ffn 13824, 12 of its 40 layers by default, random seeded bf16
+shape, docs/benchmarks.md: 40 heads x 128, ffn 13824, 12 of its 40 layers by default, random seeded bf16
 weights written as 2 GB safetensors shards) with the tiny UMT5 text encoder, tiny Wan VAE and
 tokenizer of dlo.models.tiny_pipelines (so the transformer's text_dim is 32, not 4096: only the
 condition embedder's text projection is smaller; the blocks are Wan-14B's). It is written once
@@ -25,14 +25,12 @@ cp --platform manylinux2014_x86_64 -d .whl fastapi uvicorn prometheus_client`:
 
 CPU check (tiny Wan pipeline, seconds a job): python benchmarks/bench_serve.py --tiny
 
-The markdown table comes last; it and the raw numbers go as JSON to --json, by default
-$OUT/bench_serve.json when OUT is set.
+The markdown table comes last; it and the raw numbers go as JSON to --json (results_json.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -44,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from serve_process import call, free_port, wait_healthy  # noqa: E402  (HTTP helpers of the serve tests)
+from results_json import add_json_flag, write_json  # noqa: E402
 
 GIB = 2**30
 # No `dlo` console script on the GPU machine: the CLI's entry point, as `dlo`.
@@ -166,7 +165,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--frames", type=int, default=17, help="4k+1 (default: 17)")
     parser.add_argument("--size", default=None, help="WxH (default: 832x480; --tiny: 32x32)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_json_flag(parser, "bench_serve")
     args = parser.parse_args()
     args.size = args.size or ("32x32" if args.tiny else "832x480")
     if args.tiny:
@@ -185,14 +184,12 @@ def main() -> None:
     weight_bytes = write_pipeline(directory, args.tiny, args.layers)
     lap(f"pipeline ({weight_bytes / 1e9:.2f} GB of transformer)", clock)
     rows = [serve_run(args, directory, replicas, gpus) for replicas in (1, 2)]
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "environment": environment,
-        "transformer_bytes": weight_bytes, "size": args.size, "frames": args.frames, "steps": args.steps,
-        "requests": args.requests, "rows": rows, "throughput_ratio": rows[1]["requests_per_s"] / rows[0]["requests_per_s"],
-    }
-    target = args.json or (Path(os.environ["OUT"]) / "bench_serve.json" if os.environ.get("OUT") else None)
-    if target is not None:
-        target.write_text(json.dumps(report, indent=2))
+    write_json(
+        args.json, "bench_serve", rows, table(rows, weight_bytes),
+        environment=environment, transformer_bytes=weight_bytes, size=args.size, frames=args.frames,
+        steps=args.steps, requests=args.requests,
+        throughput_ratio=rows[1]["requests_per_s"] / rows[0]["requests_per_s"],
+    )
     print(table(rows, weight_bytes))
 
 

@@ -1,6 +1,6 @@
 """Forward time of one transformer three ways: resident, streamed by dlo, diffusers group offloading.
 
-For each shape (SPEC §9) the model is built on the CPU in bf16 (the modules the class keeps in
+For each shape (docs/benchmarks.md) the model is built on the CPU in bf16 (the modules the class keeps in
 fp32 on load stay fp32, as from_pretrained(torch_dtype=torch.bfloat16) leaves them) with random
 weights drawn from one seed (nothing is downloaded), and run on one device in three variants, one
 at a time, each freed before the next so that every peak belongs to one variant:
@@ -22,7 +22,7 @@ the blocks and also its "unmatched" group of everything else (embeddings, norms,
 it copies in and back out synchronously from pageable memory.
 
 floor = max(resident median, block bytes / link rate): no block-streaming scheme beats the
-resident model's compute or the time to move every block once over the link (SPEC §9: pinned
+resident model's compute or the time to move every block once over the link (docs/benchmarks.md: pinned
 H2D 55.3 GB/s on the H200, --link-gbps). "x floor" is a variant's median over that floor.
 dlo's output must equal the resident output bit for bit (torch.equal); for diffusers the max
 abs difference from the resident output is reported.
@@ -37,19 +37,15 @@ CPU smoke test (tiny Wan, no diffusers variant):
 
   python benchmarks/bench_streaming.py --device cpu --shapes tiny --warmup 1 --iters 2
 
-The markdown table comes last. It and the raw numbers are written as JSON to --json, by default
-$OUT/bench_streaming.json when OUT is set; the file is rewritten after each shape, so a run cut
-short keeps the shapes it finished.
+The markdown table comes last. It and the raw numbers are written as JSON (results_json.py) to
+--json; the file is rewritten after each shape, so a run cut short keeps the shapes it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -64,6 +60,7 @@ from torch import nn
 
 import dlo
 from dlo.models.tiny import TINY_MODELS
+from results_json import add_json_flag, write_json
 
 Inputs = dict[str, Any]
 
@@ -450,20 +447,16 @@ def environment(device: torch.device) -> dict[str, str]:
 def write_report(
     path: Path, args: argparse.Namespace, device: torch.device, rows: list[Row], notes: list[str]
 ) -> None:
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "environment": environment(device),
-        "settings": {
+    write_json(
+        path, "bench_streaming", [asdict(row) for row in rows], markdown_table(rows),
+        environment=environment(device),
+        settings={
             "warmup": args.warmup, "iters": args.iters, "link_gbps": args.link_gbps, "seed": args.seed,
             "dtype": str(DTYPE), "init_std": INIT_STD,
         },
-        "block_bytes": {name: block_bytes(SHAPES[name]) for name in sorted({r.shape for r in rows})},
-        "notes": notes,
-        "table": markdown_table(rows),
-        "rows": [asdict(row) for row in rows],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+        block_bytes={name: block_bytes(SHAPES[name]) for name in sorted({r.shape for r in rows})},
+        notes=notes,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -477,16 +470,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed forwards per variant (default: 5)")
     parser.add_argument(
         "--link-gbps", type=float, default=55.3,
-        help="host->device link rate in GB/s for the floor (default: 55.3, pinned H2D on the H200, SPEC §9)",
+        help="host->device link rate in GB/s for the floor (default: 55.3, pinned H2D on the H200, docs/benchmarks.md)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights; the inputs use seed + 1 (default: 0)"
     )
-    out = os.environ.get("OUT")
-    parser.add_argument(
-        "--json", type=Path, default=Path(out) / "bench_streaming.json" if out else None,
-        help="where to write the JSON report (default: $OUT/bench_streaming.json if OUT is set, else none)",
-    )
+    add_json_flag(parser, "bench_streaming")
     args = parser.parse_args(argv)
     check_run_args(parser, args)
     return args
@@ -510,13 +499,11 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     for name in args.shapes:
         rows += run_shape(SHAPES[name], variants, device, args)
-        if args.json is not None:
-            write_report(args.json, args, device, rows, notes)
+        write_report(args.json, args, device, rows, notes)
     print()
     for note in notes:
         print(f"note: {note}")
-    if args.json is not None:
-        print(f"report: {args.json}")
+    print(f"report: {args.json}")
     print(markdown_table(rows))
 
 

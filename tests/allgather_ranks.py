@@ -163,7 +163,7 @@ def slots_kept_whole(rank: int, world: int) -> dict:
         def refuse(nbytes):
             raise torch.OutOfMemoryError(f"test: no {nbytes} bytes")
 
-        handle._runtime.transfer.allocate_slot = refuse
+        handle._runtime.executor.allocate_slot = refuse
     got = _tiny_outputs(streamed, "flux", [0, 1, 2])
     collectives = handle.stats().collectives
     handle.disable()
@@ -647,17 +647,21 @@ def _sd3_run_with_sigint(rank: int, reference, interrupt_after: int | None) -> t
     model = copy.deepcopy(reference)
     handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
     runtime = handle._runtime
-    real_load, counted = runtime._load, []
+    counted = []
     armed = False
 
-    def load(load):
-        real_load(load)
-        if armed:
-            counted.append(load)
-            if rank == 1 and len(counted) - 1 == interrupt_after:
-                os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at its next bytecode
+    def counting(real_load):
+        def load(index):
+            real_load(index)
+            if armed:
+                counted.append(index)
+                if rank == 1 and len(counted) - 1 == interrupt_after:
+                    os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at its next bytecode
 
-    runtime._load = load
+        return load
+
+    for queue in runtime.queues:
+        queue.load = counting(queue.load)
     _tiny_outputs(model, "sd3", [0])
     armed = True
     try:

@@ -1,4 +1,4 @@
-"""All-gather mode across real processes and a Gloo group (SPEC §4)."""
+"""All-gather mode across real processes and a Gloo group (docs/guides/multi-gpu.md)."""
 
 import dataclasses
 import math

@@ -1,5 +1,5 @@
 """The host weight cache's on-disk protocol: atomic publication under flock, validation of
-every byte, crash safety, concurrent writers (SPEC §5.2)."""
+every byte, crash safety, concurrent writers (docs/guides/host-weight-cache.md)."""
 
 import fcntl
 import json

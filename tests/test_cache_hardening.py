@@ -1,4 +1,4 @@
-"""The host weight cache never maps weights the load did not ask for (SPEC §5.2): warm starts
+"""The host weight cache never maps weights the load did not ask for (docs/guides/host-weight-cache.md): warm starts
 bound to the load identity, untrusted keys and names, owner-only directories, descriptors
 validated and mapped, validation that never raises, and a rollback after the swap."""
 

@@ -1,4 +1,4 @@
-"""Holds (SPEC §5.2): an entry in use is never evicted, whatever the interleaving of a
+"""Holds (docs/guides/host-weight-cache.md): an entry in use is never evicted, whatever the interleaving of a
 process taking a hold with another listing or evicting; only holds proved dead are removed."""
 
 import fcntl

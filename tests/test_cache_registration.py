@@ -1,4 +1,4 @@
-"""Registering a host weight cache mapping at enable() (SPEC §5.3), on CPU with a fake driver:
+"""Registering a host weight cache mapping at enable() (docs/guides/host-weight-cache.md), on CPU with a fake driver:
 direct copies instead of staging, every fallback, and the teardown order around the mapping."""
 
 import enum
@@ -12,7 +12,7 @@ import torch
 import dlo
 from dlo.backend import cuda_registration
 from dlo.host.registration import READ_ONLY, RegistrationCleanupError
-from dlo.hotpath.transfer import SyncTransfer
+from dlo.hotpath.executors import CpuExecutor
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
@@ -57,13 +57,14 @@ def direct_loads(monkeypatch):
     """The source addresses of the copies each direct load issued (one list per load). Only
     addresses: views of a mapping must not outlive it (pytest would print them on failure)."""
     loads = []
-    issue = SyncTransfer.copy_pieces_into
+    issue = CpuExecutor.run
 
-    def record(self, slot, tasks):
-        loads.append([task.source.data_ptr() for task in tasks])
-        return issue(self, slot, tasks)
+    def record(self, load):
+        if load.finish is None and load.gather is None:
+            loads.append([task.source.data_ptr() for task in load.copies(0)])
+        return issue(self, load)
 
-    monkeypatch.setattr(SyncTransfer, "copy_pieces_into", record)
+    monkeypatch.setattr(CpuExecutor, "run", record)
     return loads
 
 
@@ -316,7 +317,7 @@ def test_a_dropped_handle_whose_device_fails_keeps_its_memory(tmp_path, wan, dri
     def broken_device(self):  # the device faulted: copies from the mapping may be in flight
         raise RuntimeError("cudaErrorLaunchFailure")
 
-    monkeypatch.setattr(SyncTransfer, "synchronize", broken_device)
+    monkeypatch.setattr(CpuExecutor, "synchronize", broken_device)
     del model, plan
     gc.collect()
     gc.collect()

@@ -1,4 +1,4 @@
-"""Warm start without re-hashing (issue 19, SPEC §5.2): an entry whose files kept the stamps
+"""Warm start without re-hashing (issue 19, docs/guides/host-weight-cache.md): an entry whose files kept the stamps
 recorded at their last full validation is not hashed again; any change to a file (touched,
 truncated, replaced by one of the same size, rewritten in place with its mtime put back)
 brings back the full validation. `dlo cache verify` always hashes."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, tokens, validate_call
+from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, tokens, validate_call
 
 # Wan-shaped rules written out: VAE scale 8 x patch 2, 4k+1 frames, 512 text tokens, 480x832x81 default.
 WAN = CallRules("WanPipeline", spatial_multiple=16, temporal_multiple=4, max_sequence_length=512, vae_channels=96,

@@ -1,5 +1,5 @@
 """Every checkpoint-mmap fallback code: logged with its reason, nothing mapped, and the model
-loaded the ordinary way (SPEC §5.1)."""
+loaded the ordinary way (docs/guides/checkpoints.md)."""
 
 import json
 import logging

@@ -1,4 +1,4 @@
-"""Streaming straight from checkpoint mappings is bit-identical to ordinary loading (SPEC §5.1)."""
+"""Streaming straight from checkpoint mappings is bit-identical to ordinary loading (docs/guides/checkpoints.md)."""
 
 import gc
 import json

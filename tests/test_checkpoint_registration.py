@@ -1,6 +1,6 @@
-"""Registering an as-saved checkpoint mapping (SPEC §5.3 applied to §5.1), on CPU with a fake
-driver: blocks copy straight from the checkpoint's pages when no tensor needs an adapter;
-a cast keeps the staging path."""
+"""Registering an as-saved checkpoint mapping (docs/guides/host-weight-cache.md, for the mappings
+of docs/guides/checkpoints.md), on CPU with a fake driver: blocks copy straight from the
+checkpoint's pages when no tensor needs an adapter; a cast keeps the staging path."""
 
 import logging
 
@@ -9,7 +9,7 @@ import torch
 
 import dlo
 from test_checkpoint_mmap import ordinary
-from dlo.hotpath.transfer import SyncTransfer
+from dlo.hotpath.executors import CpuExecutor
 from dlo.models.tiny import TINY_MODELS
 
 diffusers = pytest.importorskip("diffusers")
@@ -30,13 +30,13 @@ def run(model, dtype=torch.float32):
 def test_an_as_saved_checkpoint_mapping_is_registered_and_copied_from_directly(flux, driver, monkeypatch):
     directory, expected = flux
     sources = []
-    issue = SyncTransfer.copy_pieces_into
+    issue = CpuExecutor.run
 
-    def record(self, slot, tasks):
-        sources.extend(task.source.data_ptr() for task in tasks)
-        return issue(self, slot, tasks)
+    def record(self, load):
+        sources.extend(task.source.data_ptr() for task in load.copies(0))
+        return issue(self, load)
 
-    monkeypatch.setattr(SyncTransfer, "copy_pieces_into", record)
+    monkeypatch.setattr(CpuExecutor, "run", record)
     model, plan = dlo.load_transformer(directory)
     assert plan.backing == "checkpoint_mmap"
     with dlo.enable(model, "cpu", plan=plan) as handle:

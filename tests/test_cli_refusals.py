@@ -188,7 +188,7 @@ def test_demo_refuses_before_building(flags, line, weights_never_load, capsys):
 
 
 def test_an_existing_output_file_is_kept_by_the_probe(tmp_path):
-    from dlo.cli.output_path import check_writable
+    from dlo.pipelines.output_path import check_writable
 
     existing = tmp_path / "keep.png"
     existing.write_bytes(b"old")

@@ -143,8 +143,12 @@ def test_blocks_compiled_after_enable_are_wrapped_again_before_the_next_call(tin
 
 @pytest.mark.parametrize(
     ("options", "named"),
-    [(dict(mode="reduce-overhead"), "reduce-overhead"), (dict(options={"freezing": True}), "freezing")],
-    ids=["cuda-graphs", "freezing"],
+    [
+        (dict(mode="reduce-overhead"), "reduce-overhead"),
+        (dict(options={"freezing": True}), "freezing"),
+        (dict(backend="cudagraphs"), "backend='cudagraphs'"),
+    ],
+    ids=["cuda-graphs", "freezing", "cudagraphs-backend"],
 )
 def test_regional_compile_modes_dlo_cannot_serve_are_refused(tiny_pair, options, named):
     _, streamed, entry = tiny_pair("wan")
@@ -166,11 +170,16 @@ def test_cuda_graphs_are_refused_where_the_compiled_callable_does_not_know_its_c
             outputs(streamed, entry, seeds=[1])
 
 
-def test_whole_model_cuda_graphs_are_refused(tiny_pair):
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(dict(mode="reduce-overhead"), "reduce-overhead"), (dict(backend="cudagraphs"), "backend='cudagraphs'")],
+    ids=["reduce-overhead", "cudagraphs-backend"],
+)
+def test_whole_model_cuda_graphs_are_refused(tiny_pair, options, named):
     _, streamed, entry = tiny_pair("wan")
-    compiled = torch.compile(streamed, mode="reduce-overhead")
+    compiled = torch.compile(streamed, **options)
     with dlo.enable(streamed, "cpu"):
-        with pytest.raises(dlo.StreamingError, match="reduce-overhead"):
+        with pytest.raises(dlo.StreamingError, match=named):
             outputs(compiled, entry, seeds=[1])
 
 

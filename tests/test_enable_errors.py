@@ -193,7 +193,7 @@ def test_a_slot_that_cannot_be_allocated_puts_every_placed_tensor_back(monkeypat
     block were placed: enable() fails and every placed tensor holds its original storage
     again (on "cpu" placing copies, so the storage says where a tensor is); streamed blocks
     get their packed weights back."""
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     model = Stack(depth=4)
     x = torch.randn(2, 8)
@@ -205,7 +205,7 @@ def test_a_slot_that_cannot_be_allocated_puts_every_placed_tensor_back(monkeypat
     def out_of_memory(self, nbytes):
         raise torch.OutOfMemoryError("fake device out of memory")
 
-    monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+    monkeypatch.setattr(CpuExecutor, "allocate_slot", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         dlo.enable(model, "cpu", dlo.OffloadConfig(resident_layers=1))
     assert {name: t.data_ptr() for name, t in placed.items()} == storage
@@ -269,22 +269,22 @@ def test_an_interrupt_at_any_hook_enable_installs_leaves_the_module_as_it_was(mo
 def test_a_failed_copy_never_leaves_a_stale_slot(monkeypatch):
     """The copy engine fails once mid-call: that call raises, and every later call is exact
     (the planner forgets the slots whose copies may not have happened)."""
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     model = Stack(depth=5)
     x = torch.randn(2, 8)
     with torch.no_grad():
         expected = model(x)
-    real_copy = SyncTransfer.copy_into
+    real_run = CpuExecutor.run
     calls = {"n": 0}
 
-    def failing_once(self, slot, source):
+    def failing_once(self, load):
         calls["n"] += 1
-        if calls["n"] == 9:  # 7 copies in the first call; the 2nd prefetch of the second
+        if calls["n"] == 9:  # 7 loads in the first call; the 2nd prefetch of the second
             raise RuntimeError("copy engine failure")
-        return real_copy(self, slot, source)
+        return real_run(self, load)
 
-    monkeypatch.setattr(SyncTransfer, "copy_into", failing_once)
+    monkeypatch.setattr(CpuExecutor, "run", failing_once)
     with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=3)), torch.no_grad():
         assert torch.equal(model(x), expected)
         with pytest.raises(RuntimeError, match="copy engine failure"):
@@ -316,7 +316,7 @@ def test_a_keyboard_interrupt_after_a_block_started_releases_its_slot_at_the_nex
     """Ctrl-C between the block's start and its call (the compute mark of a recorded
     timeline): nothing ends the block, so it still counts as running, and the next call
     must release its slot (else, with 2 slots, a later block finds no slot to load into)."""
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     model = Stack(depth=4)
     x = torch.randn(2, 8)
@@ -325,7 +325,7 @@ def test_a_keyboard_interrupt_after_a_block_started_releases_its_slot_at_the_nex
     with dlo.enable(model, "cpu", dlo.OffloadConfig(record_timeline=True)), torch.no_grad():
         assert torch.equal(model(x), expected)
         marks = {"n": 0}
-        real_mark = SyncTransfer.mark
+        real_mark = CpuExecutor.mark
 
         def interrupted(self, *args):
             marks["n"] += 1
@@ -333,10 +333,10 @@ def test_a_keyboard_interrupt_after_a_block_started_releases_its_slot_at_the_nex
                 raise KeyboardInterrupt
             return real_mark(self, *args)
 
-        monkeypatch.setattr(SyncTransfer, "mark", interrupted)
+        monkeypatch.setattr(CpuExecutor, "mark", interrupted)
         with pytest.raises(KeyboardInterrupt):
             model(x)
-        monkeypatch.setattr(SyncTransfer, "mark", real_mark)
+        monkeypatch.setattr(CpuExecutor, "mark", real_mark)
         for _ in range(2):
             assert torch.equal(model(x), expected)
 
@@ -354,23 +354,27 @@ class _WaitedFuture(Future):
 def test_a_failed_staged_load_waits_for_the_slots_other_staged_loads():
     """Two staged loads queued for one slot, the first failed: the second may still run on the
     stager thread and would write the slot later, so it is waited for before the error."""
+    from dlo.hotpath.slot_queue import _Job
+
     model = Stack(depth=4)
     with dlo.enable(model, "cpu") as handle:
-        runtime = handle._runtime
+        queue = handle._runtime.queues[0]
         failed, other = Future(), _WaitedFuture()
         failed.set_exception(RuntimeError("packing failed"))
         other.set_exception(RuntimeError("cancelled"))
-        runtime._staged[0] = [("blocks.0", 1, failed), ("blocks.1", 1, other)]
+        queue._jobs = [_Job("blocks.0", 1, failed), _Job("blocks.1", 1, other)]
         with pytest.raises(RuntimeError, match="packing failed"):
-            runtime._finish_staged(0)
+            queue.settle()
         assert other.waited
 
 
 @pytest.mark.parametrize("waiter", ["stats", "promote"])
 def test_a_staged_load_that_failed_where_no_block_waits_leaves_its_slot_empty(waiter):
-    """A failed staged load seen by drain() (stats, disable, residency changes) or promote(),
-    not by the block's start: the slot was never written, so the block must be loaded again,
-    not run from the slot's old bytes."""
+    """A failed staged load seen by drain() (stats, disable, residency changes) or superseded
+    by promote(), not by the block's start: the slot was never written, so the block must be
+    loaded again, not run from the slot's old bytes."""
+    from dlo.hotpath.slot_queue import _Job
+
     reference = Stack(depth=4)
     model = Stack(depth=4)
     model.load_state_dict(reference.state_dict())
@@ -385,9 +389,12 @@ def test_a_staged_load_that_failed_where_no_block_waits_leaves_its_slot_empty(wa
         runtime.slots[slot].buffer.zero_()  # what a load that never ran leaves there
         failed = Future()
         failed.set_exception(RuntimeError("packing failed"))
-        runtime._staged[slot] = [("blocks.0", 1, failed)]
-        with pytest.raises(RuntimeError, match="packing failed"):
-            handle.stats() if waiter == "stats" else runtime.promote(0)
+        runtime.queues[slot]._jobs = [_Job("blocks.0", 1, failed)]
+        if waiter == "stats":
+            with pytest.raises(RuntimeError, match="packing failed"):
+                handle.stats()
+        else:  # block 0 gets memory of its own, packed from its source: the slot's failure is moot
+            runtime.promote(0)
         assert torch.equal(model(x), expected)
 
 

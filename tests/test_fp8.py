@@ -121,7 +121,7 @@ def test_disable_gives_back_the_dequantized_weights():
 
 
 def test_a_failed_enable_gives_back_the_unquantized_weights(monkeypatch):
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     model = TINY_MODELS["wan"].build(seed=0)
     before = {key: tensor.clone() for key, tensor in model.state_dict().items()}
@@ -129,7 +129,7 @@ def test_a_failed_enable_gives_back_the_unquantized_weights(monkeypatch):
     def out_of_memory(self, nbytes):
         raise torch.OutOfMemoryError("fake device out of memory")
 
-    monkeypatch.setattr(SyncTransfer, "allocate_landings", out_of_memory)
+    monkeypatch.setattr(CpuExecutor, "allocate_landings", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         dlo.enable(model, "cpu", dlo.OffloadConfig(stream_dtype="fp8"))
     assert all(torch.equal(tensor, before[key]) for key, tensor in model.state_dict().items())

@@ -40,20 +40,22 @@ def entry_dtypes(tmp_path):
 
 def record_landings(patch):
     """The sources of each float8 load's copies (one list per load)."""
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     loads = []
-    land = SyncTransfer.land_into
+    run = CpuExecutor.run
 
-    def record(self, slot, tasks_for, finish):
-        loads.append([task.source for task in tasks_for(0)])
-        return land(self, slot, tasks_for, finish)
+    def record(self, load):
+        if load.finish is not None:
+            loads.append([task.source for task in load.copies(0)])
+        return run(self, load)
 
-    patch.setattr(SyncTransfer, "land_into", record)
+    patch.setattr(CpuExecutor, "run", record)
     return loads
 
 
-def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_path, caplog, monkeypatch):
+def test_the_cache_publishes_float8_weights_once_and_every_load_maps_them(tmp_path, caplog, monkeypatch, driver):
+    """Registered (the fake driver): every load copies straight from the entry's pages."""
     directory = tmp_path / "wan"
     model = TINY_MODELS["wan"].build(seed=2)
     model.save_pretrained(directory)

@@ -1,4 +1,4 @@
-"""Checkpoints that are already float8 with scales (SPEC-less ecosystem formats: ComfyUI's
+"""Checkpoints that are already float8 with scales (ecosystem formats: ComfyUI's
 `scale_weight`, ModelOpt / compressed-tensors' `weight_scale`) stream as stored and equal
 the model dequantized independently from the file. See [Note: fp8 streaming]"""
 
@@ -154,21 +154,22 @@ def test_a_registered_float8_checkpoint_is_copied_from_its_pages_into_the_landin
     """With the fake registration driver on the CPU: the mapping is registered (its float8
     weights need no host adapter), also when stream_dtype asks for float8 (the weights
     already are), and the loads read the mapping's own pages."""
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     directory, dequantized = write_fp8_checkpoint(tmp_path)
     expected = outputs(resident_from(dequantized))
     config = dlo.OffloadConfig(stream_dtype=stream_dtype)
     model, plan = dlo.load_transformer(directory, config)
     sources = []
-    land = SyncTransfer.land_into
+    run = CpuExecutor.run
 
-    def record(self, slot, tasks_for, finish):
-        sources.extend(task.source for task in tasks_for(0))
-        return land(self, slot, tasks_for, finish)
+    def record(self, load):
+        if load.finish is not None:
+            sources.extend(task.source for task in load.copies(0))
+        return run(self, load)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SyncTransfer, "land_into", record)
+        patch.setattr(CpuExecutor, "run", record)
         with dlo.enable(model, "cpu", config, plan=plan) as handle:
             got = outputs(model)
             stats = handle.stats()

@@ -69,7 +69,7 @@ def test_gemm_and_dequantized_linears_share_blocks_and_slots():
     with dlo.enable(streamed, "cpu", config) as handle:
         converted = gemm_names(streamed)
         got = outputs(streamed, WAN_MIXED)
-        landing = handle._runtime.transfer.landings
+        landing = handle._runtime.executor.landings
     assert all(torch.equal(a, b) for a, b in zip(outputs(reference, WAN_MIXED), got))
     assert converted and not any(".ffn." in name for name in converted)
     assert landing and landing[0].numel() > 0  # the ff weights still land and are dequantized
@@ -170,12 +170,12 @@ def _failing_enable(model, config, monkeypatch, failure):
 
 
 def _out_of_memory_at_slots(monkeypatch):
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     def out_of_memory(self, nbytes):
         raise torch.OutOfMemoryError("fake device out of memory")
 
-    monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+    monkeypatch.setattr(CpuExecutor, "allocate_slot", out_of_memory)
 
 
 def _interrupt_call(monkeypatch, name, at):

@@ -13,8 +13,8 @@ from PIL import Image
 import dlo
 from dlo.cli import model_source
 from dlo.cli.main import main
-from dlo.cli.media_output import write_image
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from dlo.pipelines.media_output import write_image
 
 diffusers = pytest.importorskip("diffusers")
 from plain_pipeline import plain_pipeline  # noqa: E402  (needs diffusers)
@@ -90,7 +90,7 @@ def test_mp4_without_an_encoder_is_refused_with_the_alternatives_before_the_mode
     monkeypatch.setattr(model_source, "_hub_snapshot", looked_up)
     assert main(["generate", "some-org/a-video-model", "--prompt", "x", "--output", str(tmp_path / "a.mp4")]) == 2
     assert capsys.readouterr().err == (
-        f"dlo: error: --output {tmp_path / 'a.mp4'}: no MP4 encoder (pip install imageio-ffmpeg); write an animated "
+        f"dlo: error: --output {tmp_path / 'a.mp4'}: no MP4 encoder (pip install 'dlo[video]'); write an animated "
         ".webp or .gif instead\n"
     )
 

@@ -13,7 +13,7 @@ from PIL import Image
 import dlo
 from dlo.cli import rank_launch
 from dlo.cli.main import main
-from dlo.cli.media_output import write_video
+from dlo.pipelines.media_output import write_video
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sequence_parallel_ranks  # noqa: E402  (the ranks import it by name)

@@ -91,7 +91,7 @@ def test_a_dropped_handle_stops_the_stager_then_synchronizes_then_releases():
             return []
 
     handle_module._abandoned(
-        transfer=Spy("device"),
+        executor=Spy("device"),
         stager=Spy("stager"),
         registration=Spy("registration"),
         releases=[lambda: order.append("unpin block"), lambda: order.append("unpin staging")],
@@ -108,7 +108,7 @@ def test_a_dropped_handle_whose_device_fails_releases_nothing():
             raise RuntimeError("device lost")
 
     handle_module._abandoned(
-        transfer=BrokenDevice(), stager=None, registration=None, releases=[lambda: order.append("unpin")], checkpoint=None
+        executor=BrokenDevice(), stager=None, registration=None, releases=[lambda: order.append("unpin")], checkpoint=None
     )
     assert order == []
 

@@ -1,4 +1,4 @@
-"""Loading through the host weight cache (SPEC §5.2): one entry per node for equivalent loads,
+"""Loading through the host weight cache (docs/guides/host-weight-cache.md): one entry per node for equivalent loads,
 in-place mapping that keeps Parameter objects, exact streaming, fail-closed fallbacks."""
 
 import fcntl

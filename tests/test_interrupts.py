@@ -48,12 +48,31 @@ def test_an_inner_step_holds_for_the_outer_one():
     assert done == ["the outer step went on"]
 
 
-def test_a_handler_of_the_programs_own_is_left_alone():
+def test_a_handler_of_the_programs_own_runs_as_the_step_ends():
     seen = []
     signal.signal(signal.SIGINT, lambda sig, frame: seen.append(sig))
     with interrupts_held():
         os.kill(os.getpid(), signal.SIGINT)
-    assert seen == [signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGINT)  # no ForcedInterrupt: that is Python's own handler's rule
+        assert seen == []
+    assert seen == [signal.SIGINT, signal.SIGINT]
+
+
+def test_an_alarm_whose_handler_raises_is_raised_as_the_step_ends():
+    def alarm(sig, frame):
+        raise KeyboardInterrupt("alarm")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        done = []
+        with pytest.raises(KeyboardInterrupt, match="alarm"):
+            with interrupts_held():
+                os.kill(os.getpid(), signal.SIGALRM)
+                done.append("rest of the step")
+        assert done == ["rest of the step"]
+        assert signal.getsignal(signal.SIGALRM) is alarm
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_off_the_main_thread_nothing_is_installed():
@@ -93,7 +112,7 @@ def test_a_second_ctrl_c_in_an_all_gather_step_breaks_off_the_ranks_collectives(
             model(**TINY_MODELS["sd3"].inputs(0))
         assert runtime.gather._failed is None
         with pytest.raises(ForcedInterrupt):
-            with runtime._collective_step():
+            with runtime._step():
                 os.kill(os.getpid(), signal.SIGINT)
                 os.kill(os.getpid(), signal.SIGINT)
         assert "second Ctrl-C" in runtime.gather._failed and "restart the job" in runtime.gather._failed

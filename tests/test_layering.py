@@ -12,7 +12,7 @@ import dlo
 SOURCE = Path(dlo.__file__).parent
 
 # Lower planes first; a module may import its own plane or a lower one.
-PLANES = ["errors", "config", "planning", "host", "observe", "hotpath", "backend", "models", "cli"]
+PLANES = ["errors", "config", "planning", "host", "observe", "hotpath", "backend", "models", "pipelines", "serve", "cli"]
 
 
 def _module_name(path: Path) -> str:

@@ -140,7 +140,7 @@ def test_a_block_first_used_outside_its_call_in_a_later_call_is_promoted_then():
 def test_a_failed_promotion_changes_nothing_and_a_later_one_succeeds(monkeypatch):
     """The device runs out of memory for the promoted copy: that call fails, the block keeps
     streaming, and the next call promotes it and matches resident."""
-    from dlo.hotpath import runtime as runtime_module
+    from dlo.hotpath import rank_local as runtime_module
 
     class Reaching(PairsThenBlocks):
         def forward(self, x):

@@ -1,5 +1,5 @@
 """Processes that stream the same checkpoint share its pages through the page cache
-(SPEC §5.1); processes that load it the ordinary way each hold a private copy.
+(docs/guides/checkpoints.md); processes that load it the ordinary way each hold a private copy.
 
 Every number here comes from real spawned processes reading /proc/<pid>/smaps_rollup: no
 mocks. The model is a WanTransformer3DModel with random weights, big enough (~211 MB) that

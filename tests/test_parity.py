@@ -1,4 +1,4 @@
-"""Streamed runs are bit-identical to the same model fully resident (SPEC §3)."""
+"""Streamed runs are bit-identical to the same model fully resident (docs/design.md)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""All-or-nothing host registration with a fake driver (SPEC §5.3): the policy, on CPU."""
+"""All-or-nothing host registration with a fake driver (docs/guides/host-weight-cache.md): the policy, on CPU."""
 
 import ctypes
 import mmap

@@ -69,7 +69,8 @@ def planner_timeline(costs, resident, num_slots, bytes_per_s, between_s, calls=4
             if planner.is_resident(block):
                 done += cost.compute_s
                 continue
-            start = planner.begin(block)
+            start = planner.decide(block)
+            planner.commit(start)
             for load in ([start.demand] if start.demand else []) + list(start.prefetch):
                 copy_free = max(copy_free, released[load.slot]) + costs[load.block].nbytes / bytes_per_s
                 landed[load.slot] = copy_free
@@ -234,7 +235,7 @@ def test_slots_made_under_inference_mode_take_copies_in_later_no_grad_calls(tiny
         if when == "replace_slots":
             runtime.replace_slots(3, runtime.blocks[0].layout.nbytes)
     with handle, torch.no_grad():
-        for slot, views in zip(runtime.slots, runtime._views):
+        for slot, views in ((queue.state.slot, queue.state.views) for queue in runtime.queues):
             slot.buffer.copy_(torch.full_like(slot.buffer, 7))
             for view in filter(None, views):
                 for tensor in view:
@@ -315,7 +316,7 @@ def test_slots_that_cannot_be_allocated_again_leave_a_clear_error(tiny_pair, mon
     expected = outputs(reference, entry, calls=2)
     with dlo.enable(streamed, "cpu") as handle:
         runtime = handle._runtime
-        allocate = runtime.transfer.allocate_slot
+        allocate = runtime.executor.allocate_slot
         shape = [runtime.slot_capacity] * len(runtime.slots)
         assert torch.equal(call(streamed, entry, 1), expected[1])
         attempts = []
@@ -326,7 +327,7 @@ def test_slots_that_cannot_be_allocated_again_leave_a_clear_error(tiny_pair, mon
                 raise torch.OutOfMemoryError("full")
             return allocate(nbytes)
 
-        monkeypatch.setattr(runtime.transfer, "allocate_slot", full_once)
+        monkeypatch.setattr(runtime.executor, "allocate_slot", full_once)
         with pytest.raises(torch.OutOfMemoryError):
             runtime.replace_slots(3, shape[0])
         assert [slot.buffer.numel() for slot in runtime.slots] == shape
@@ -335,7 +336,7 @@ def test_slots_that_cannot_be_allocated_again_leave_a_clear_error(tiny_pair, mon
         def full(nbytes):
             raise torch.OutOfMemoryError("full")
 
-        monkeypatch.setattr(runtime.transfer, "allocate_slot", full)
+        monkeypatch.setattr(runtime.executor, "allocate_slot", full)
         with pytest.raises(dlo.StreamingError, match="no block can stream until disable"):
             runtime.replace_slots(3, shape[0])
         with pytest.raises(dlo.StreamingError, match="slots were dropped"):
@@ -411,22 +412,22 @@ def test_landing_buffers_go_with_the_slots_and_come_back_with_them(tiny_pair):
     expected = outputs(reference, entry, calls=1)
     with dlo.enable(streamed, "cpu", config) as handle:
         runtime = handle._runtime
-        landing = runtime.transfer.landings[0].numel()
+        landing = runtime.executor.landings[0].numel()
         _all_promoted_without_slots(runtime)
-        assert runtime.transfer.landings == () and handle.stats().device_weight_bytes == (
+        assert runtime.executor.landings == () and handle.stats().device_weight_bytes == (
             sum(memory.numel() for memory in runtime.promoted.values()) + handle._device_weight_bytes
         )
         resident = outputs(streamed, entry, calls=1)
         for index in range(len(runtime.blocks)):
             runtime.demote(index)
         runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))
-        assert [buffer.numel() for buffer in runtime.transfer.landings] == [landing]
+        assert [buffer.numel() for buffer in runtime.executor.landings] == [landing]
         streamed_again = outputs(streamed, entry, calls=1)
     assert torch.equal(expected[0], resident[0]) and torch.equal(expected[0], streamed_again[0])
 
 
 def test_slots_that_cannot_be_allocated_leave_no_landing_buffer_behind(tiny_pair, monkeypatch):
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     _, streamed, _ = tiny_pair("wan")
     with dlo.enable(streamed, "cpu", dlo.OffloadConfig(stream_dtype="fp8")) as handle:
@@ -438,28 +439,28 @@ def test_slots_that_cannot_be_allocated_leave_no_landing_buffer_behind(tiny_pair
         def out_of_memory(self, nbytes):
             raise torch.OutOfMemoryError("fake device out of memory")
 
-        monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+        monkeypatch.setattr(CpuExecutor, "allocate_slot", out_of_memory)
         with pytest.raises(torch.OutOfMemoryError):
             runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))
-        assert runtime.transfer.landings == () and runtime.slots == []
+        assert runtime.executor.landings == () and runtime.slots == []
         monkeypatch.undo()
         runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))  # disable() streams them back
 
 
 def test_slots_lost_for_good_take_the_landing_buffers_with_them(tiny_pair, monkeypatch):
-    from dlo.hotpath.transfer import SyncTransfer
+    from dlo.hotpath.executors import CpuExecutor
 
     _, streamed, _ = tiny_pair("wan")
     with dlo.enable(streamed, "cpu", dlo.OffloadConfig(stream_dtype="fp8")) as handle:
         runtime = handle._runtime
-        assert runtime.transfer.landings  # streaming through 2 slots
+        assert runtime.executor.landings  # streaming through 2 slots
 
         def out_of_memory(self, nbytes):
             raise torch.OutOfMemoryError("fake device out of memory")
 
-        monkeypatch.setattr(SyncTransfer, "allocate_slot", out_of_memory)
+        monkeypatch.setattr(CpuExecutor, "allocate_slot", out_of_memory)
         with pytest.raises(dlo.StreamingError, match="and so did allocating the 2 slots of before"):
             runtime.replace_slots(3, max(block.layout.nbytes for block in runtime.blocks))
-        assert runtime.transfer.landings == () and runtime.slots == []
+        assert runtime.executor.landings == () and runtime.slots == []
         monkeypatch.undo()
         runtime.replace_slots(2, max(block.layout.nbytes for block in runtime.blocks))  # disable() streams them back

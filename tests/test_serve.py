@@ -336,8 +336,8 @@ def test_once_every_replica_is_given_up_jobs_fail_and_are_refused_and_sigterm_ex
 def test_a_field_the_pipeline_does_not_take_is_refused_naming_it(tiny_flux_dir):
     import diffusers
 
-    from dlo.cli.call_rules import read_call_rules
-    from dlo.cli.serve_requests import ImageRequest, Limits, RequestError, pipeline_kwargs
+    from dlo.pipelines.call_rules import read_call_rules
+    from dlo.serve.requests import ImageRequest, Limits, RequestError, pipeline_kwargs
 
     rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
     limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
@@ -359,8 +359,8 @@ def test_max_sequence_length_is_bounded_where_the_pipeline_gives_no_default(tiny
     import diffusers
     from pydantic import ValidationError
 
-    from dlo.cli.call_rules import read_call_rules
-    from dlo.cli.serve_requests import ImageRequest, Limits, pipeline_kwargs
+    from dlo.pipelines.call_rules import read_call_rules
+    from dlo.serve.requests import ImageRequest, Limits, pipeline_kwargs
 
     rules = dataclasses.replace(read_call_rules(tiny_flux_dir, diffusers.FluxPipeline), max_sequence_length=None)
     limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)
@@ -389,7 +389,7 @@ def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir)
 
 
 def test_devices_are_assigned_round_robin():
-    from dlo.cli.serve_devices import round_robin
+    from dlo.serve.devices import round_robin
 
     assert round_robin([0, 1], 5) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     assert round_robin([2, 0, 1], 2) == ["cuda:2", "cuda:0"]

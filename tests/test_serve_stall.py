@@ -8,9 +8,9 @@ import threading
 import torch
 
 import dlo
-from dlo.cli.serve_pool import Metrics, ReplicaPool
-from dlo.cli.serve_replica import ReplicaSpec
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from dlo.serve.pool import Metrics, ReplicaPool
+from dlo.serve.replica import ReplicaSpec
 
 STALL_S = 5.0  # far beyond a tiny step, even on a loaded machine (0.06 s idle, ~1 s under load)
 

@@ -18,12 +18,12 @@ from serve_process import free_port
 
 @pytest.fixture
 def replicas_never_start(monkeypatch):
-    import dlo.cli.serve_pool
+    import dlo.serve.server
 
     def started(*args, **kwargs):
         raise AssertionError("the replicas started before the port was bound")
 
-    monkeypatch.setattr(dlo.cli.serve_pool, "ReplicaPool", started)
+    monkeypatch.setattr(dlo.serve.server, "ReplicaPool", started)
 
 
 @pytest.mark.parametrize("where", ["port-in-use", "host-not-here"])
@@ -154,7 +154,7 @@ def test_a_replica_whose_server_is_killed_while_it_loads_exits_without_loading_o
 
 WATCHED_REPLICA = """
 import os, sys, threading, time
-from dlo.cli.serve_replica import _exit_with_server
+from dlo.serve.replica import _exit_with_server
 read, write = os.pipe()
 if sys.argv[1] == "closed":
     os.close(read)  # the server's end of its log pipe, gone with it
@@ -208,3 +208,32 @@ def test_a_port_another_server_listens_on_by_the_end_of_the_load_is_one_line(tin
                 os.kill(pid, signal.SIGKILL)
             if process.poll() is None:
                 process.kill()
+
+
+# A sitecustomize (imported at start-up from PYTHONPATH) whose meta-path finder fails the import
+# of one module, as an install without it does.
+IMPORT_BLOCKER = """
+import sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+@pytest.mark.parametrize("blocked", ["fastapi", "uvicorn", "prometheus_client"])
+def test_serve_without_its_extra_names_the_extra_to_install_before_the_model_is_looked_up(blocked, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(IMPORT_BLOCKER.format(blocked=blocked))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "dlo.cli.main", "serve", str(tmp_path / "no-such-pipeline"), "--device", "cpu"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr.splitlines() == [
+        f"dlo: error: dlo serve needs the [serve] extra ({blocked} does not import): pip install 'dlo[serve]'"
+    ]

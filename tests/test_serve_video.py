@@ -279,8 +279,8 @@ class _FakePool:
 
 
 def test_at_most_keep_finished_video_jobs_stay_the_oldest_finished_goes_first():
-    from dlo.cli.serve_replica import Done, VideoFile, VideoFormat
-    from dlo.cli.serve_videos import VideoJobs, VideoShape
+    from dlo.serve.replica import Done, VideoFile, VideoFormat
+    from dlo.serve.videos import VideoJobs, VideoShape
 
     pool = _FakePool()
     jobs = VideoJobs(pool, "tiny", keep=2, keep_s=3600)
@@ -298,8 +298,8 @@ def test_at_most_keep_finished_video_jobs_stay_the_oldest_finished_goes_first():
 def test_a_video_request_to_an_image_pipeline_is_refused_naming_the_endpoint(tiny_flux_dir):
     import diffusers
 
-    from dlo.cli.call_rules import read_call_rules
-    from dlo.cli.serve_requests import Limits, RequestError, VideoRequest, pipeline_kwargs
+    from dlo.pipelines.call_rules import read_call_rules
+    from dlo.serve.requests import Limits, RequestError, VideoRequest, pipeline_kwargs
 
     rules = read_call_rules(tiny_flux_dir, diffusers.FluxPipeline)
     limits = Limits(max_images=1, max_steps=100, max_tokens=2**17, dtype_bytes=4, timeout_s=1.0)

@@ -49,7 +49,7 @@ def test_a_slot_whose_new_buffer_cannot_be_allocated_is_retried_at_its_next_load
     reference, streamed, entry = tiny_pair("flux")
     expected = outputs(reference, entry, [0, 1])
     with dlo.enable(streamed, "cpu") as handle:
-        transfer = handle._runtime.transfer
+        transfer = handle._runtime.executor
         allocate = transfer.allocate_slot
         failures = []
 

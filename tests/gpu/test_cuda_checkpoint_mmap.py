@@ -110,3 +110,77 @@ def test_a_staged_load_that_fails_anywhere_leaves_every_later_call_exact(tmp_pat
         assert failures == 1
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(expected, run(model, "flux", torch.bfloat16, (1, 2))))
+
+
+@pytest.mark.parametrize("pack_delay_s", [0.0, 0.02])
+def test_skip_layer_guidance_over_packed_fp8_and_staged_blocks_equals_quantize_resident(tmp_path, monkeypatch, pack_delay_s):
+    """The review's reproduction (SD3, fp8 with one block left as saved so it is staged, a
+    registration ceiling below the checkpoint, calls alternating skip_layers): a staged load
+    still packing must never land after a newer load of another kind into its slot."""
+    import time
+
+    from dlo.hotpath.block_loads import BlockLoads
+
+    real = BlockLoads.pack_tasks
+
+    def slow(self, index, staging):
+        time.sleep(pack_delay_s)
+        return real(self, index, staging)
+
+    monkeypatch.setattr(BlockLoads, "pack_tasks", slow)
+    TINY_MODELS["sd3"].build(seed=3).save_pretrained(tmp_path)
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.2\.",), pin_limit_gib=1e-6)
+    reference = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path).eval()
+    dlo.quantize_resident(reference, config)
+    reference.cuda()
+    model, plan = dlo.load_transformer(tmp_path, config)
+    paths = [[1], [], [2, 3]] * 2
+
+    def each(m):
+        with torch.inference_mode():
+            return [m(**TINY_MODELS["sd3"].inputs(i, torch.float32, "cuda"), skip_layers=s)[0] for i, s in enumerate(paths)]
+
+    expected = each(reference)
+    with dlo.enable(model, "cuda", config, plan=plan) as handle:
+        got = each(model)
+        assert handle.stats().staging_bytes > 0
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(paths)
+
+
+@pytest.mark.parametrize("backing", ["packed", "staged"])
+def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on_cuda(tmp_path, backing):
+    """As on the CPU (tests/test_one_load_path.py), with the copy, dequantization and stager
+    streams: a load cut between its enqueued work and its events must not race a later load."""
+    import copy
+    import random
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from test_one_load_path import FLUX, _LineInterrupt
+
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.0\.",))
+    weights = FLUX.build(seed=1)
+    reference = copy.deepcopy(weights)
+    dlo.quantize_resident(reference, config)
+    reference.cuda()
+    expected = run(reference, "flux", torch.float32, (0, 1))
+    if backing == "staged":
+        weights.save_pretrained(tmp_path / "flux")
+
+    def fresh():
+        return dlo.load_transformer(tmp_path / "flux", config) if backing == "staged" else (copy.deepcopy(weights), None)
+
+    model, plan = fresh()
+    with dlo.enable(model, "cuda", config, plan=plan):
+        run(model, "flux", torch.float32, (0,))
+        with _LineInterrupt(None) as counted:
+            run(model, "flux", torch.float32, (0,))
+    for at in sorted(random.Random(backing).sample(range(1, counted.lines + 1), 40)):
+        model, plan = fresh()
+        with dlo.enable(model, "cuda", config, plan=plan):
+            run(model, "flux", torch.float32, (0,))
+            with pytest.raises(KeyboardInterrupt), _LineInterrupt(at):
+                run(model, "flux", torch.float32, (0,))
+            got = run(model, "flux", torch.float32, (0, 1))
+        assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at

@@ -69,7 +69,7 @@ def test_regional_compile_streamed_matches_compiled_resident_on_cuda(name, dtype
 
 
 def _flux_width_inputs(g, dtype, device):
-    """1024² of Flux latents (64 x 64 tokens) and 512 text tokens, as in SPEC §9."""
+    """1024² of Flux latents (64 x 64 tokens) and 512 text tokens, as in docs/benchmarks.md."""
     image_ids = torch.zeros(64, 64, 3)
     image_ids[..., 1] = torch.arange(64)[:, None]
     image_ids[..., 2] = torch.arange(64)[None, :]

@@ -1,4 +1,4 @@
-"""Registering a real host weight cache mapping with the CUDA driver (SPEC §5.3): direct copies
+"""Registering a real host weight cache mapping with the CUDA driver (docs/guides/host-weight-cache.md): direct copies
 from the shared pages, exact outputs, unregistered by disable(), a second enable, and a
 failed registration that falls back to staging with identical outputs."""
 

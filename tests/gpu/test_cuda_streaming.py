@@ -203,3 +203,15 @@ def test_enable_twice_in_one_process_and_stats_after_disable():
         final = handle.disable()
         assert final.copies > 0 and final.bytes_streamed > 0 and final.peak_device_bytes > 0
         assert handle.stats() == final
+
+
+def test_a_cuda_graph_capture_of_a_streamed_block_is_refused():
+    """A replay would reuse the capture's weight addresses, while dlo moves weights between slots."""
+    model = TINY_MODELS["wan"].build(seed=0)
+    inputs = TINY_MODELS["wan"].inputs(0, torch.float32, "cuda")
+    with dlo.enable(model, "cuda"), torch.inference_mode():
+        model(**inputs)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(dlo.StreamingError, match="CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                model(**inputs)

@@ -36,7 +36,7 @@ import torch
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.hotpath.compiled_call import CompileWatch
-from dlo.hotpath.runtime import StreamingRuntime
+from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.observe.stats import ResidencyStats
 from dlo.planning.plan_summary import PlanSummary
 from dlo.planning.residency import BlockCost, choose_residency
@@ -86,7 +86,7 @@ class _Baseline:
 class AutoResidency:
     def __init__(
         self,
-        runtime: StreamingRuntime,
+        runtime: RankLocalRuntime,
         budget_bytes: int,
         peak_bytes: Callable[[], int],
         device_limit: Callable[[], int] | None,
@@ -117,7 +117,7 @@ class AutoResidency:
         runtime = self._runtime
         if self._report.state == "measuring" and self._calls >= WARMUP_CALLS:
             runtime.drain()
-            runtime.transfer.synchronize()
+            runtime.executor.synchronize()
             ledger = runtime.ledger
             ledger.settle()
             self._baseline = _Baseline(ledger.bytes_streamed, ledger.copy_s, ledger.exposed_copy_s, runtime.pack_s)
@@ -125,14 +125,14 @@ class AutoResidency:
             ledger.block_compute_s.clear()
             ledger.measuring_blocks = True
         if self._calls >= WARMUP_CALLS:
-            self._call_start = runtime.transfer.mark()
+            self._call_start = runtime.executor.mark()
 
     def call_ends(self) -> None:
         self._calls += 1
         if self._call_start is None:
             return
         start, self._call_start = self._call_start, None
-        end = self._runtime.transfer.mark()
+        end = self._runtime.executor.mark()
         if self._report.state == "measuring":
             self._measured(start, end)
         else:
@@ -143,14 +143,14 @@ class AutoResidency:
         report = self._report
         if not self._timed:
             return report
-        seconds = [self._runtime.transfer.seconds_between(start, end) for start, end in self._timed]
+        seconds = [self._runtime.executor.seconds_between(start, end) for start, end in self._timed]
         return ResidencyStats(**{**vars(report), "measured_call_s": statistics.median(seconds)})
 
     def _measured(self, start: Any, end: Any) -> None:
         runtime = self._runtime
         ledger = runtime.ledger
         runtime.drain()
-        runtime.transfer.synchronize()
+        runtime.executor.synchronize()
         ledger.settle()
         ledger.measuring_blocks = False
         self._attempts += 1
@@ -164,7 +164,7 @@ class AutoResidency:
                 why = f"blocks {unmeasured[:3]} did not run" if unmeasured else "each compiled something"
                 self._keep({}, f"no clean call to measure in {_ATTEMPTS} tries ({why}); kept the slots of enable()")
             return
-        self._plan(streamed, runtime.transfer.seconds_between(start, end))
+        self._plan(streamed, runtime.executor.seconds_between(start, end))
 
     def _plan(self, streamed: list[int], call_s: float) -> None:
         runtime = self._runtime
@@ -201,7 +201,7 @@ class AutoResidency:
             bytes_per_s,
             available,
             between_s,
-            overlap=runtime.transfer.overlaps_compute,
+            overlap=runtime.executor.overlaps_compute,
             slot_counts=self._slot_counts,
             candidates=[local[i] for i in streamed if i in self._candidates],
         )
@@ -263,7 +263,7 @@ class AutoResidency:
         self._report = ResidencyStats(state="kept", budget_bytes=self.budget_bytes, note=note, **measured)
 
 
-def _slot_shape(runtime: StreamingRuntime) -> tuple[int, int]:
+def _slot_shape(runtime: RankLocalRuntime) -> tuple[int, int]:
     return len(runtime.slots), runtime.slot_capacity
 
 
@@ -277,5 +277,5 @@ def _per_class(sizes: list[int], measured: list[float], link_bytes: list[int]) -
     return [BlockCost(size, median[size], link) for size, link in zip(sizes, link_bytes)]
 
 
-def _promoted_bytes(runtime: StreamingRuntime) -> int:
+def _promoted_bytes(runtime: RankLocalRuntime) -> int:
     return sum(memory.numel() for memory in runtime.promoted.values())

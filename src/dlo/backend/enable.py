@@ -42,16 +42,18 @@ from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.block_sources import MappedSource, ShardSource
-from dlo.host.fp8_codec import prepare_dequantization
+from dlo.host.fp8_codec import DequantizedWeight, prepare_dequantization
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
 from dlo.hotpath.compiled_call import StreamedCallHandle
 from dlo.hotpath.gather import BlockGather, GatherGroup
 from dlo.hotpath.interrupts import interrupts_held
+from dlo.hotpath.lockstep import LockstepRuntime
+from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import StreamedBlock
-from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer, make_transfer
+from dlo.hotpath.executors import DeviceSlot, Executor, make_executor
 from dlo.observe.ledger import TransferLedger
 from dlo.planning.adapters import adapter_tensors
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
@@ -158,23 +160,32 @@ def _put_back(block: StreamedBlock, originals: tuple[torch.Tensor, ...]) -> None
     block.source.release()
 
 
-def _allocate_slots(transfer: Transfer, nbytes: int, count: int, undo: contextlib.ExitStack) -> list[DeviceSlot]:
+def _dequantized_weights(blocks: list[StreamedBlock]) -> set[DequantizedWeight]:
+    return {
+        DequantizedWeight(q.dtype, b.layout.placements[q.index].spec.dtype, q.shape, q.scale_shape)
+        for b in blocks
+        for q in b.wire.quantized
+    }
+
+
+def _allocate_slots(executor: Executor, nbytes: int, count: int, undo: contextlib.ExitStack) -> list[DeviceSlot]:
     slots: list[DeviceSlot] = []
     undo.callback(slots.clear)  # a failed enable() drops its device memory with the exception
     for _ in range(count):
-        slots.append(transfer.allocate_slot(nbytes))
+        slots.append(executor.allocate_slot(nbytes))
     return slots
 
 
 def _stager(
-    blocks: list[StreamedBlock], transfer: Transfer, plan: BoundPlan | None, config: OffloadConfig, pin: bool
+    blocks: list[StreamedBlock], executor: Executor, plan: BoundPlan | None, config: OffloadConfig, pin: bool
 ) -> Stager | None:
     """Pinned staging buffers for blocks packed from a mapping on every load (not needed when
-    the mapping is registered, or on the CPU where slots are host memory)."""
+    the mapping is registered). On the CPU too, where the slots are host memory: the suite
+    then runs the staging thread the GPU runs."""
     mapped = [b.wire.nbytes for b in blocks if isinstance(b.source, MappedSource)]
-    if not mapped or not isinstance(transfer, CudaTransfer) or (plan is not None and plan.direct):
+    if not mapped or (plan is not None and plan.direct):
         return None
-    return Stager(transfer, max(mapped), config.pack_threads or default_pack_threads(), pin)
+    return Stager(executor, max(mapped), config.pack_threads or default_pack_threads(), pin)
 
 
 def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool, views: bool) -> str:
@@ -238,7 +249,7 @@ def enable(
     other blocks are packed into (pinned) host memory, or read from the checkpoint or cache
     mapping of a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device
     slots just before they run. A mapping whose tensors are used as saved is registered with
-    the driver when it can be (SPEC §5.3), so its blocks are copied straight from the shared
+    the driver when it can be (docs/guides/host-weight-cache.md), so its blocks are copied straight from the shared
     pages.
     Call the model under torch.inference_mode() or torch.no_grad().
 
@@ -306,21 +317,22 @@ def enable(
                 converted=len(fp8_gemms) > 0,
             )
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
-        transfer = make_transfer(device)
+        executor = make_executor(device, gathers=gather_group is not None and gather_group.size > 1)
         slot_size = max((b.slot_bytes for b in streamed), default=0)
-        slots = _allocate_slots(transfer, slot_size, config.num_slots, undo)
+        slots = _allocate_slots(executor, slot_size, config.num_slots, undo)
         # See [Note: fp8 landing]
-        undo.callback(transfer.drop_landings)  # a failed enable() drops them with the exception
-        transfer.allocate_landings(max((landing_bytes(b) for b in streamed), default=0))
-        kinds = {(q.dtype, b.layout.placements[q.index].spec.dtype) for b in streamed for q in b.wire.quantized}
-        prepare_dequantization(transfer.device, kinds)
-        stager = _stager(streamed, transfer, bound_plan, config, pin)
-        if stager is not None:
-            undo.callback(stager.close)
-        ledger = TransferLedger(transfer, config.record_timeline)
-        gather = BlockGather(gather_group, transfer) if gather_group is not None else None
-        direct = bound_plan is not None and bound_plan.direct
-        runtime = StreamingRuntime(streamed, slots, transfer, ledger, stager, gather, direct)
+        undo.callback(executor.drop_landings)  # a failed enable() drops them with the exception
+        executor.allocate_landings(max((landing_bytes(b) for b in streamed), default=0))
+        prepare_dequantization(executor.device, _dequantized_weights(streamed))
+        ledger = TransferLedger(executor, config.record_timeline)
+        runtime: StreamingRuntime
+        if gather_group is not None:
+            runtime = LockstepRuntime(streamed, slots, executor, ledger, BlockGather(gather_group, executor))
+        else:
+            stager = _stager(streamed, executor, bound_plan, config, pin)
+            if stager is not None:
+                undo.callback(stager.close)
+            runtime = RankLocalRuntime(streamed, slots, executor, ledger, stager)
         tuner = None
         if budget is not None:
             tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
@@ -400,6 +412,6 @@ def _cuda_limit(device: torch.device) -> int:
 
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
-    landing = sum(buffer.numel() for buffer in runtime.transfer.landings)
+    landing = sum(buffer.numel() for buffer in runtime.executor.landings)
     return weight_bytes + landing + runtime.slot_bytes + sum(m.numel() for m in runtime.promoted.values())
 

@@ -1,4 +1,4 @@
-"""Which existing process group rebuilds blocks in all-gather mode (SPEC §4).
+"""Which existing process group rebuilds blocks in all-gather mode (docs/guides/multi-gpu.md).
 
 dlo never creates a transport: it uses a group the caller already has. The rule, on sizes
 alone: the data-parallel group if DP > 1, else the sequence-parallel group if SP > 1, else
@@ -31,7 +31,7 @@ class ParallelGroups:
 
 
 def choose_gather_role(dp_size: int, sp_size: int) -> GatherRole:
-    """SPEC §4: DP if DP > 1, else SP if SP > 1, else none."""
+    """DP if DP > 1, else SP if SP > 1, else none."""
     if dp_size > 1:
         return GatherRole.DP
     if sp_size > 1:

@@ -28,7 +28,7 @@ from dlo.host.registration import HostRegistration
 from dlo.hotpath.compiled_call import CompileWatch, StreamedCallHandle
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
-from dlo.hotpath.transfer import Transfer
+from dlo.hotpath.executors import Executor
 from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import BlockRef, OffloadPlan
@@ -125,7 +125,7 @@ class OffloadHandle:
         # the driver would otherwise keep pinning pages whose addresses get reused.
         runtime = self._runtime
         self._finalizer = weakref.finalize(
-            self, _abandoned, runtime.transfer, runtime.stager, self._registration.registration, self._releases,
+            self, _abandoned, runtime.executor, runtime.stager, self._registration.registration, self._releases,
             self._checkpoint,
         )
         self._finalizer.atexit = False  # at exit the process's memory goes with it
@@ -244,12 +244,12 @@ class OffloadHandle:
             return self._final_stats
         runtime = self._runtime
         runtime.drain()
-        runtime.transfer.synchronize()
+        runtime.executor.synchronize()
         ledger = runtime.ledger
         ledger.settle()
         registered = self._registration.registration
         slot_bytes = runtime.slot_bytes
-        landing_bytes = sum(buffer.numel() for buffer in runtime.transfer.landings)
+        landing_bytes = sum(buffer.numel() for buffer in runtime.executor.landings)
         device_weight_bytes = (
             self._device_weight_bytes + slot_bytes + landing_bytes + sum(m.numel() for m in runtime.promoted.values())
         )
@@ -377,7 +377,7 @@ def _release_host_memory(registration: HostRegistration | None, releases: list[C
 
 
 def _abandoned(
-    transfer: Transfer,
+    executor: Executor,
     stager: Stager | None,
     registration: HostRegistration | None,
     releases: list[Callable[[], None]],
@@ -392,7 +392,7 @@ def _abandoned(
     try:
         if stager is not None:
             stager.stop()
-        transfer.synchronize()
+        executor.synchronize()
     except Exception as err:  # a finalizer cannot raise to anyone
         keep_registered(registration, releases, checkpoint)
         logger.error("dlo: dropped handle: device synchronize failed (%s); its host memory stays pinned", err)

@@ -48,8 +48,8 @@ NOT_APPLICABLE = RegistrationOutcome(None, "", 0.0)  # no cache mapping, or a de
 
 
 def register_mapping(checkpoint: Checkpoint, config: OffloadConfig, device: torch.device) -> RegistrationOutcome:
-    """Register every tensor of a checkpoint or cache mapping read-only, all or nothing (SPEC
-    §5.3). A refusal
+    """Register every tensor of a checkpoint or cache mapping read-only, all or nothing
+    (docs/guides/host-weight-cache.md). A refusal
     is logged and returned as a fallback; RegistrationCleanupError (a failed rollback)
     propagates: startup must abort. See [Note: mapping lifetime]"""
     if not config.pin_memory:

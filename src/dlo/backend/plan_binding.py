@@ -83,8 +83,8 @@ class BoundPlan:
             )
 
     def register(self, config: OffloadConfig, device: torch.device) -> None:
-        """Register the whole mapping read-only for direct copies, or record why not (SPEC
-        §5.3). Only tensors used as saved can be copied straight from the pages: a mapping
+        """Register the whole mapping read-only for direct copies, or record why not
+        (docs/guides/host-weight-cache.md). Only tensors used as saved can be copied straight from the pages: a mapping
         with cast or concat adapters is packed on every load instead. A failed rollback
         propagates, and `release` then keeps the mapping open."""
         adapters = count_adapters(self.weights.bindings.values(), self.weights.checkpoint)

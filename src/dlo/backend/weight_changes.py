@@ -47,6 +47,7 @@ from dlo.host.block_rewrite import load_image, old_image, rewrite
 from dlo.host.block_sources import BlockSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
+from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -68,11 +69,19 @@ class _Opened:
 
 def replace_source(runtime: StreamingRuntime, index: int, source: BlockSource) -> None:
     """Between calls: block `index` streams from `source` from its next load on (no slot
-    keeps what it loaded from the old one). For the runtime: See [Note: editing a streamed block]"""
+    keeps what it loaded from the old one). Proposed as a StreamingRuntime method: it sets the
+    runtime's and its loads' records of the block, and the kind of load the source takes.
+    See [Note: editing a streamed block]"""
     runtime.discard_loaded([index])
-    blocks = list(runtime.blocks)
-    blocks[index] = replace(blocks[index], source=source)
-    runtime.blocks = tuple(blocks)
+    block = replace(runtime.blocks[index], source=source)
+    loads = runtime.loads
+    runtime.blocks = _with(runtime.blocks, index, block)
+    loads.blocks = _with(loads.blocks, index, block)
+    loads.kinds = _with(loads.kinds, index, BlockLoads._kind(block, staged=runtime.stager is not None))
+
+
+def _with(items: tuple, index: int, item: object) -> tuple:
+    return (*items[:index], item, *items[index + 1 :])
 
 
 class WeightChanges:
@@ -126,7 +135,7 @@ class WeightChanges:
         if isinstance(block.source, ShardSource):
             assert runtime.gather is not None
             gathered = runtime.gather.gather_full(block.source)
-            memory = aligned_empty(block.layout.nbytes, runtime.transfer.device)
+            memory = aligned_empty(block.layout.nbytes, runtime.executor.device)
             views = load_image(memory, gathered, block.layout, block.wire)
             runtime.discard_loaded([index])
             block.point_at(views)

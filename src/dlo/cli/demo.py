@@ -24,11 +24,11 @@ from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.denoise_loop import Trajectory, denoise
 from dlo.cli.format import human_bytes, table
 from dlo.cli.model_target import build_on_meta, check_config_for_model
-from dlo.cli.output_path import check_publishable, published
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.config.offload_config import AUTO
 from dlo.models.tiny import TINY_MODELS, TinyModel
 from dlo.observe.stats import OffloadStats
+from dlo.pipelines.output_path import check_publishable, published
 
 
 @dataclass(frozen=True)

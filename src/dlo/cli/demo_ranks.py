@@ -17,9 +17,9 @@ import torch
 import dlo
 from dlo.cli.denoise_loop import denoise
 from dlo.cli.format import human_bytes, table
-from dlo.cli.output_path import published
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
 from dlo.models.tiny import TINY_MODELS
+from dlo.pipelines.output_path import published
 
 _TIMEOUT_S = 120  # of each collective: the demo's ranks start and run in step
 

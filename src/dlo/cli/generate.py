@@ -8,19 +8,18 @@ from pathlib import Path
 
 import torch
 
-from dlo.backend.pipeline import STREAMED_COMPONENTS
-from dlo.cli.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.generate_job import MAX_SEED, GenerateJob, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
-from dlo.cli.media_output import check_output_kind, check_output_suffix
 from dlo.cli.model_source import resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
-from dlo.cli.output_path import check_publishable
 from dlo.cli.parallel_run import ParallelRun, check_sequence_split, parallel_run_from_flags
-from dlo.cli.pipeline_loading import check_components
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
+from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
+from dlo.pipelines.loading import check_components, pipeline_class
+from dlo.pipelines.media_output import check_output_kind, check_output_suffix
+from dlo.pipelines.output_path import check_publishable
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
 FLAG_OF_ARGUMENT = {
@@ -32,28 +31,6 @@ FLAG_OF_ARGUMENT = {
     "max_sequence_length": "--max-sequence-length",
     "size": "--height/--width/--frames",
 }
-
-
-def pipeline_class(model_dir: Path) -> tuple[type, dict]:
-    """The pipeline class named by model_index.json, and the index; clear errors otherwise."""
-    index_path = model_dir / "model_index.json"
-    if not index_path.is_file():
-        raise ConfigError(f"{model_dir} has no model_index.json: not a diffusers pipeline directory")
-    index = read_json_object(index_path)
-    import diffusers
-
-    cls = getattr(diffusers, str(index.get("_class_name")), None)
-    if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
-        raise ConfigError(
-            f"{index_path}: unknown pipeline {index.get('_class_name')!r} (not a pipeline class of diffusers "
-            f"{diffusers.__version__})"
-        )
-    if not any(index.get(name) and index[name][0] is not None for name in STREAMED_COMPONENTS):
-        raise ConfigError(
-            f"{index.get('_class_name')} in {model_dir} has no transformer component; dlo streams diffusion "
-            "transformers (DiT), not UNets"
-        )
-    return cls, index
 
 
 def checked_request(rules: CallRules, args: argparse.Namespace, dtype: torch.dtype) -> CallRequest:

@@ -13,9 +13,9 @@ import dlo
 from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
-from dlo.cli.media_output import write_image, write_video
 from dlo.cli.parallel_run import Parallel, ParallelRun, enable_context_parallel
-from dlo.cli.pipeline_loading import load_pipeline
+from dlo.pipelines.loading import load_pipeline
+from dlo.pipelines.media_output import write_image, write_video
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one wraps onto these)
 

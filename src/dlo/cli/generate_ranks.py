@@ -9,9 +9,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
-from dlo.cli.library_noise import quiet_other_libraries
 from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
+from dlo.pipelines.library_noise import quiet_other_libraries
 
 # Of each collective. Ranks meet in every streamed block, but before the first one each loads
 # the whole pipeline, which can take one rank minutes longer than another (a cold page cache).

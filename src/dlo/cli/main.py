@@ -9,16 +9,16 @@ import sys
 
 import dlo
 from dlo.cli import cache_cmd, demo, generate, inspect_plan, make_tiny, serve
-from dlo.cli.call_rules import DEFAULT_MAX_TOKENS
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
 from dlo.cli.generate_job import MAX_SEED
-from dlo.cli.library_noise import quiet_other_libraries
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
 from dlo.models.tiny import TINY_MODELS
 from dlo.models.tiny_pipelines import TINY_PIPELINES
+from dlo.pipelines.call_rules import DEFAULT_MAX_TOKENS
+from dlo.pipelines.library_noise import quiet_other_libraries
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from dlo.backend.pipeline import STREAMED_COMPONENTS
-from dlo.cli.call_rules import CallRequest, CallRules, requested_size, size_text, tokens
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import read_json_object
+from dlo.pipelines.call_rules import CallRequest, CallRules, requested_size, size_text, tokens
 
 
 class Parallel(enum.Enum):

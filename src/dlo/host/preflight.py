@@ -1,5 +1,5 @@
 """Proving, before any weight is loaded, that a checkpoint can stand in for the runtime
-tensors (SPEC §5.1). Pure bookkeeping over names, shapes and dtypes: nothing is read or
+tensors (docs/guides/checkpoints.md). Pure bookkeeping over names, shapes and dtypes: nothing is read or
 changed. Any doubt returns a `Fallback`, and the caller loads the ordinary way."""
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ SCALE_SUFFIXES = ("weight_scale", "scale_weight")
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32, which dequantizing uses
 
 FALLBACK_CODES = (
-    # checkpoint mmap plans (SPEC §5.1)
+    # checkpoint mmap plans (docs/guides/checkpoints.md)
     "unsupported_tp",
     "unsupported_hsdp",
     "unsupported_online_quantization",
     "checkpoint_plan_incompatible",
-    # the host weight cache (SPEC §5.2)
+    # the host weight cache (docs/guides/host-weight-cache.md)
     "unsupported_load_format",
     "unsupported_expert_parallel",
     "unsupported_quantization",

@@ -1,4 +1,4 @@
-"""Registering host memory with the device driver, all or nothing (SPEC §5.3).
+"""Registering host memory with the device driver, all or nothing (docs/guides/host-weight-cache.md).
 
 Platform-neutral: a `RegistrationDriver` does the platform calls; `HostRegistration` owns the
 policy. Ranges are page-aligned and merged only within one backing file, checked against the

@@ -1,6 +1,6 @@
 """How one runtime tensor is produced from checkpoint tensors while a block is packed.
 
-The loader declares every non-identity step here (SPEC §5.1): a dtype cast (e.g. an fp32
+The loader declares every non-identity step here (docs/guides/checkpoints.md): a dtype cast (e.g. an fp32
 checkpoint streamed as bf16) and a fused projection made by concatenating separate
 checkpoint tensors along dim 0 (q, k, v -> qkv). Nothing else may transform weights.
 """

@@ -194,13 +194,24 @@ def _compiler_config(compiled: object) -> object:
     get = getattr(compiled, "get_compiler_config", None)
     config = get() if callable(get) else None
     if config is None:
-        # A private torch class, looked up here: renamed in a later torch, only this fallback goes.
-        context_type = getattr(torch._dynamo.eval_frame, "_TorchDynamoContext", ())
-        contexts = (cell.cell_contents for cell in getattr(compiled, "__closure__", None) or () if _filled(cell))
-        context = next((c for c in contexts if isinstance(c, context_type)), None)
-        get = getattr(_backend(context.callback), "get_compiler_config", None) if context is not None else None
+        get = getattr(_closure_backend(compiled), "get_compiler_config", None)
         config = get() if callable(get) else None
     return config
+
+
+def _closure_backend(compiled: object) -> object | None:
+    """The backend of the compile context in a compiled callable's closure (None: none)."""
+    # A private torch class, looked up here: renamed in a later torch, only this lookup goes.
+    context_type = getattr(torch._dynamo.eval_frame, "_TorchDynamoContext", ())
+    contexts = (cell.cell_contents for cell in getattr(compiled, "__closure__", None) or () if _filled(cell))
+    context = next((c for c in contexts if isinstance(c, context_type)), None)
+    return _backend(context.callback) if context is not None else None
+
+
+def _compiler_name(backend: object | None) -> str | None:
+    """torch.compile's name of a backend: `compiler_name` on its wrapper of a named backend,
+    `_compiler_name` on dynamo's debug wrapper."""
+    return getattr(backend, "compiler_name", None) or getattr(backend, "_compiler_name", None)
 
 
 def _filled(cell: Any) -> bool:
@@ -213,6 +224,11 @@ def _filled(cell: Any) -> bool:
 
 def _vet(compiled: object, what: str) -> None:
     """Refuse what a streamed block cannot be compiled with. See [Note: compiled blocks]"""
+    if "cudagraphs" in (_compiler_name(compiled), _compiler_name(_closure_backend(compiled))):
+        raise StreamingError(
+            f"{what} with backend='cudagraphs': graph replay reuses the weight addresses of the capture, and dlo "
+            "moves a streamed block's weights from slot to slot. Compile with the default backend (inductor)"
+        )
     config = _compiler_config(compiled)
     if isinstance(config, dict):
         if config.get("triton.cudagraphs"):

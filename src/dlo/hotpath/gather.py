@@ -28,7 +28,6 @@ import enum
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,12 +35,12 @@ import torch.distributed as dist
 from dlo.errors import StreamingError
 from dlo.host.block_sources import ShardSource
 from dlo.host.tensor_source import CopyTask, coalesced
+from dlo.hotpath.executors import BlockLoad, CudaExecutor, DeviceSlot, Executor
 from dlo.hotpath.liveness import RankWatch, group_timeout_s
 from dlo.hotpath.streamed_block import StreamedBlock
-from dlo.hotpath.transfer import CudaTransfer, DeviceSlot, Transfer
 
 class GatherRole(enum.Enum):
-    """Which of the caller's groups rebuilds blocks (SPEC §4); NONE: a group of one."""
+    """Which of the caller's groups rebuilds blocks (docs/guides/multi-gpu.md); NONE: a group of one."""
 
     DP = "dp"
     SP = "sp"
@@ -89,76 +88,43 @@ class Agreement:
 
 
 class BlockGather:
-    def __init__(self, gather_group: GatherGroup, transfer: Transfer) -> None:
+    def __init__(self, gather_group: GatherGroup, executor: Executor) -> None:
         self.group = gather_group.group
         self.rank = gather_group.rank
         self.size = gather_group.size
         self.role = gather_group.role
-        self._transfer = transfer
+        self._executor = executor
         self.collectives = 0
-        self.comm_stream = None
-        self._issued = None  # CUDA: recorded after each collective, for `unfinished()`
-        if isinstance(transfer, CudaTransfer) and self.size > 1:
-            # The communication stream: the all-gather of the next block runs here while the
-            # current block computes, and after its shard's H2D on the copy stream.
-            self.comm_stream = torch.cuda.Stream(transfer.device)
-            self._issued = torch.cuda.Event()
+        # CUDA: recorded after each collective, for `unfinished()`
+        self._issued = torch.cuda.Event() if isinstance(executor, CudaExecutor) and self.size > 1 else None
         self.in_collective = False  # a collective call is running (Gloo: it returns when it is done)
         self._failed: str | None = None  # why a collective failed: the group is broken, later ones raise it
         self.watch = None  # See [Note: dead ranks]
         if self.group is not None:
-            timeout_s = group_timeout_s(self.group, transfer.device)
+            timeout_s = group_timeout_s(self.group, executor.device)
             self.watch = RankWatch(self.group, self.rank, self.size, self.role.value, timeout_s, self)
 
-    def load(self, slot: DeviceSlot, shard: ShardSource) -> tuple[Any, Any]:
-        """Copy this rank's pieces into their places in `slot` and all-gather the others',
-        chunk by chunk (See [Note: chunked gathers]). One host->device copy per chunk, from
-        wherever the piece lives (private shard or cache entry): the fewest that let a chunk's
-        copy overlap the previous chunk's gather. Returns the (start, end) marks of the whole
-        load."""
-        transfer = self._transfer
-        chunks = self._chunks(slot.buffer, shard)
-        if not isinstance(transfer, CudaTransfer):
-            start = transfer.mark()
-            for own, whole, host in chunks:
-                own.copy_(host)
-                self._gather(whole, own)
-            return start, transfer.mark()
-        if self.comm_stream is None:
-            # A group of one: its pieces lie one after another in the slot and on the host (a
-            # private buffer or the cache entry), so `coalesced` makes them one copy.
-            return transfer.copy_pieces_into(slot, coalesced(CopyTask(own, host) for own, _, host in chunks))
-        copy_stream = transfer.copy_stream
-        transfer.wait_writable(copy_stream, slot)  # before every chunk's copy, so before every gather
-        start = transfer.mark(copy_stream)
-        for own, whole, host in chunks:
-            with torch.cuda.stream(copy_stream):
-                own.copy_(host, non_blocking=True)
-            # Waits for this chunk's copy (and the ones before it) only: the next chunk's copy,
-            # enqueued after this, overlaps this chunk's gather.
-            self.comm_stream.wait_stream(copy_stream)
-            with torch.cuda.stream(self.comm_stream):
-                self._gather(whole, own)
-        slot.ready.record(self.comm_stream)  # after the last chunk's gather
-        return start, transfer.mark(self.comm_stream)
+    def block_load(
+        self, slot: DeviceSlot, shard: ShardSource, finish: Callable[[int], None] | None, landings: Sequence[torch.Tensor]
+    ) -> BlockLoad:
+        """A load of block `shard` (See [Note: chunked gathers]): this rank's pieces copied into
+        their places in `slot` (or, for a float8 block that is then `finish`ed, in landing
+        buffer k: See [Note: fp8 landing]), the others' all-gathered there chunk by chunk. One
+        host->device copy per chunk, from wherever the piece lives (private shard or cache
+        entry): the fewest that let a chunk's copy overlap the previous chunk's gather. A group
+        of one has nothing to gather: its pieces lie one after another in the image and on the
+        host (a private buffer or the cache entry), so `coalesced` makes them one copy."""
+        chunks = [self._chunks(image, shard) for image in ([slot.buffer] if finish is None else landings)]
 
-    def load_landed(self, slot: DeviceSlot, shard: ShardSource, finish: Callable[[int], None]) -> tuple[Any, Any, Any]:
-        """A float8 block (See [Note: fp8 landing]): this rank's pieces of the wire image into
-        their places in a landing buffer, the others' all-gathered there chunk by chunk, then
-        `finish(k)` writes the block into `slot`. Returns the (start, gathered, ready) marks."""
-        transfer = self._transfer
-        chunks = [self._chunks(landing, shard) for landing in transfer.landings]
-
-        def own(k: int) -> list[CopyTask]:
-            tasks = [CopyTask(piece, host) for piece, _, host in chunks[k]]
-            return tasks if self.size > 1 else coalesced(tasks)  # a group of one: one copy, as in `load`
+        def copies(k: int) -> list[CopyTask]:
+            tasks = [CopyTask(own, host) for own, _, host in chunks[k]]
+            return tasks if self.size > 1 else coalesced(tasks)
 
         def gather_chunk(k: int, i: int) -> None:
-            piece, whole, _ = chunks[k][i]
-            self._gather(whole, piece)
+            own, whole, _ = chunks[k][i]
+            self._gather(whole, own)
 
-        # A group of one copies its whole image: nothing to gather.
-        return transfer.land_into(slot, own, finish, (self.comm_stream, gather_chunk) if self.size > 1 else None)
+        return BlockLoad(slot, copies, gather_chunk if self.size > 1 else None, finish)
 
     def _chunks(self, image: torch.Tensor, shard: ShardSource) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per chunk of the block in `image` (a slot, a landing buffer, the gathered block): this
@@ -178,7 +144,7 @@ class BlockGather:
         None in a group of one. See [Note: lockstep schedule]"""
         if self.size == 1:
             return None
-        device = self._transfer.device
+        device = self._executor.device
         mine = torch.tensor([call_index, digest, int(poisoned)], dtype=torch.int64, device=device)
         everyone = torch.empty(3 * self.size, dtype=torch.int64, device=device)
         self._gather(everyone, mine)
@@ -205,6 +171,12 @@ class BlockGather:
                 f"and options, e.g. skip_layers); this call did not run ({issued})"
             )
 
+    def raise_if_broken(self) -> None:
+        """Raise why the rank's collectives were broken off, if they were (a group of one
+        too: its loads issue no collective, but its slots may hold what a cut step left)."""
+        if self._failed is not None:
+            raise StreamingError(self._failed)
+
     def break_off(self, reason: str) -> None:
         """This rank is out of step with its peers: every later collective raises `reason`
         instead of pairing with a peer's different one."""
@@ -213,7 +185,7 @@ class BlockGather:
 
     def gather_full(self, shard: ShardSource) -> torch.Tensor:
         """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk)."""
-        whole = torch.empty(shard.shards.padded_bytes, dtype=torch.uint8, device=self._transfer.device)
+        whole = torch.empty(shard.shards.padded_bytes, dtype=torch.uint8, device=self._executor.device)
         for own, chunk, host in self._chunks(whole, shard):
             own.copy_(host)
             self._gather(chunk, own)
@@ -230,7 +202,7 @@ class BlockGather:
             return True
         if self._issued is None:
             return False
-        with torch.cuda.device(self._transfer.device):  # the asking thread's device may be another
+        with torch.cuda.device(self._executor.device):  # the asking thread's device may be another
             return not self._issued.query()
 
     def _gather(self, whole: torch.Tensor, own: torch.Tensor) -> None:
@@ -240,8 +212,7 @@ class BlockGather:
         assert self.watch is not None
         if self.watch.lost is not None:
             self.watch.raise_if_lost()
-        if self._failed is not None:
-            raise StreamingError(self._failed)
+        self.raise_if_broken()
         self.in_collective = True
         try:
             _all_gather(whole, own, group=self.group)

@@ -11,6 +11,9 @@ of it. The main thread waits for a load's job only when the block is about to ru
 records the slot's "ready" event, and waiting on an event before it is recorded would wait
 for nothing.
 
+On the CPU the same thread packs and copies into the slot (host memory), so the CPU suite runs
+the staging thread and its ordering against the caller's own loads.
+
 Packing on the main thread instead (one torch._foreach_copy_ per block, no hand-offs) was
 measured on the H200 host and is slower for large blocks: 22 vs 24 GB/s transfer-bound, and
 0.978 vs 0.950 s per Wan-14B-shaped forward at 480p, because the host cannot enqueue the next
@@ -24,25 +27,12 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from dlo.host.pinned_buffer import host_buffers
 from dlo.host.tensor_source import CopyTask, balanced_batches, run_batch
-from dlo.hotpath.transfer import CudaTransfer
-
-
-@dataclass(frozen=True)
-class StagedCopy:
-    """A finished load job: the H2D marks (start, end of the copy, block ready) and the host
-    time spent packing."""
-
-    start: Any
-    end: Any
-    ready: Any
-    pack_s: float
+from dlo.hotpath.executors import BlockLoad, Executor, LoadMarks
 
 
 def default_pack_threads() -> int:
@@ -53,45 +43,45 @@ def default_pack_threads() -> int:
 
 
 class Stager:
-    def __init__(self, transfer: CudaTransfer, nbytes: int, threads: int, pin: bool) -> None:
-        self._transfer = transfer
+    def __init__(self, executor: Executor, nbytes: int, threads: int, pin: bool) -> None:
+        self._executor = executor
         self._buffers = host_buffers(2, nbytes, pin)
-        self._drained = [torch.cuda.Event() for _ in self._buffers]
+        self._copied_out = [executor.staging_event() for _ in self._buffers]
         self._turn = 0
+        # One thread runs the jobs in submission order: the order of a slot's queue. See
+        # [Note: one writer per slot] in dlo.hotpath.slot_queue
         self._sequencer = ThreadPoolExecutor(1, thread_name_prefix="dlo-stage")
         self._threads = threads
         self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="dlo-pack")
+        self.pack_s = 0.0  # host time spent packing (written by the job thread only)
 
     @property
     def staging_bytes(self) -> int:
         return sum(b.nbytes for b in self._buffers)
 
     def submit(
-        self, tasks_for: Callable[[torch.Tensor], list[CopyTask]], send: Callable[[torch.Tensor], tuple[Any, Any, Any]]
-    ) -> Future[StagedCopy]:
-        """Pack a block into the next staging buffer with `tasks_for(staging)`, then enqueue
-        its copies with `send(staging)`, which returns the load's (start, end, ready) marks."""
+        self, pack: Callable[[torch.Tensor], list[CopyTask]], load: Callable[[torch.Tensor], BlockLoad]
+    ) -> Future[LoadMarks]:
+        """Pack a block into the next staging buffer with the tasks `pack(staging)`, then run
+        `load(staging)`, which copies it from there."""
         # See [Note: staged loads]
         turn = self._turn
         self._turn ^= 1
-        return self._sequencer.submit(self._load, turn, tasks_for, send)
+        return self._sequencer.submit(self._load, turn, pack, load)
 
     def _load(
-        self,
-        turn: int,
-        tasks_for: Callable[[torch.Tensor], list[CopyTask]],
-        send: Callable[[torch.Tensor], tuple[Any, Any, Any]],
-    ) -> StagedCopy:
+        self, turn: int, pack: Callable[[torch.Tensor], list[CopyTask]], load: Callable[[torch.Tensor], BlockLoad]
+    ) -> LoadMarks:
         staging = self._buffers[turn].tensor
-        with torch.cuda.device(self._transfer.device):
-            self._drained[turn].synchronize()
+        with self._executor.device_context():
+            self._copied_out[turn].synchronize()
             started = time.perf_counter()
-            for _ in self._copiers.map(run_batch, balanced_batches(tasks_for(staging), self._threads)):
+            for _ in self._copiers.map(run_batch, balanced_batches(pack(staging), self._threads)):
                 pass
-            pack_s = time.perf_counter() - started
-            start, end, ready = send(staging)
-            self._drained[turn].record(self._transfer.copy_stream)
-        return StagedCopy(start, end, ready, pack_s)
+            self.pack_s += time.perf_counter() - started
+            marks = self._executor.run(load(staging))
+            self._executor.record_copied_out(self._copied_out[turn])
+        return marks
 
     def stop(self) -> None:
         """Finish the queued jobs (their copies are then enqueued) and accept no more;

@@ -54,7 +54,8 @@ class OffloadStats:
         good (resident_layers, blocks used outside their call, resident_layers='auto''s
         choice); together every block of the plan.
     bytes_streamed / copies: block copies into device slots (prefetched or on demand).
-    copy_s: summed duration of those copies; h2d_gbps = bytes_streamed / copy_s / 1e9.
+    copy_s: summed duration of those copies.
+    h2d_gbps: the achieved rate, bytes_streamed / copy_s / 1e9.
     exposed_copy_s: time the compute stream waited for a block that had not landed yet,
         i.e. copy time not hidden behind compute (on "cpu" every copy is exposed).
     demand_loads: copies issued when a block started without having been prefetched (the
@@ -63,7 +64,8 @@ class OffloadStats:
         bytes dlo keeps on the device (no allocator to ask).
     device_weight_bytes: non-streamed parts + resident blocks + slots (+ the two landing
         buffers of blocks with float8 weights: See [Note: fp8 landing]).
-    host_bytes: private host copies of the streamed blocks; pinned: whether page-locked.
+    host_bytes: private host copies of the streamed blocks.
+    pinned: whether those are page-locked.
     host_bytes_by_dtype: the streamed blocks' host bytes (private or mapped) by dtype name,
         without padding: with OffloadConfig.stream_dtype, the float8 weights and their
         float32 scales appear here (see [Note: fp8 streaming]).
@@ -72,18 +74,22 @@ class OffloadStats:
         or "shards" (all-gather mode: this rank's 1/G; "host_weight_cache shards" when they are
         views of the node's cache entry).
     mapped_bytes: size of the read-only checkpoint mapping blocks stream from (shared page
-        cache, not private memory);
-        staging_bytes: the pinned staging buffers those loads pack into; pack_s: host time
-        spent packing them (in background threads, overlapping copies and compute).
+        cache, not private memory).
+    staging_bytes: the pinned staging buffers those loads pack into.
+    pack_s: host time spent packing them (in background threads, overlapping copies and
+        compute).
     registered_bytes / registered_ranges / register_s: the checkpoint or cache mapping
-        registered read-only with the driver (SPEC §5.3): blocks are then copied straight
-        from its shared pages, and staging_bytes is 0. registration_fallback: why it is not
-        registered ("" when it is, when no mapping is streamed, or on the CPU).
+        registered read-only with the driver (docs/guides/host-weight-cache.md): blocks are then copied straight
+        from its shared pages, and staging_bytes is 0.
+    registration_fallback: why the mapping is not registered ("" when it is, when no mapping
+        is streamed, or on the CPU).
     gather_group_size / collectives: all-gather mode's group size (1: rank-local or a group
         of one) and the collectives issued (block all-gathers and per-call agreements); in
         that mode bytes_streamed counts this rank's shards, what crossed its own link.
     host_memory: this process's smaps_rollup (Pss, Pss_File, Private_Dirty, Shared_Clean)
         when stats() was called; None where /proc is not available.
+    slot_bytes: the most device memory the slots hold at once.
+    setup_s: seconds enable() took.
     compile: torch.compile activity since enable() (see CompileStats).
     residency: what resident_layers='auto' measured and chose (None otherwise).
     rewritten_blocks: streamed blocks whose host copy a weight change rewrote since enable()

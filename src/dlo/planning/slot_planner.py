@@ -6,15 +6,21 @@ so the schedule is testable with integers alone.
 
 [Note: slot ownership]
 A slot holds at most one block; the table below is the truth about which. A slot is
-*active* from `begin(block)` to `end(block)`, and an active slot is never chosen for a
-copy: its block's kernels may still read it. A copy into a slot is ordered after the slot's
-last use by the hot path's "free" event, and a block's first use after its copy by the
-"ready" event, so the table may change as soon as the copy is enqueued.
+*active* from the commit of its block's start to `end(block)`, and an active slot is never
+chosen for a copy: its block's kernels may still read it. A copy into a slot is ordered
+after the slot's last use by the hot path's "free" event, and a block's first use after its
+copy by the "ready" event, so the table may change as soon as the copy is queued.
+
+Decide, then commit: `decide(block)` and `decide_preload(block)` change nothing and return
+what to do; the hot path queues the loads and only then commits the decision. A decision
+dropped midway (an error, Ctrl-C) leaves the table as it was, and the hot path forgets the
+slots it may have written (See [Note: one writer per slot] in dlo.hotpath.slot_queue).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from dlo.errors import StreamingError
 
@@ -28,13 +34,25 @@ class Load:
 
 
 @dataclass(frozen=True)
+class _Table:
+    """Which block each slot holds and when each slot was last used: the planner's record,
+    or a decision's copy of it."""
+
+    held: tuple[int | None, ...]
+    last_use: tuple[int, ...]
+    clock: int
+
+
+@dataclass(frozen=True)
 class BlockStart:
-    """What the hot path does when `block` starts: copy it now if `demand` (it was not
+    """What the hot path does when a block starts: copy it now if `demand` (it was not
     prefetched), run it from `slot`, then issue the `prefetch` loads."""
 
     slot: int
     demand: Load | None
     prefetch: tuple[Load, ...]
+    block: int = field(default=-1, compare=False)
+    after: _Table | None = field(default=None, compare=False, repr=False)  # the record once committed
 
 
 class SlotPlanner:
@@ -91,6 +109,10 @@ class SlotPlanner:
             self._block_in_slot[slot] = None
         self._resident.add(block)
 
+    def set_resident(self, blocks: Iterable[int]) -> None:
+        """Exactly `blocks` are resident (a runtime making its record agree with its memory)."""
+        self._resident = set(blocks)
+
     def demote(self, block: int) -> None:
         """`block` is streamed again from its next use (loaded on demand or prefetched)."""
         self._resident.discard(block)
@@ -109,29 +131,47 @@ class SlotPlanner:
         self._active = [False] * num_slots
         self._last_use = [0] * num_slots
 
-    def begin(self, block: int) -> BlockStart:
-        if self._previous is not None and not self._lockstep:
-            self._successor[self._previous] = block
-        self._previous = block
-
+    def decide(self, block: int) -> BlockStart:
+        """What starting `block` takes; nothing changes until `commit()`."""
         slot = self.slot_of(block)
-        demand = None
         if slot is not None and self._active[slot]:
             raise StreamingError(f"streamed block {block} was entered again while it is still running")
+        table = _Scratch(self)
+        demand = None
         if slot is None:
             if self.num_slots == 0:
                 raise StreamingError(f"streamed block {block} is not resident and the slots were dropped")
-            slot = self._victim(keep=())
+            slot = table.victim(keep=())
             if slot is None:
                 raise StreamingError(
                     f"all {self.num_slots} slots hold running blocks; raise OffloadConfig.num_slots "
                     "above the number of streamed blocks that run nested inside each other"
                 )
-            demand = self._assign(block, slot)
+            demand = table.assign(block, slot)
+        table.touch(slot)
+        prefetch = self._chain(table, [block], self._next_after(block, block), starting=block)
+        return BlockStart(slot, demand, prefetch, block, table.frozen())
+
+    def commit(self, start: BlockStart) -> None:
+        """`start`'s loads are queued: record them, and its block as running."""
+        assert start.after is not None
+        if self._previous is not None and not self._lockstep:
+            self._successor[self._previous] = start.block
+        self._previous = start.block
+        self._install(start.after)
+        self._active[start.slot] = True
+        if start.demand is not None:
             self.demand_loads += 1
-        self._active[slot] = True
-        self._touch(slot)
-        return BlockStart(slot, demand, self._prefetch_after(block))
+
+    def decide_preload(self, block: int) -> tuple[tuple[Load, ...], _Table]:
+        """Loads that put `block` and the blocks after it into the slots (a call's start), and
+        the record once they are queued (for `record()`)."""
+        table = _Scratch(self)
+        return self._chain(table, [], block, starting=None), table.frozen()
+
+    def record(self, after: _Table) -> None:
+        """Preloads decided by `decide_preload` are queued."""
+        self._install(after)
 
     def end(self, block: int) -> int | None:
         """Mark `block` finished; returns its slot, or None if it was not running."""
@@ -158,46 +198,67 @@ class SlotPlanner:
             self._block_in_slot[slot] = None
             self._active[slot] = False
 
-    def preload(self, block: int) -> tuple[Load, ...]:
-        """Loads that put `block` and the blocks after it into the slots (a call's start)."""
-        return self._chain(wanted=[], nxt=block)
+    def _next_after(self, block: int, starting: int | None) -> int | None:
+        """The predicted successor of `block`, once `starting` (a block about to start) is
+        learned as the successor of the block that ran before it."""
+        if starting is not None and block == self._previous and not self._lockstep:
+            return starting
+        return self._successor[block]
 
-    def _prefetch_after(self, block: int) -> tuple[Load, ...]:
-        return self._chain(wanted=[block], nxt=self._successor[block])
-
-    def _chain(self, wanted: list[int], nxt: int | None) -> tuple[Load, ...]:
+    def _chain(self, table: _Scratch, wanted: list[int], nxt: int | None, starting: int | None) -> tuple[Load, ...]:
         loads: list[Load] = []
         for _ in range(self.num_blocks):  # bounded: every block may be resident
             if len(wanted) >= self.num_slots or nxt is None or nxt in wanted:
                 break
             if nxt in self._resident:
-                nxt = self._successor[nxt]
+                nxt = self._next_after(nxt, starting)
                 continue
             wanted.append(nxt)
-            if self.slot_of(nxt) is None:
-                slot = self._victim(keep=wanted)
+            if table.slot_of(nxt) is None:
+                slot = table.victim(keep=wanted)
                 if slot is None:
                     break
-                loads.append(self._assign(nxt, slot))
-            nxt = self._successor[nxt]
+                loads.append(table.assign(nxt, slot))
+            nxt = self._next_after(nxt, starting)
         return tuple(loads)
 
-    def _victim(self, keep: list[int] | tuple[int, ...]) -> int | None:
-        """An empty slot, else the least recently used one that is idle and not kept."""
-        free = [
-            slot
-            for slot in range(self.num_slots)
-            if not self._active[slot] and self._block_in_slot[slot] not in keep
-        ]
-        if not free:
-            return None
-        return min(free, key=lambda slot: (self._block_in_slot[slot] is not None, self._last_use[slot]))
-
-    def _assign(self, block: int, slot: int) -> Load:
-        self._block_in_slot[slot] = block
-        self._touch(slot)
-        return Load(block, slot)
+    def _install(self, table: _Table) -> None:
+        self._block_in_slot = list(table.held)
+        self._last_use = list(table.last_use)
+        self._clock = table.clock
 
     def _touch(self, slot: int) -> None:
         self._clock += 1
         self._last_use[slot] = self._clock
+
+
+class _Scratch:
+    """A decision's working copy of the planner's table."""
+
+    def __init__(self, planner: SlotPlanner) -> None:
+        self.held = list(planner._block_in_slot)
+        self.last_use = list(planner._last_use)
+        self.clock = planner._clock
+        self._active = planner._active
+
+    def slot_of(self, block: int) -> int | None:
+        return self.held.index(block) if block in self.held else None
+
+    def victim(self, keep: list[int] | tuple[int, ...]) -> int | None:
+        """An empty slot, else the least recently used one that is idle and not kept."""
+        free = [slot for slot in range(len(self.held)) if not self._active[slot] and self.held[slot] not in keep]
+        if not free:
+            return None
+        return min(free, key=lambda slot: (self.held[slot] is not None, self.last_use[slot]))
+
+    def assign(self, block: int, slot: int) -> Load:
+        self.held[slot] = block
+        self.touch(slot)
+        return Load(block, slot)
+
+    def touch(self, slot: int) -> None:
+        self.clock += 1
+        self.last_use[slot] = self.clock
+
+    def frozen(self) -> _Table:
+        return _Table(tuple(self.held), tuple(self.last_use), self.clock)

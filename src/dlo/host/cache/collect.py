@@ -2,7 +2,7 @@
 
 Only a layout dlo can prove it maps back exactly is accepted: every parameter and persistent
 buffer a plain, contiguous, whole-storage CPU tensor of a supported dtype, owned under one
-name. Anything else returns a fallback code before a byte is written (SPEC §5.2).
+name. Anything else returns a fallback code before a byte is written (docs/guides/host-weight-cache.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loading through the host weight cache: warm start from the entry this load published
 before, else ordinary load, publish or join the entry, then map it in place of the private
-tensors (SPEC §5.2). Any failure keeps (or restores) the ordinary tensors."""
+tensors (docs/guides/host-weight-cache.md). Any failure keeps (or restores) the ordinary tensors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The on-disk protocol of the host weight cache (SPEC §5.2): immutable, content-addressed
+"""The on-disk protocol of the host weight cache (docs/guides/host-weight-cache.md): immutable, content-addressed
 entries published atomically and validated byte for byte before use.
 
 Layout under the cache root (every directory DIR_MODE, every file FILE_MODE, see trust.py):
@@ -407,8 +407,8 @@ class EntryStore:
             return entry
 
     def _content_problem(self, entry: Entry) -> Rejection | None:
-        """Whether the mapped tensors hash to the content digest their identity names (SPEC
-        §5.2; dlo's identities always name one). The files' digests proved their bytes; this
+        """Whether the mapped tensors hash to the content digest their identity names
+        (docs/guides/host-weight-cache.md; dlo's identities always name one). The files' digests proved their bytes; this
         proves the manifest that says which bytes are which tensor."""
         expected = entry.manifest["identity"].get(CONTENT)
         if expected is None:

@@ -1,4 +1,4 @@
-"""What makes two loads share a cache entry: the identity and its key (SPEC §5.2).
+"""What makes two loads share a cache entry: the identity and its key (docs/guides/host-weight-cache.md).
 
 Equivalent processes (any DP rank, any SP rank, any path spelling of the same model) get one
 key; anything that can change the final tensors (the checkpoint files, the model config, TP

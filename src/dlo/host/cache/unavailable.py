@@ -1,5 +1,5 @@
 """The one error of the host weight cache's protocol: this load cannot use the cache, with
-its SPEC §5.2 fallback code."""
+its fallback code (docs/troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dlo.errors import DloError
 
 
 class CacheUnavailable(DloError):
-    """The cache cannot serve this load; `code` is the SPEC §5.2 fallback code."""
+    """The cache cannot serve this load; `code` is the fallback code (docs/troubleshooting.md)."""
 
     def __init__(self, code: str, reason: str) -> None:
         super().__init__(f"{code}: {reason}")

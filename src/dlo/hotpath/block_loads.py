@@ -1,0 +1,167 @@
+"""What a load of each streamed block copies where: the one place a block's host source
+becomes a `BlockLoad` for the executor.
+
+A block is loaded one of four ways, fixed at enable() by where its bytes live:
+- packed: its wire image in a private host buffer, copied whole;
+- direct: straight from a mapping registered with the driver (or, on the CPU, any mapping
+  that is not staged), as few copies as its layout allows (See [Note: one copy per block]);
+- staged: packed from an unregistered mapping into a staging buffer on the stager's thread,
+  then copied whole from there (See [Note: staged loads]);
+- gathered: this rank's shard copied and the rest all-gathered (See [Note: chunked gathers]).
+Each of them, for a block with float8 weights, lands in a landing buffer and is finished into
+the slot from there (See [Note: fp8 landing]).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
+from dlo.host.fp8_codec import dequantize_into
+from dlo.host.tensor_source import CopyTask
+from dlo.hotpath.executors import BlockLoad, DeviceSlot, Executor
+from dlo.hotpath.gather import BlockGather
+from dlo.hotpath.streamed_block import StreamedBlock
+from dlo.planning.block_layout import view_placement
+from dlo.planning.wire_layout import landing_views, wire_targets
+
+
+class LoadKind(enum.Enum):
+    PACKED = "packed"
+    DIRECT = "direct"
+    STAGED = "staged"
+    GATHERED = "gathered"
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """A slot's buffer with what was made once for it: every block's views in it (None for a
+    block larger than the buffer) and, from a registered mapping, every block's copies into
+    it. Replaced whole, never edited: a refit cut short leaves the old state or the new one."""
+
+    slot: DeviceSlot
+    views: tuple[tuple[torch.Tensor, ...] | None, ...]
+    direct: tuple[tuple[CopyTask, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return self.slot.buffer.numel()
+
+
+class BlockLoads:
+    # Views and copies are made once and used by every later call. Made under inference mode
+    # they would be inference tensors that a call under no_grad cannot copy into.
+    @torch.inference_mode(False)
+    def __init__(
+        self, blocks: Sequence[StreamedBlock], executor: Executor, gather: BlockGather | None, staged: bool
+    ) -> None:
+        """`staged`: mapped blocks go through the stager; else they are copied directly."""
+        self.blocks = tuple(blocks)
+        self._executor = executor
+        self._gather = gather
+        self.kinds = tuple(self._kind(b, staged) for b in self.blocks)
+        self.use_landings()
+
+    @staticmethod
+    def _kind(block: StreamedBlock, staged: bool) -> LoadKind:
+        if isinstance(block.source, ShardSource):
+            return LoadKind.GATHERED
+        if isinstance(block.source, PackedSource):
+            return LoadKind.PACKED
+        return LoadKind.STAGED if staged else LoadKind.DIRECT
+
+    def link_bytes(self, index: int) -> int:
+        """What a load of block `index` moves across this rank's link."""
+        source = self.blocks[index].source
+        return source.shard_bytes if isinstance(source, ShardSource) else self.blocks[index].wire.nbytes
+
+    @torch.inference_mode(False)
+    def use_landings(self) -> None:
+        """Per landing buffer of the executor, each float8 block's (data, scale) views and,
+        for a directly copied block, its copies into that buffer: made once, like slot views."""
+        landings = self._executor.landings
+        self._landed = [
+            [landing_views(landing[b.wire.plain_bytes :], b.wire) if b.wire.quantized else () for b in self.blocks]
+            for landing in landings
+        ]
+        self._land_copies = [
+            [
+                self._direct_copies(i, landing, landing[b.wire.plain_bytes :]) if b.wire.quantized else ()
+                for i, b in enumerate(self.blocks)
+            ]
+            for landing in landings
+        ]
+
+    @torch.inference_mode(False)
+    def state_of(self, slot: DeviceSlot) -> SlotState:
+        size = slot.buffer.numel()
+        fits = [b.layout.nbytes <= size for b in self.blocks]
+        return SlotState(
+            slot,
+            tuple(
+                tuple(view_placement(slot.buffer, p) for p in b.layout.placements) if fit else None
+                for b, fit in zip(self.blocks, fits)
+            ),
+            tuple(
+                self._direct_copies(i, slot.buffer, slot.buffer[:0]) if fit and not b.wire.quantized else ()
+                for i, (b, fit) in enumerate(zip(self.blocks, fits))
+            ),
+        )
+
+    def _direct_copies(self, index: int, plain: torch.Tensor, landing: torch.Tensor) -> tuple[CopyTask, ...]:
+        block = self.blocks[index]
+        if self.kinds[index] is not LoadKind.DIRECT:
+            return ()
+        assert isinstance(block.source, MappedSource)
+        return tuple(block.source.copy_tasks(wire_targets(block.layout, block.wire, plain, landing), whole=True))
+
+    def pack_tasks(self, index: int, staging: torch.Tensor) -> list[CopyTask]:
+        """A staged block's copies from its mapping into the host `staging` buffer."""
+        block = self.blocks[index]
+        assert isinstance(block.source, MappedSource)
+        return block.source.copy_tasks(wire_targets(block.layout, block.wire, staging, staging[block.wire.plain_bytes :]))
+
+    def load(self, index: int, state: SlotState, image: torch.Tensor | None = None) -> BlockLoad:
+        """Block `index` into the slot of `state`; `image`: the staging buffer a staged block
+        was packed into."""
+        block = self.blocks[index]
+        finish = partial(self._finish, index, state) if block.wire.quantized else None
+        kind = self.kinds[index]
+        if kind is LoadKind.GATHERED:
+            assert self._gather is not None and isinstance(block.source, ShardSource)
+            return self._gather.block_load(state.slot, block.source, finish, self._executor.landings)
+        if kind is LoadKind.DIRECT:
+            copies = partial(self._landing_copies, index) if finish is not None else partial(_fixed, state.direct[index])
+            return BlockLoad(state.slot, copies, None, finish)
+        if image is None:
+            assert isinstance(block.source, PackedSource)
+            image = block.source.host.tensor
+        nbytes = block.wire.nbytes
+        return BlockLoad(state.slot, partial(self._image_copy, state.slot, image[:nbytes], finish is not None), None, finish)
+
+    def _image_copy(self, slot: DeviceSlot, image: torch.Tensor, landed: bool, k: int) -> tuple[CopyTask, ...]:
+        target = self._executor.landings[k] if landed else slot.buffer
+        return (CopyTask(target[: image.numel()], image),)
+
+    def _landing_copies(self, index: int, k: int) -> tuple[CopyTask, ...]:
+        return self._land_copies[k][index]
+
+    def _finish(self, index: int, state: SlotState, k: int) -> None:
+        """Block `index`, landed in landing buffer k, into its slot: the plain region as it
+        is, the float8 weights dequantized (on the stream current at the call)."""
+        wire = self.blocks[index].wire
+        views = state.views[index]
+        assert views is not None  # checked before the load was queued
+        if wire.plain_bytes:
+            state.slot.buffer[: wire.plain_bytes].copy_(self._executor.landings[k][: wire.plain_bytes])
+        for q, (data, scale) in zip(wire.quantized, self._landed[k][index]):
+            dequantize_into(views[q.index], data, scale)
+
+
+def _fixed(copies: tuple[CopyTask, ...], k: int) -> tuple[CopyTask, ...]:
+    return copies

@@ -1,0 +1,158 @@
+"""Rank-local streaming: every rank streams whole blocks from its own host copy, in the
+execution order the planner learns, and may keep blocks on the device (promote) or change
+its slots between calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from dlo.errors import StreamingError
+from dlo.host.block_sources import PackedSource, ShardSource
+from dlo.host.fp8_codec import dequantize_into
+from dlo.host.pinned_buffer import aligned_empty
+from dlo.hotpath.interrupts import interrupts_held
+from dlo.hotpath.runtime import StreamingRuntime
+from dlo.planning.block_layout import view_placement
+from dlo.planning.wire_layout import landing_views
+
+
+class RankLocalRuntime(StreamingRuntime):
+    _unsure = False  # a step ended midway: See [Note: one writer per slot]
+    _stepping = False  # a step is running: one inside it is part of it
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        if self._stepping:
+            yield
+            return
+        with interrupts_held():
+            self._stepping = True
+            try:
+                if self._unsure:
+                    self._recover()
+                self._unsure = True
+                yield
+                self._unsure = False
+            finally:
+                self._stepping = False
+
+    def _recover(self) -> None:
+        """After a step that ended midway: wait for every load still queued, then hold nothing
+        anywhere but what is certain (promoted blocks' own memory), so every streamed block is
+        loaded again at its next use."""
+        for queue in self.queues:
+            queue.supersede()
+        self.executor.synchronize()
+        self.planner.release_running()
+        if self.planner.num_slots != len(self.queues):  # replace_slots() stopped midway
+            self.planner.resize(len(self.queues))
+        self.planner.forget(*range(len(self.queues)))
+        self.planner.set_resident(self.promoted.keys())
+        for index, block in enumerate(self.blocks):
+            memory = self.promoted.get(index)
+            block.point_at(block.placeholders if memory is None else self._views_of(index, memory))
+
+    def _views_of(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(view_placement(memory, p) for p in self.blocks[index].layout.placements)
+
+    def promote(self, index: int) -> int:
+        """Keep block `index` on the device from now on, in memory of its own laid out like a
+        slot (so its kernels see the alignment they see streamed); returns its bytes. On a
+        CUDA device the copy runs on the compute stream, ordered before the block's next use."""
+        block = self.blocks[index]
+        source = block.source
+        if isinstance(source, ShardSource):
+            raise StreamingError(
+                f"block {block.name!r} is needed outside its own call, which all-gather mode cannot serve (every "
+                "load is a collective in plan order): keep it resident (resident_layers) or use rank-local mode"
+            )
+        if self.planner.is_running(index):
+            raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
+        with self._step():
+            memory = aligned_empty(block.layout.nbytes, self.executor.device)
+            views = self._views_of(index, memory)
+            wire = block.wire
+            if isinstance(source, PackedSource):
+                image = source.host.tensor
+            else:  # a mapping: pack its wire image on the host first (this happens once)
+                image = torch.empty(wire.nbytes, dtype=torch.uint8)
+                source.pack(block.layout, wire, image)
+            memory[: wire.plain_bytes].copy_(image[: wire.plain_bytes])
+            if wire.quantized:  # a landing buffer of its own: the shared ones are the copy stream's
+                landed = landing_views(image[wire.plain_bytes :].to(memory.device), wire)
+                for q, (data, scale) in zip(wire.quantized, landed):
+                    dequantize_into(views[q.index], data, scale)
+            # Only now that nothing can fail: the block's slot is dropped (after any staged load
+            # into it has been issued, so the stager never writes it later).
+            slot = self.planner.slot_of(index)
+            if slot is not None:
+                self.queues[slot].supersede()
+            self.promoted[index] = memory
+            self.planner.promote(index)
+            block.point_at(views)
+        return block.layout.nbytes
+
+    def demote(self, index: int) -> int:
+        """Stream block `index` again from its next use; its own device memory is freed once
+        the device finished what is queued on it. Between calls; a block larger than the
+        slots needs `replace_slots()` before the next call. Returns the bytes freed."""
+        block = self.blocks[index]
+        if index not in self.promoted:
+            raise StreamingError(f"streamed block {block.name!r} is not resident")
+        with self._step():
+            self.executor.synchronize()
+            block.point_at(block.placeholders)
+            self.planner.demote(index)
+            memory = self.promoted.pop(index)
+        return memory.numel()
+
+    @torch.inference_mode(False)  # See BlockLoads.__init__
+    def replace_slots(self, count: int, nbytes: int) -> None:
+        """Stream through `count` new slots of `nbytes` each (0: every block is to be
+        promoted before the next call). Between calls: the old slots are dropped after the
+        device finished every copy and kernel using them, and before the new ones are
+        allocated (a memory budget holds one set). If allocating fails, slots of the old
+        shape are allocated again; if that fails too, the runtime is left without slots (a
+        streamed block then raises a StreamingError) and the error says so."""
+        with self._step():
+            self._replace_slots(count, nbytes)
+
+    def _replace_slots(self, count: int, nbytes: int) -> None:
+        executor = self.executor
+        old_count, old_bytes = len(self.queues), self.slot_capacity  # a slot's buffer may be a smaller class's
+        self.drain()
+        executor.synchronize()
+        self.planner.resize(count)  # first: it refuses a count it cannot serve
+        self._use_slots(())
+        if count == 0:
+            self._drop_landings_without_slots()
+        try:
+            if count and self._landing_bytes and not executor.landings:
+                executor.allocate_landings(self._landing_bytes)
+                self.loads.use_landings()
+            slots = [executor.allocate_slot(nbytes) for _ in range(count)]
+        except BaseException as failure:
+            self.planner.resize(0)
+            try:
+                self._use_slots([executor.allocate_slot(old_bytes) for _ in range(old_count)])
+            except BaseException as second:
+                self._drop_landings_without_slots()
+                raise StreamingError(
+                    f"allocating {count} slots of {nbytes} bytes failed ({failure}), and so did allocating the "
+                    f"{old_count} slots of before ({second}): no block can stream until disable()"
+                ) from second
+            self._drop_landings_without_slots()
+            self.planner.resize(old_count)
+            raise
+        self._use_slots(slots)
+
+    def _drop_landings_without_slots(self) -> None:
+        """Without slots nothing streams, so nothing lands: the landing buffers go too, and
+        replace_slots() makes them again with slots (See [Note: fp8 landing]). The device is
+        idle (replace_slots synchronized it)."""
+        if not self.queues and self.executor.landings:
+            self.executor.drop_landings()
+            self.loads.use_landings()

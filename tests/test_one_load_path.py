@@ -1,0 +1,349 @@
+"""One writer per slot, and a planner that commits or rolls back: loads of every kind share
+slots in any order, and an interrupt at any step of a call leaves the next call exact.
+See [Note: one writer per slot] in dlo.hotpath.slot_queue."""
+
+import copy
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+from dlo.hotpath.block_loads import BlockLoads
+from dlo.hotpath.executors import CpuExecutor
+from dlo.hotpath.slot_queue import SlotQueue
+from dlo.models.tiny import TINY_MODELS
+from dlo.planning.slot_planner import SlotPlanner
+
+SD3 = TINY_MODELS["sd3"]
+FLUX = TINY_MODELS["flux"]
+# Block 2 stays as the checkpoint has it, mapped and packed on every load by the stager's
+# thread; the others are quantized into private buffers at enable(): two kinds of load in turn.
+MIXED_FP8 = dict(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.2\.",))
+
+
+def sd3_call(model, seed, skip_layers):
+    with torch.inference_mode():
+        return model(**SD3.inputs(seed), skip_layers=skip_layers)[0]
+
+
+@pytest.fixture
+def slow_packing(monkeypatch):
+    """Every staged block takes 30 ms to pack, on the stager's thread: a staged load still
+    packing when the caller queues a newer load into the same slot."""
+    real = BlockLoads.pack_tasks
+
+    def slow(self, index, staging):
+        assert threading.current_thread() is not threading.main_thread()
+        time.sleep(0.03)
+        return real(self, index, staging)
+
+    monkeypatch.setattr(BlockLoads, "pack_tasks", slow)
+
+
+def mixed_sd3(tmp_path, **fields):
+    directory = tmp_path / "sd3"
+    SD3.build(seed=3).save_pretrained(directory)
+    config = dlo.OffloadConfig(**MIXED_FP8, **fields)
+    reference = SD3.build(seed=3)
+    dlo.quantize_resident(reference, config)
+    model, plan = dlo.load_transformer(directory, config)
+    return reference, model, plan, config
+
+
+def test_skip_layer_guidance_over_packed_and_staged_blocks_equals_resident(tmp_path, slow_packing):
+    """The review's reproduction: calls alternating skip_layers [1], [], [2, 3] make the
+    prefetched block of one call the wrong one for the next, so a packed load is queued into a
+    slot whose staged load is still packing. The staged load must never land after it."""
+    reference, model, plan, config = mixed_sd3(tmp_path)
+    paths = [[1], [], [2, 3]] * 2
+    expected = [sd3_call(reference, seed, skip) for seed, skip in enumerate(paths)]
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        assert handle.stats().staging_bytes > 0  # the mapped block is staged by the thread
+        got = [sd3_call(model, seed, skip) for seed, skip in enumerate(paths)]
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(paths)
+
+
+class Nested(nn.Module):
+    """Blocks of two sizes; `path` says which run, in which order, and `inside` which block
+    runs from inside which (a pre-hook of block i's first layer runs block j)."""
+
+    def __init__(self, depth=6):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 64 if i % 2 else 8), nn.GELU(), nn.Linear(64 if i % 2 else 8, 8))
+            for i in range(depth)
+        )
+        self.inside: dict[int, int] = {}
+        for i, block in enumerate(self.blocks):
+            block[0].register_forward_pre_hook(lambda module, args, i=i: self._nest(i, args))
+
+    def _nest(self, outer, args):
+        inner = self.inside.get(outer)
+        return None if inner is None else (self.blocks[inner](args[0]),)
+
+    def forward(self, x, path):
+        x = self.inp(x)
+        for i in path:
+            x = self.blocks[i](x)
+        return x
+
+
+def random_path(rng, depth):
+    path = [i for i in range(depth) if rng.random() > 0.25]  # blocks skipped
+    for _ in range(rng.randrange(3)):  # blocks repeated
+        path.insert(rng.randrange(len(path) + 1), rng.randrange(depth))
+    inside = {}
+    outer = rng.choice(path) if path and rng.random() < 0.5 else None
+    if outer is not None:
+        inside[outer] = rng.choice([i for i in range(depth) if i != outer])
+    return path, inside
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fields", [{}, dict(stream_dtype="fp8", fp8_skip=(r"^blocks\.[03]\.",))], ids=["packed", "fp8-landed"])
+def test_random_execution_paths_equal_resident_call_by_call(seed, fields):
+    """Skipped, repeated and nested blocks, blocks promoted and demoted between calls, in
+    random order: every call equals the resident model's."""
+    rng = random.Random(seed)
+    config = dlo.OffloadConfig(num_slots=3, **fields)
+    reference = Nested()
+    torch.manual_seed(seed)
+    for p in reference.parameters():
+        nn.init.normal_(p, std=0.3)
+    model = copy.deepcopy(reference)
+    if fields:
+        dlo.quantize_resident(reference, config)
+    with dlo.enable(model, "cpu", config) as handle, torch.no_grad():
+        runtime = handle._runtime
+        for call in range(12):
+            path, inside = random_path(rng, len(model.blocks))
+            reference.inside = model.inside = inside
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(call))
+            assert torch.equal(model(x, path), reference(x, path)), (call, path, inside)
+            index = rng.randrange(len(model.blocks))
+            if index in runtime.promoted:
+                runtime.demote(index)
+            elif rng.random() < 0.3:
+                runtime.promote(index)
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["staged", "direct"])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_skip_paths_over_every_source_of_one_model_equal_resident(tmp_path, request, seed, registered):
+    """One SD3 model whose blocks are resident (block 0), packed float8 (1, 3), and mapped
+    (block 2: staged by the thread, or, registered with the fake driver, copied directly),
+    with blocks promoted and demoted between calls: random skip_layers paths equal resident."""
+    if registered:
+        request.getfixturevalue("driver")
+    rng = random.Random(seed)
+    reference, model, plan, config = mixed_sd3(tmp_path, resident_layers=1)
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        runtime = handle._runtime
+        assert (handle.stats().staging_bytes > 0) != registered
+        for call in range(10):
+            skip = sorted(rng.sample(range(1, 4), rng.randrange(3)))
+            assert torch.equal(sd3_call(model, call, skip), sd3_call(reference, call, skip)), (call, skip)
+            index = rng.randrange(len(runtime.blocks))
+            if index in runtime.promoted:
+                runtime.demote(index)
+            elif rng.random() < 0.3:
+                runtime.promote(index)
+
+
+def flux_outputs(model, seeds):
+    with torch.inference_mode():
+        return [model(**FLUX.inputs(seed))[0] for seed in seeds]
+
+
+def _interrupt_point(monkeypatch, owner, name, at, after=False):
+    """Raise KeyboardInterrupt in the main thread at the `at`-th call of `owner.name` (before
+    it runs, or `after` it ran); returns the list of calls seen."""
+    real = getattr(owner, name)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return real(*args, **kwargs)
+        calls.append(name)
+        if len(calls) == at and not after:
+            raise KeyboardInterrupt
+        result = real(*args, **kwargs)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return calls
+
+
+# Inside the planner's decision; between a load queued and its commit (the copy issued, the
+# planner not told); inside a slot refit (the old buffer retired, the new one not yet taken;
+# the new one taken, its views not yet made); the preload's record.
+POINTS = [
+    (SlotPlanner, "decide", False),
+    (SlotPlanner, "commit", False),
+    (CpuExecutor, "run", True),
+    (CpuExecutor, "allocate_slot", False),
+    (BlockLoads, "state_of", False),
+    (SlotQueue, "settle", False),
+]
+
+
+# Staged loads run on the stager's thread, where no Ctrl-C lands.
+CASES = [
+    pytest.param(backing, *point, id=f"{backing}-{point[0].__name__}.{point[1]}")
+    for backing in ("packed", "staged")
+    for point in POINTS
+    if (backing, point[1]) != ("staged", "run")
+]
+
+
+@pytest.mark.parametrize(("backing", "owner", "name", "after"), CASES)
+def test_ctrl_c_at_every_step_of_a_call_leaves_the_next_calls_exact(tmp_path, monkeypatch, owner, name, after, backing):
+    """A KeyboardInterrupt at each invocation of each step of a call (tiny Flux: two block
+    sizes, so slots are refitted), caught as a notebook would: the next calls equal resident."""
+    reference = FLUX.build(seed=1)
+    expected = flux_outputs(reference, [0, 1])
+    if backing == "staged":
+        reference.save_pretrained(tmp_path / "flux")
+    count_calls = _interrupt_point(monkeypatch, owner, name, at=0)
+    fresh = (lambda: dlo.load_transformer(tmp_path / "flux")) if backing == "staged" else (lambda: (copy.deepcopy(reference), None))
+    model, plan = fresh()
+    with dlo.enable(model, "cpu", plan=plan):
+        flux_outputs(model, [0])
+        count_calls.clear()
+        flux_outputs(model, [0])
+        invocations = len(count_calls)  # how often one call runs the step
+    assert invocations > 0
+    monkeypatch.undo()
+    for at in range(1, invocations + 1):
+        model, plan = fresh()
+        with dlo.enable(model, "cpu", plan=plan):
+            flux_outputs(model, [0])
+            with monkeypatch.context() as patch:
+                _interrupt_point(patch, owner, name, at, after)
+                with pytest.raises(KeyboardInterrupt):
+                    flux_outputs(model, [0])
+            assert [torch.equal(a, b) for a, b in zip(flux_outputs(model, [0, 1]), expected)] == [True, True], at
+
+
+def test_interrupts_at_random_instants_never_leave_a_wrong_output(tmp_path):
+    """An alarm raising KeyboardInterrupt at a random instant of a call (the way a reviewer
+    found the bricked slot): after each caught interrupt, a whole call equals resident."""
+    reference = FLUX.build(seed=1)
+    expected = flux_outputs(reference, [0])[0]
+    reference.save_pretrained(tmp_path / "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    rng = random.Random(0)
+
+    def alarm(sig, frame):
+        raise KeyboardInterrupt("alarm")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with dlo.enable(model, "cpu", plan=plan):
+            started = time.perf_counter()
+            flux_outputs(model, [0])
+            call_s = time.perf_counter() - started
+            interrupted = 0
+            for _ in range(40):
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, call_s))
+                try:
+                    flux_outputs(model, [0])
+                except KeyboardInterrupt:
+                    interrupted += 1
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                assert torch.equal(flux_outputs(model, [0])[0], expected)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted > 0
+
+
+def test_a_failed_step_in_all_gather_mode_breaks_off_instead_of_guessing():
+    """All-gather mode (a group of one here) cannot forget its slots as rank-local mode does:
+    its loads must stay the peers'. A step cut midway makes every later call raise 'restart
+    the job', never run on what the slots may hold."""
+    reference = SD3.build(seed=1)
+    model = copy.deepcopy(reference)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True)):
+        assert torch.equal(sd3_call(model, 0, []), sd3_call(reference, 0, []))
+        with pytest.MonkeyPatch.context() as patch:
+            _interrupt_point(patch, SlotPlanner, "commit", at=2)
+            with pytest.raises(KeyboardInterrupt):
+                sd3_call(model, 0, [])
+        with pytest.raises(dlo.StreamingError, match="restart the job"):
+            sd3_call(model, 0, [])
+
+
+HOTPATH = str(Path(dlo.__file__).parent / "hotpath")
+
+
+class _LineInterrupt:
+    """Raise KeyboardInterrupt at the `at`-th line the main thread runs in dlo's hot path
+    (from a trace function: not a signal, so nothing holds it back, the way a second Ctrl-C
+    is not held). `at=None` only counts."""
+
+    def __init__(self, at):
+        self.at, self.lines = at, 0
+
+    def __enter__(self):
+        main = threading.main_thread()
+
+        def local(frame, event, arg):
+            if event == "line":
+                self.lines += 1
+                if self.lines == self.at:
+                    raise KeyboardInterrupt(f"line {self.at}")
+            return local
+
+        def calls(frame, event, arg):
+            if threading.current_thread() is main and frame.f_code.co_filename.startswith(HOTPATH):
+                return local
+            return None
+
+        sys.settrace(calls)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("backing", ["packed", "staged"])
+def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact(tmp_path, backing):
+    """KeyboardInterrupt at sampled lines of everything the hot path runs in one call (tiny
+    Flux, fp8: landing buffers, two block sizes: refits), even where a held signal could not
+    land: the caller catches it, and the next calls equal resident."""
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_skip=(r"^transformer_blocks\.0\.",))
+    reference = FLUX.build(seed=1)
+    model_weights = copy.deepcopy(reference)
+    dlo.quantize_resident(reference, config)
+    expected = flux_outputs(reference, [0, 1])
+    if backing == "staged":
+        model_weights.save_pretrained(tmp_path / "flux")
+
+    def fresh():
+        return dlo.load_transformer(tmp_path / "flux", config) if backing == "staged" else (copy.deepcopy(model_weights), None)
+
+    model, plan = fresh()
+    with dlo.enable(model, "cpu", config, plan=plan):
+        flux_outputs(model, [0])
+        with _LineInterrupt(None) as counted:
+            flux_outputs(model, [0])
+    rng = random.Random(backing)
+    for at in sorted(rng.sample(range(1, counted.lines + 1), 24)):
+        model, plan = fresh()
+        with dlo.enable(model, "cpu", config, plan=plan):
+            flux_outputs(model, [0])
+            with pytest.raises(KeyboardInterrupt), _LineInterrupt(at):
+                flux_outputs(model, [0])
+            got = flux_outputs(model, [0, 1])
+        assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at
