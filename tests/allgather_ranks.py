@@ -686,3 +686,74 @@ def sigint_between_collectives(rank: int, world: int) -> list:
 
 
 SCENARIOS["sigint_between_collectives"] = sigint_between_collectives
+
+
+def weight_changes(
+    rank: int, world: int, lora: str, stream_dtype: str | None = None, directory: str | None = None, cache_dir: str | None = None
+) -> dict:
+    """Every rank makes the same weight changes in step (see [Note: editing a streamed block]):
+    load_state_dict of other weights, then a LoRA loaded, fused and unfused, tiny Flux streamed
+    by all-gather (from private shards, or with `cache_dir` from shards viewing the node's cache
+    entry of `directory`). Each call against the resident model making the same changes (with
+    `stream_dtype`, requantized as dlo requantizes), and the state after disable()."""
+    import warnings
+
+    from lora_files import float8_weights, requantize_changed
+
+    warnings.simplefilter("ignore")
+    config = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype)
+    plan = None
+    if cache_dir is not None:
+        import diffusers
+
+        config = dataclasses.replace(config, host_weight_cache=True, cache_dir=cache_dir)
+        reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
+        with torch.no_grad():  # ordinary allocations, as enable() places tensors (mapped views may sit oddly)
+            for tensor in [*reference.parameters(), *reference.buffers()]:
+                tensor.data = tensor.data.clone()
+        model, plan = dlo.load_transformer(directory, config)
+    else:
+        reference = TINY_MODELS["flux"].build(seed=1)
+        model = copy.deepcopy(reference)
+    dlo.quantize_resident(reference, config)
+    seeds = iter(range(10 * rank, 10 * rank + 10))
+    identical = []
+
+    def compare():
+        seed = [next(seeds)]
+        identical.append(torch.equal(_tiny_outputs(reference, "flux", seed)[0], _tiny_outputs(model, "flux", seed)[0]))
+
+    def change(reference_change, streamed_change):
+        before = float8_weights(reference, config) if stream_dtype else {}
+        reference_change()
+        requantize_changed(reference, before, config)
+        streamed_change()
+        compare()
+
+    handle = dlo.enable(model, "cpu", config, plan=plan)
+    views = all(block.source.views_entry for block in handle._runtime.blocks)
+    compare()
+    other = {k: v * 1.5 for k, v in TINY_MODELS["flux"].build(seed=3).state_dict().items() if "single" in k}
+    change(lambda: reference.load_state_dict(other, strict=False), lambda: model.load_state_dict(other, strict=False))
+    for m in (reference, model):
+        m.load_lora_adapter(lora, adapter_name="a", prefix="transformer")
+    compare()
+    change(lambda: reference.fuse_lora(lora_scale=0.7), lambda: handle.fuse_lora(lora_scale=0.7))
+    change(reference.unfuse_lora, handle.unfuse_lora)
+    stats = handle.stats()
+    private = all(not block.source.views_entry for block in handle._runtime.blocks)
+    handle.disable()
+    state, expected = model.state_dict(), reference.state_dict()
+    return dict(
+        identical=identical,
+        identical_after_disable=state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state),
+        views_before=views,
+        private_after=private,
+        rewritten_blocks=stats.rewritten_blocks,
+        copied_on_write_bytes=stats.copied_on_write_bytes,
+        host_bytes=stats.host_bytes,
+        blocks=stats.streamed_blocks,
+    )
+
+
+SCENARIOS["weight_changes"] = weight_changes

@@ -100,3 +100,19 @@ def driver(monkeypatch):
     fake = FakeDriver()
     monkeypatch.setattr(cuda_registration, "registration_driver", lambda device: fake)
     return fake
+
+
+@pytest.fixture(scope="session")
+def tiny_loras(tmp_path_factory):
+    """kind -> {adapter name: LoRA file} for the tiny model `kind` (seed 0) of
+    dlo.models.tiny, written once per session by diffusers' save_lora_weights (lora_files.py)."""
+    from lora_files import save_loras
+
+    made: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in made:
+            made[kind] = save_loras(TINY_MODELS[kind].build(), kind, tmp_path_factory.mktemp(f"lora-{kind}"))
+        return made[kind]
+
+    return get

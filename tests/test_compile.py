@@ -217,4 +217,4 @@ def test_a_recompile_per_block_logs_one_warning_naming_the_reason(caplog):
     assert counter.frame_count == 4 and stats.compile.recompiles == 3
     warnings = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]
     assert len(warnings) == 1
-    assert "3 times for 1 streamed block class" in warnings[0] and "tag" in warnings[0]
+    assert "3 times in one call for 1 streamed block class" in warnings[0] and "tag" in warnings[0]

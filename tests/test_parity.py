@@ -90,12 +90,18 @@ def test_disable_restores_a_plain_module_and_enable_works_again(tiny_pair):
         assert torch.equal(outputs(streamed, entry, [4])[0], expected)
 
 
-def test_streamed_blocks_hold_placeholders_between_calls(tiny_pair):
-    _, streamed, entry = tiny_pair("wan")
+def test_streamed_blocks_hold_shaped_nan_stand_ins_between_calls(tiny_pair):
+    """Shape, dtype and device as resident (what PEFT and diffusers' LoRA loaders read), no
+    memory of their own (every stride 0), NaN to read, refusing writes."""
+    reference, streamed, entry = tiny_pair("wan")
     with dlo.enable(streamed, "cpu"):
         outputs(streamed, entry, [1])
-        assert all(p.numel() == 0 for p in streamed.blocks.parameters())
-        assert all(p.numel() > 0 for p in streamed.proj_out.parameters())
+        for (name, p), ref in zip(streamed.blocks.named_parameters(), reference.blocks.parameters()):
+            assert (p.shape, p.dtype, p.device) == (ref.shape, ref.dtype, ref.device), name
+            assert set(p.stride()) <= {0} and bool(p.isnan().all()), name
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"), torch.no_grad():
+            streamed.blocks[0].attn1.to_q.weight.mul_(0.5)
+        assert not any(bool(p.isnan().any()) for p in streamed.proj_out.parameters())  # resident: its own
 
 
 def test_all_blocks_resident_streams_nothing(tiny_pair):

@@ -34,6 +34,7 @@ from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import QuantizedSource, TensorSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
+from dlo.planning.adapters import adapter_modules
 from dlo.planning.block_layout import ALIGNMENT, BlockLayout, TensorSpec
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.shard_layout import ShardLayout, plan_shards
@@ -70,7 +71,7 @@ def collect_block(ref: BlockRef, quantized: frozenset[int] = frozenset()) -> Blo
     specs: list[TensorSpec] = []
     tensors: list[torch.Tensor] = []
     bindings: list[Binding] = []
-    for owned in owned_tensors(ref.module):
+    for owned in owned_tensors(ref.module, adapter_modules(ref.module)):  # See [Note: adapters stay resident]
         tensor = owned.tensor
         if id(tensor) not in index:
             check_streamable(f"{ref.name}.{owned.name}", tensor)
@@ -98,11 +99,14 @@ def refuse_shared(streamed: list[BlockTensors], rest: dict[int, str]) -> None:
 
 
 def placeholders(blocks: list[BlockTensors], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    """One empty tensor per dtype: what streamed tensors point at between their block's runs."""
+    """One 0-d tensor per dtype on `device`, NaN (0 for integers): each streamed tensor points
+    at it, expanded to its own shape, between its block's runs. See [Note: stand-ins]"""
     found: dict[torch.dtype, torch.Tensor] = {}
     for block in blocks:
         for tensor in block.tensors:
-            found.setdefault(tensor.dtype, torch.empty(0, dtype=tensor.dtype, device=device))
+            if tensor.dtype not in found:
+                fill = float("nan") if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 0
+                found[tensor.dtype] = torch.full((), fill, dtype=tensor.dtype, device=device)
     return found
 
 
@@ -130,7 +134,7 @@ def _streamed(
         tensors=block.tensors,
         bindings=block.bindings,
         source=source,
-        placeholders=tuple(placeholder[t.dtype] for t in block.tensors),
+        placeholders=tuple(placeholder[t.dtype].expand(t.shape) for t in block.tensors),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -54,6 +55,7 @@ from dlo.hotpath.staging import Stager, default_pack_threads
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.hotpath.executors import DeviceSlot, Executor, make_executor
 from dlo.observe.ledger import TransferLedger
+from dlo.planning.adapters import adapter_tensors
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
 from dlo.planning.plan_summary import summarize
@@ -62,9 +64,13 @@ from dlo.planning.wire_layout import Fp8Format
 
 
 def _rest_tensors(module: nn.Module, streamed_refs: list[BlockRef], blocks: list[BlockTensors]) -> list[torch.Tensor]:
-    """The tensors that stay on the device: non-block parts and resident blocks."""
+    """The tensors that stay on the device: non-block parts, resident blocks, and the
+    adapters inside streamed blocks (See [Note: adapters stay resident])."""
     skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
     rest = unique_tensors(module, skip)
+    for ref in streamed_refs:
+        for owned in adapter_tensors(ref.module):
+            rest.setdefault(id(owned.tensor), replace(owned, name=f"{ref.name}.{owned.name}"))
     for owned in rest.values():
         check_streamable(owned.name, owned.tensor)
     refuse_shared(blocks, {key: owned.name for key, owned in rest.items()})
@@ -352,6 +358,7 @@ def enable(
             config=config,
             plan=offload_plan,
             runtime=runtime,
+            streamed_refs=streamed_refs,
             streamed_calls=calls,
             managed=[module, *(ref.module for ref in refs)],
             resident_blocks=resident_count,

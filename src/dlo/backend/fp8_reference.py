@@ -9,6 +9,7 @@ from dlo.backend.fp8_compute import quantize_resident_gemms
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.host.fp8_codec import dequantized, quantize_into
+from dlo.planning.adapters import adapter_modules
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import OffloadPlan, discover, resolve_blocks
 from dlo.planning.tensor_walk import unique_tensors
@@ -31,7 +32,7 @@ def quantize_resident(module: nn.Module, config: OffloadConfig, plan: OffloadPla
     with torch.no_grad():
         for ref in refs[resident:]:
             chosen = quantized_tensors(module, ref, config)
-            for owned in unique_tensors(ref.module).values():
+            for owned in unique_tensors(ref.module, adapter_modules(ref.module)).values():
                 weight = owned.tensor
                 if id(weight) not in chosen:
                     continue

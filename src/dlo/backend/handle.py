@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import weakref
@@ -14,10 +15,13 @@ from torch.utils.hooks import RemovableHandle
 
 from dlo.backend.auto_residency import AutoResidency
 from dlo.backend.fp8_compute import Fp8GemmConversion
+from dlo.backend.lora_fusion import LoraFusion
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
+from dlo.backend.state_dict_loads import StateDictLoads
+from dlo.backend.weight_changes import WeightChanges
 from dlo.config import OffloadConfig
-from dlo.errors import EnableError
+from dlo.errors import EnableError, StreamingError
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
@@ -27,7 +31,7 @@ from dlo.hotpath.staging import Stager
 from dlo.hotpath.executors import Executor
 from dlo.observe.stats import CompileStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
-from dlo.planning.offload_plan import OffloadPlan
+from dlo.planning.offload_plan import BlockRef, OffloadPlan
 from dlo.planning.wire_layout import bytes_by_dtype
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ class OffloadHandle:
         config: OffloadConfig,
         plan: OffloadPlan,
         runtime: StreamingRuntime,
+        streamed_refs: Sequence[BlockRef],
         streamed_calls: Sequence[StreamedCallHandle],
         managed: Sequence[nn.Module],
         resident_blocks: int,
@@ -98,11 +103,19 @@ class OffloadHandle:
         self._releases = [block.source.release for block in runtime.blocks] + (
             [runtime.stager.close] if runtime.stager is not None else []
         )
+        # See [Note: stand-ins], [Note: editing a streamed block]; a private copy made for a
+        # changed block joins the releases.
+        pin = config.pin_memory and device.type == "cuda"
+        self._changes = WeightChanges(runtime, list(streamed_refs), self._releases, pin)
+        self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
+        self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
+        self._changes_settled: tuple[StreamingError, ...] | None = None  # by disable(): the refusal it raises
         self._finalizer: weakref.finalize | None = None
         self._streamed_calls = list(streamed_calls)
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
         self._compile_watch = CompileWatch()
         self._warned_recompiles = False
+        self._recompiles_seen = 0  # by the start of the last call
         self._root_hooks: list[RemovableHandle] = []
 
     def activate(self) -> None:
@@ -126,11 +139,13 @@ class OffloadHandle:
         )
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
+        self._loads.install()
 
     def abandon(self) -> None:
         """Undo activate() for a failed enable(), whose own rollback releases the host memory."""
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._loads.remove()
         for hook in self._root_hooks:
             hook.remove()
         for sub in self._managed:
@@ -138,6 +153,8 @@ class OffloadHandle:
                 del _MANAGED[sub]
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        self._changes.before_call()
+        self._fusion.before_call()
         for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
             call.keep_installed()
         self._watch_compiles()
@@ -146,19 +163,23 @@ class OffloadHandle:
             self._residency.call_starts()
 
     def _watch_compiles(self) -> None:
+        """Warn once when one call recompiled more often than there are block classes: a
+        graph per block. (Per call: a change of a LoRA scale between calls recompiles each
+        class once, which is not that.)"""
         watch = self._compile_watch
         watch.poll()
-        if watch.recompiles > self._block_classes and not self._warned_recompiles:
+        seen, self._recompiles_seen = self._recompiles_seen, watch.recompiles
+        if watch.recompiles - seen > self._block_classes and not self._warned_recompiles:
             self._warned_recompiles = True
             logger.warning(
-                "dlo: torch.compile recompiled %d times for %d streamed block class(es) of %s: dynamo specializes "
-                "on something that differs from block to block (first reason: %s). Streaming keeps each weight's "
-                "shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
+                "dlo: torch.compile recompiled %d times in one call for %d streamed block class(es) of %s: dynamo "
+                "specializes on something that differs from block to block (first reason: %s). Streaming keeps each "
+                "weight's shape, stride and dtype, so blocks of one class share one graph unless their code or inputs "
                 "differ; TORCH_LOGS=recompiles lists every reason, handle.stats().compile counts them",
-                watch.recompiles,
+                watch.recompiles - seen,
                 self._block_classes,
                 type(self.module).__name__,
-                watch.recompile_reasons[0],
+                watch.recompile_reasons[seen],
             )
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -176,6 +197,46 @@ class OffloadHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.disable()
+
+    def _enabled(self, operation: str) -> None:
+        if self.state is not HandleState.ENABLED:
+            raise StreamingError(
+                f"handle.{operation}: the handle is disabled and {type(self.module).__name__} is a plain module "
+                "again; change its weights directly"
+            )
+
+    def editing(self, *modules: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Between calls, `with handle.editing(block):` gives the streamed blocks holding
+        `modules` (a block or any module inside one; none: every streamed block) their real
+        values on the device for the body; what the body changes in them (in-place edits,
+        `p.data = ...`, PEFT merges) is then written into the blocks' host copies and streamed
+        from the next call on. Each open block takes its own device memory, a slot's size.
+        See [Note: editing a streamed block]"""
+        self._enabled("editing()")
+        indices = []
+        for module in modules:
+            index = self._changes.block_of(module)
+            if index is None:
+                raise StreamingError(
+                    f"handle.editing(): {type(module).__name__} is not a streamed block of {type(self.module).__name__} "
+                    "nor inside one; its weights are on the device as they are: change them directly"
+                )
+            indices.append(index)
+        return self._changes.editing(indices if modules else range(len(self._runtime.blocks)))
+
+    def fuse_lora(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
+        """diffusers' `fuse_lora()` for the streamed module: the LoRA layers' deltas are added to
+        the base weights dlo streams (their host copies), and to the other base weights where
+        they are. The arguments are diffusers'. Between calls. See [Note: fusing LoRA into
+        streamed blocks]"""
+        self._enabled("fuse_lora()")
+        self._fusion.fuse(lora_scale, safe_fusing, adapter_names)
+
+    def unfuse_lora(self) -> None:
+        """diffusers' `unfuse_lora()` for the streamed module. See [Note: fusing LoRA into
+        streamed blocks]"""
+        self._enabled("unfuse_lora()")
+        self._fusion.unfuse()
 
     def stats(self) -> OffloadStats:
         """Counters since enable(). Synchronizes the device to settle pending copy timings."""
@@ -225,6 +286,8 @@ class OffloadHandle:
             compile=self._compile_stats(),
             residency=self._residency.report() if self._residency is not None else None,
             host_bytes_by_dtype=_host_bytes_by_dtype(runtime),
+            rewritten_blocks=self._changes.rewritten_blocks,
+            copied_on_write_bytes=self._changes.copied_bytes,
         )
 
     def _compile_stats(self) -> CompileStats:
@@ -253,6 +316,13 @@ class OffloadHandle:
         if self.state is HandleState.DISABLED:
             assert self._final_stats is not None
             return self._final_stats
+        if self._changes_settled is None:  # once, also when a disable() cut short is called again
+            try:
+                self._changes.before_call()  # See [Note: stand-ins]
+                self._changes_settled = ()
+            except StreamingError as err:  # the module is disabled first, then it is raised
+                self._changes_settled = (err,)
+            self._changes.write_back_resident()  # See [Note: editing a streamed block]
         final = self.stats()
         runtime = self._runtime
         registered = self._registration.registration
@@ -261,6 +331,7 @@ class OffloadHandle:
             hook.remove()
         if self._probe is not None:
             self._probe.remove()
+        self._loads.remove()
         with torch.no_grad():
             runtime.restore_blocks()
         if self._fp8_gemms is not None:
@@ -283,8 +354,11 @@ class OffloadHandle:
         # are freed now, not when the caller drops this handle.
         runtime.promoted.clear()
         self._runtime = self._probe = self._residency = None  # type: ignore[assignment]
+        self._changes = self._fusion = self._loads = None  # type: ignore[assignment]
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
+        if self._changes_settled:
+            raise self._changes_settled[0]
         return final
 
 

@@ -14,8 +14,8 @@ planner lookups (about a microsecond a call); under torch.compile it returns at 
 dynamo traces, so a compiled block's graph is the resident one's, and the hooks stay for the
 handle's life: removing them would make dynamo recompile. Not served: under whole-model
 compilation (`torch.compile(model)`) an outside use is traced, not run, so the probe cannot
-promote the block there and dynamo fails on its empty placeholders; one eager call first
-promotes it (then the compiled calls are exact). In all-gather mode a block cannot be promoted
+promote the block there and the graph reads its NaN stand-ins (See [Note: stand-ins]); one
+eager call first promotes it (then the compiled calls are exact). In all-gather mode a block cannot be promoted
 (every load is a collective), so the probe raises StreamingError naming the module.
 """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +15,7 @@ from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
+from dlo.planning.adapters import tuner_layers
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
 STREAMED_COMPONENTS = ("transformer", "transformer_2")
@@ -28,9 +29,42 @@ class PipelineHandle:
     handles: dict[str, OffloadHandle]
     placement: dict[str, str]
     _offload_hooks: list = field(default_factory=list, repr=False)
+    _pipe: object = field(default=None, repr=False)
 
     def stats(self) -> dict[str, OffloadStats]:
         return {name: handle.stats() for name, handle in self.handles.items()}
+
+    def fuse_lora(
+        self,
+        components: Sequence[str] | None = None,
+        lora_scale: float = 1.0,
+        safe_fusing: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> None:
+        """diffusers' `pipe.fuse_lora()` for a pipeline under dlo: the streamed transformers fuse
+        through their handles (`OffloadHandle.fuse_lora`), any other component named in
+        `components` (default: the streamed ones) through diffusers; `pipe.fused_loras`
+        follows. See [Note: fusing LoRA into streamed blocks]"""
+        streamed, others = self._split(components)
+        if others:
+            self._pipe.fuse_lora(components=others, lora_scale=lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+        for name in streamed:
+            self.handles[name].fuse_lora(lora_scale, safe_fusing, adapter_names)
+        self._pipe._merged_adapters = self._pipe._merged_adapters | _merged(self.handles[name].module for name in streamed)
+
+    def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
+        """diffusers' `pipe.unfuse_lora()` for a pipeline under dlo (see `fuse_lora`)."""
+        streamed, others = self._split(components)
+        if others:
+            self._pipe.unfuse_lora(components=others)
+        for name in streamed:
+            self.handles[name].unfuse_lora()
+        loaded = (m for m in self._pipe.components.values() if isinstance(m, nn.Module))
+        self._pipe._merged_adapters = self._pipe._merged_adapters & _merged(loaded)
+
+    def _split(self, components: Sequence[str] | None) -> tuple[list[str], list[str]]:
+        names = list(self.handles) if components is None else list(components)
+        return [n for n in names if n in self.handles], [n for n in names if n not in self.handles]
 
     def disable(self) -> None:
         """Undo dlo on every transformer; idempotent. Other components stay where they are."""
@@ -45,6 +79,12 @@ class PipelineHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.disable()
+
+
+def _merged(modules: Iterable[nn.Module]) -> set[str]:
+    """The adapters merged into some PEFT layer of `modules` (what diffusers' pipeline reports
+    as `fused_loras`)."""
+    return {name for module in modules for _, layer in tuner_layers(module) for name in layer.merged_adapters}
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -103,7 +143,7 @@ def enable_pipeline(
         for handle in handles.values():
             handle.disable()
         raise
-    return PipelineHandle(handles, placement, hooks)
+    return PipelineHandle(handles, placement, hooks, pipe)
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

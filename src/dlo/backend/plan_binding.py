@@ -18,6 +18,7 @@ from dlo.errors import EnableError
 from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.registration import HostRegistration, RegistrationCleanupError
 from dlo.host.tensor_source import TensorSource, count_adapters
+from dlo.planning.adapters import tuner_layers
 from dlo.planning.tensor_walk import owned_tensors
 
 
@@ -69,7 +70,17 @@ class BoundPlan:
             table[owned.key] = replaced[id(owned.tensor)]
         missing = set(bindings) - {o.name for o in owned_tensors(module) if id(o.tensor) in self.planned}
         if missing:
-            raise EnableError(f"the HostWeightPlan names tensors this module does not have: {sorted(missing)[:5]}")
+            wrapped = next(tuner_layers(module), None) is not None
+            raise EnableError(
+                f"the HostWeightPlan names tensors this module does not have: {sorted(missing)[:5]}"
+                + (
+                    "; a PEFT adapter (LoRA) added since dlo.load_transformer() moved them under its layers: load "
+                    "LoRAs after dlo.enable(model, device, config, plan=plan) (they stay on the device beside the "
+                    "streamed weights)"
+                    if wrapped
+                    else ""
+                )
+            )
 
     def register(self, config: OffloadConfig, device: torch.device) -> None:
         """Register the whole mapping read-only for direct copies, or record why not

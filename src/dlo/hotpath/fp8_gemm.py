@@ -26,6 +26,9 @@ class Fp8GemmLinear(nn.Linear):
     nn.Linear in place and back (See [Note: fp8 compute])."""
 
     weight_scale: torch.Tensor
+    # What PEFT casts an adapter wrapping this Linear to (it reads `compute_dtype`, else the
+    # weight's dtype, which would make a LoRA added after enable() float8): the GEMM's bf16.
+    compute_dtype = torch.bfloat16
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype != torch.bfloat16:  # the row-wise FP8 GEMM's only output dtype

@@ -60,6 +60,6 @@ class StreamedBlock:
                 kind = "parameter" if binding.is_parameter else "buffer"
                 raise StreamingError(
                     f"{kind} {binding.key!r} of streamed block {self.name!r} was replaced after dlo.enable(); "
-                    "dlo streams the tensors it packed. Call handle.disable() before changing weights, "
-                    "then dlo.enable() again."
+                    "dlo streams the tensors it packed. Change their values instead (load_state_dict, "
+                    "handle.editing()), or call handle.disable(), replace it, then dlo.enable() again."
                 )

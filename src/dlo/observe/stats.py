@@ -92,6 +92,10 @@ class OffloadStats:
     setup_s: seconds enable() took.
     compile: torch.compile activity since enable() (see CompileStats).
     residency: what resident_layers='auto' measured and chose (None otherwise).
+    rewritten_blocks: streamed blocks whose host copy a weight change rewrote since enable()
+        (fuse_lora, load_state_dict, handle.editing(); see [Note: rewriting a host copy]).
+    copied_on_write_bytes: private host bytes made for changed blocks of a read-only mapping
+        (checkpoint, cache entry, or its shards), which is never written; in host_bytes too.
     """
 
     streamed_blocks: int
@@ -122,3 +126,5 @@ class OffloadStats:
     compile: CompileStats = CompileStats()
     residency: ResidencyStats | None = None
     host_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    rewritten_blocks: int = 0
+    copied_on_write_bytes: int = 0

@@ -17,6 +17,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import Fp8Scale
+from dlo.planning.adapters import adapter_modules
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format
@@ -38,7 +39,7 @@ def quantized_tensors(root: nn.Module, ref: BlockRef, config: OffloadConfig) -> 
     keep_fp32 = set(getattr(root, "_keep_in_fp32_modules", None) or ())
     chosen: set[int] = set()
     excluded: set[int] = set()  # a tensor tied under a name that must keep its dtype
-    for owned in owned_tensors(ref.module):
+    for owned in owned_tensors(ref.module, adapter_modules(ref.module)):
         name = f"{ref.name}.{owned.name}"
         tensor = owned.tensor
         if (

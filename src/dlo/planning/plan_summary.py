@@ -9,6 +9,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
+from dlo.planning.adapters import adapter_modules, adapter_tensors
 from dlo.planning.block_layout import TensorSpec, plan_block_layout
 from dlo.planning.fp8_selection import gemm_linears
 from dlo.planning.offload_plan import OffloadPlan, resolve_blocks
@@ -59,7 +60,7 @@ def _layout_bytes(module: nn.Module, gemms: dict[int, nn.Linear]) -> int:
     """A block's slot layout; `gemms` (id(weight) -> Linear): weights held as float8 plus a
     (1, out) fp32 scale row. See [Note: fp8 compute]"""
     specs = []
-    for owned in unique_tensors(module).values():
+    for owned in unique_tensors(module, adapter_modules(module)).values():
         tensor = owned.tensor
         linear = gemms.get(id(tensor))
         dtype = tensor.dtype if linear is None else torch.float8_e4m3fn
@@ -73,7 +74,8 @@ def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None
     config = config or OffloadConfig()
     refs = resolve_blocks(module, plan)
     in_blocks = frozenset(id(sub) for ref in refs for sub in ref.module.modules())
-    rest = unique_tensors(module, in_blocks).values()
+    # The non-block parts, and the adapters inside the blocks: See [Note: adapters stay resident]
+    rest = [*unique_tensors(module, in_blocks).values(), *(o for r in refs for o in adapter_tensors(r.module))]
     resident = 0 if config.resident_layers == AUTO else min(config.resident_layers, len(refs))
     gemms = {id(linear.weight): linear for _, linear in gemm_linears(module, refs[resident:], config)}
     return PlanSummary(

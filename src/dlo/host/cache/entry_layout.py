@@ -21,6 +21,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig
 from dlo.host.cache.fp8_entry import scale_name
+from dlo.planning.adapters import adapter_modules
 from dlo.planning.block_layout import ALIGNMENT, TensorSpec
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import discover, resolve_blocks
@@ -41,7 +42,7 @@ def block_images(model: nn.Module, config: OffloadConfig) -> list[dict[str, int]
     fp8 = fp8_format(config)
     images = []
     for ref in resolve_blocks(model, discover(model)):
-        owned = list(unique_tensors(ref.module).values())
+        owned = list(unique_tensors(ref.module, adapter_modules(ref.module)).values())
         chosen = quantized_tensors(model, ref, config) if fp8 is not None else frozenset()
         formats = [fp8 if id(o.tensor) in chosen else None for o in owned]
         layout, wire = plan_wire_layout([TensorSpec(o.name, tuple(o.tensor.shape), o.tensor.dtype) for o in owned], formats)

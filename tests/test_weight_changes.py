@@ -1,0 +1,259 @@
+"""Weights that change after enable() are never lost: each change reaches the weights dlo
+streams (the next call and the state after disable() equal the same change made resident),
+or is refused with a StreamingError before any streamed weight changed. One test per row of
+what users do: LoRA adapters, fuse/unfuse, in-place edits, load_state_dict, dtype casts.
+See [Note: stand-ins], [Note: editing a streamed block] in dlo.backend.weight_changes."""
+
+import warnings
+
+import pytest
+import torch
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+
+MODELS = ["wan", "flux", "qwenimage"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_peft():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's "already merged" and diffusers' notices
+        yield
+
+
+def run(model, name, seed=1):
+    with torch.inference_mode():
+        return model(**TINY_MODELS[name].inputs(seed))[0]
+
+
+def same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def both(models, change):
+    for model in models:
+        change(model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_adapters_loaded_switched_and_deleted_after_enable_match_resident_and_never_stream(tiny_pair, tiny_loras, name):
+    loras = tiny_loras(name)
+    reference, streamed, _ = tiny_pair(name)
+    with dlo.enable(TINY_MODELS[name].build(), "cpu") as plain:
+        base_host_bytes = plain.stats().host_bytes
+    both((reference, streamed), lambda m: m.load_lora_adapter(loras["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        assert handle.stats().host_bytes == base_host_bytes  # the adapter loaded before enable() stays resident
+        assert torch.equal(run(reference, name), run(streamed, name))
+        both((reference, streamed), lambda m: m.load_lora_adapter(loras["b"], adapter_name="b", prefix="transformer"))
+        both((reference, streamed), lambda m: m.set_adapters(["a", "b"], [0.6, 1.3]))
+        assert torch.equal(run(reference, name, 2), run(streamed, name, 2))
+        both((reference, streamed), lambda m: m.disable_lora())
+        assert torch.equal(run(reference, name, 3), run(streamed, name, 3))
+        both((reference, streamed), lambda m: m.enable_lora())
+        both((reference, streamed), lambda m: m.delete_adapters("a"))
+        assert torch.equal(run(reference, name, 4), run(streamed, name, 4))
+        assert handle.stats().host_bytes == base_host_bytes and handle.stats().rewritten_blocks == 0
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_pipeline_load_lora_weights_after_enable_pipeline_matches_resident(tiny_flux_dir, tiny_wan_dir, tmp_path, name):
+    """The way most users load a LoRA. Flux's loader compares the LoRA's shapes with the
+    base weights' (the stand-ins have them)."""
+    import diffusers
+    from lora_files import pipeline_inputs, save_loras
+
+    directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name]
+    reference, streamed = (diffusers.DiffusionPipeline.from_pretrained(directory) for _ in range(2))
+    loras = save_loras(reference.transformer, name, tmp_path)
+    with dlo.enable_pipeline(streamed, "cpu") as handle:
+        both((reference, streamed), lambda p: p.load_lora_weights(loras["a"], adapter_name="a"))
+        both((reference, streamed), lambda p: p.load_lora_weights(loras["b"], adapter_name="b"))
+        both((reference, streamed), lambda p: p.set_adapters(["a", "b"], [0.8, 0.5]))
+        with torch.inference_mode():
+            expected = reference.transformer(**pipeline_inputs(name, 1))[0]
+            assert torch.equal(streamed.transformer(**pipeline_inputs(name, 1))[0], expected)
+        handle.fuse_lora(lora_scale=0.9)
+        reference.fuse_lora(lora_scale=0.9)
+        assert streamed.fused_loras == reference.fused_loras == {"a", "b"}
+        with torch.inference_mode():
+            expected = reference.transformer(**pipeline_inputs(name, 2))[0]
+            assert torch.equal(streamed.transformer(**pipeline_inputs(name, 2))[0], expected)
+        both((reference, streamed), lambda p: p.unload_lora_weights())  # the fused weights stay
+        with torch.inference_mode():
+            expected = reference.transformer(**pipeline_inputs(name, 3))[0]
+            assert torch.equal(streamed.transformer(**pipeline_inputs(name, 3))[0], expected)
+    assert same_state(reference.transformer, streamed.transformer)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fuse_lora_reaches_the_streamed_weights_and_unfuse_gives_back_what_resident_does(tiny_pair, tiny_loras, name):
+    loras = tiny_loras(name)
+    reference, streamed, _ = tiny_pair(name)
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, name)
+        for model in (reference, streamed):
+            model.load_lora_adapter(loras["a"], adapter_name="a", prefix="transformer")
+            model.load_lora_adapter(loras["b"], adapter_name="b", prefix="transformer")
+            model.set_adapters(["a", "b"], [1.0, 0.7])
+        reference.fuse_lora(lora_scale=0.8, adapter_names=["a"])
+        handle.fuse_lora(lora_scale=0.8, adapter_names=["a"])
+        assert torch.equal(run(reference, name, 2), run(streamed, name, 2))
+        fused = handle.stats().rewritten_blocks
+        assert fused == handle.stats().streamed_blocks  # "a" is in every block
+        reference.unfuse_lora()
+        handle.unfuse_lora()
+        assert torch.equal(run(reference, name, 3), run(streamed, name, 3))
+        assert handle.stats().rewritten_blocks == 2 * fused
+        reference.fuse_lora()
+        handle.fuse_lora()
+    assert same_state(reference, streamed)  # fused, after disable()
+
+
+def test_diffusers_own_fuse_lora_cannot_write_a_streamed_weight_and_changes_none(tiny_pair, tiny_loras):
+    """diffusers' fuse_lora() adds into the base weight in place: torch refuses the write into
+    the stand-in at the first streamed layer, before PEFT marks anything merged."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu"):
+        with pytest.raises(RuntimeError, match="written-to tensor"):
+            streamed.fuse_lora()
+        assert torch.equal(run(streamed, "wan"), run(reference, "wan"))  # LoRA applied, unfused, as before
+
+
+def test_disable_lora_after_fuse_unmerges_as_the_resident_forward_does(tiny_pair, tiny_loras):
+    """PEFT unmerges a merged layer in its forward when adapters are disabled: inside the
+    block's call, where only the slot would change."""
+    reference, streamed, _ = tiny_pair("flux")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        reference.fuse_lora()
+        handle.fuse_lora()
+        both((reference, streamed), lambda m: m.disable_lora())
+        assert torch.equal(run(reference, "flux", 2), run(streamed, "flux", 2))
+        both((reference, streamed), lambda m: m.enable_lora())
+        assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))  # LoRA unfused, applied
+    assert same_state(reference, streamed)
+
+
+def test_diffusers_own_unfuse_lora_is_refused_at_the_next_call_and_handle_unfuse_finishes_it(tiny_pair, tiny_loras):
+    """diffusers' unfuse_lora() pops the adapter from PEFT's merged list, then fails to write
+    the stand-in: the layer would apply its LoRA on top of the fused weight."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    reference.fuse_lora()
+    with dlo.enable(streamed, "cpu") as handle:
+        handle.fuse_lora()
+        with pytest.raises(RuntimeError, match="written-to tensor"):
+            streamed.unfuse_lora()
+        with pytest.raises(dlo.StreamingError, match=r"dropped merged adapters .* handle.unfuse_lora\(\)"):
+            run(streamed, "wan")
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))  # still fused, consistently
+        reference.unfuse_lora()
+        handle.unfuse_lora()
+        assert torch.equal(run(reference, "wan", 3), run(streamed, "wan", 3))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_in_place_edits_between_calls_are_refused_and_change_nothing(tiny_pair, name):
+    reference, streamed, _ = tiny_pair(name)
+    with dlo.enable(streamed, "cpu"):
+        expected = run(streamed, name)
+        weights = [(n, p) for n, p in streamed.named_parameters() if p.dim() == 2 and bool(p.isnan().all())]
+        first, second = weights[0], weights[1]
+        with pytest.raises(RuntimeError, match="written-to tensor"), torch.no_grad():
+            first[1].mul_(0.5)  # torch refuses the write into the stand-in: nothing changed
+        assert torch.equal(run(streamed, name), expected)
+        with torch.no_grad():
+            first[1].zero_()  # goes through, into the stand-in
+        second[1].data = torch.ones(second[1].shape)
+        with pytest.raises(dlo.StreamingError, match=rf"{first[0]!r} was written in place .*\(and 1 more\)"):
+            run(streamed, name)
+        assert torch.equal(run(streamed, name), expected)  # dropped: the weights dlo streams are unchanged
+        assert bool(first[1].isnan().all())  # the stand-in reads NaN again
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_edits_inside_handle_editing_reach_the_streamed_weights(tiny_pair, name):
+    reference, streamed, _ = tiny_pair(name)
+
+    block = f"{dlo.discover(reference).block_lists[0]}.1"  # the second block of the first list
+    names = [f"{block}.{n}" for n, p in reference.get_submodule(block).named_parameters() if p.dim() == 2][:3]
+
+    def edit(model):
+        weights = [model.get_parameter(n) for n in names]
+        with torch.no_grad():
+            weights[0].mul_(0.5)
+            weights[1].data = weights[1].data * -1
+            weights[2].copy_(torch.full(weights[2].shape, 0.01))
+
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, name)
+        edit(reference)
+        with handle.editing(streamed.get_submodule(names[0].rsplit(".", 2)[0])):  # a module inside the block
+            edit(streamed)
+        assert torch.equal(run(reference, name, 2), run(streamed, name, 2))
+        assert handle.stats().rewritten_blocks >= 1
+        with pytest.raises(dlo.StreamingError, match="not a streamed block"):
+            handle.editing(streamed.proj_out)
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_load_state_dict_reaches_the_streamed_weights(tiny_pair, name):
+    reference, streamed, _ = tiny_pair(name)
+    other = TINY_MODELS[name].build(seed=5).state_dict()
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, name)
+        reference.load_state_dict(other)
+        streamed.load_state_dict(other)
+        assert torch.equal(run(reference, name, 2), run(streamed, name, 2))
+        assert handle.stats().rewritten_blocks == handle.stats().streamed_blocks
+        one_block = {k: v * 2 for k, v in other.items() if ".1." in k}  # strict=False: the rest stays
+        reference.load_state_dict(one_block, strict=False)
+        streamed.load_state_dict(one_block, strict=False)
+        assert torch.equal(run(reference, name, 3), run(streamed, name, 3))
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_load_state_dict_that_cannot_finish_is_refused_before_any_weight_changes(tiny_pair, name):
+    """torch copies every other tensor and raises a size mismatch at the end (half applied)."""
+    _, streamed, _ = tiny_pair(name)
+    other = TINY_MODELS[name].build(seed=5).state_dict()
+    wrong = next(k for k in other if other[k].dim() == 2 and ".1." in k)
+    with dlo.enable(streamed, "cpu"):
+        expected = run(streamed, name)
+        before = {k: v.clone() for k, v in streamed.state_dict().items() if not v.isnan().any()}
+        with pytest.raises(dlo.StreamingError, match=rf"{wrong!r} has shape \(3, 3\), the model's .* nothing was loaded"):
+            streamed.load_state_dict({**other, wrong: torch.zeros(3, 3)})
+        with pytest.raises(dlo.StreamingError, match="assign=True"):
+            streamed.load_state_dict(other, assign=True)
+        assert all(torch.equal(v, streamed.state_dict()[k]) for k, v in before.items())  # non-block parts too
+        assert torch.equal(run(streamed, name), expected)
+
+
+@pytest.mark.parametrize("cast", ["half", "to-bfloat16"])
+def test_a_dtype_cast_after_enable_is_refused_by_name(tiny_pair, cast):
+    _, streamed, _ = tiny_pair("flux")
+    with dlo.enable(streamed, "cpu"):
+        run(streamed, "flux")
+        streamed.half() if cast == "half" else streamed.to(torch.bfloat16)
+        with pytest.raises(dlo.StreamingError, match=r"'transformer_blocks.0.* became (float16|bfloat16) .*disable\(\) first"):
+            run(streamed, "flux")
+        assert all(bool(p.isnan().all()) for p in streamed.transformer_blocks.parameters())  # stand-ins again
+
+
+def test_disable_finishes_then_refuses_a_change_that_missed_the_streamed_weights(tiny_pair):
+    reference, streamed, _ = tiny_pair("wan")
+    handle = dlo.enable(streamed, "cpu")
+    run(streamed, "wan")
+    streamed.blocks[2].ffn.net[2].weight.data = torch.zeros(32, 64)
+    with pytest.raises(dlo.StreamingError, match="'blocks.2.ffn.net.2.weight' was written in place"):
+        handle.disable()
+    assert handle.state is dlo.HandleState.DISABLED
+    assert same_state(reference, streamed)  # the weights dlo streamed, not the dropped zeros
