@@ -37,17 +37,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dlo.errors import StreamingError
 from dlo.host.block_rewrite import load_image, old_image, rewrite
-from dlo.host.block_sources import BlockSource, ShardSource
+from dlo.host.block_sources import ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
-from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -65,23 +64,6 @@ class _Opened:
     memory: torch.Tensor
     gathered: torch.Tensor | None
     kept: bool
-
-
-def replace_source(runtime: StreamingRuntime, index: int, source: BlockSource) -> None:
-    """Between calls: block `index` streams from `source` from its next load on (no slot
-    keeps what it loaded from the old one). Proposed as a StreamingRuntime method: it sets the
-    runtime's and its loads' records of the block, and the kind of load the source takes.
-    See [Note: editing a streamed block]"""
-    runtime.discard_loaded([index])
-    block = replace(runtime.blocks[index], source=source)
-    loads = runtime.loads
-    runtime.blocks = _with(runtime.blocks, index, block)
-    loads.blocks = _with(loads.blocks, index, block)
-    loads.kinds = _with(loads.kinds, index, BlockLoads._kind(block, staged=runtime.stager is not None))
-
-
-def _with(items: tuple, index: int, item: object) -> tuple:
-    return (*items[:index], item, *items[index + 1 :])
 
 
 class WeightChanges:
@@ -199,7 +181,7 @@ class WeightChanges:
             if done is None:
                 return
             if done.source is not block.source:
-                replace_source(runtime, index, done.source)
+                runtime.replace_source(index, done.source)
                 self._releases.append(done.source.release)
             else:
                 runtime.discard_loaded([index])

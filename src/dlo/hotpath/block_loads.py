@@ -64,8 +64,17 @@ class BlockLoads:
         self.blocks = tuple(blocks)
         self._executor = executor
         self._gather = gather
+        self._staged = staged
         self.kinds = tuple(self._kind(b, staged) for b in self.blocks)
         self.use_landings()
+
+    def use_block(self, index: int, block: StreamedBlock) -> None:
+        """Block `index` is now `block` (its source replaced between calls): a private copy, so
+        nothing made once per slot for the old source is used again."""
+        kind = self._kind(block, self._staged)
+        assert kind in (LoadKind.PACKED, LoadKind.GATHERED), kind  # direct copies are made per slot once
+        self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
+        self.kinds = (*self.kinds[:index], kind, *self.kinds[index + 1 :])
 
     @staticmethod
     def _kind(block: StreamedBlock, staged: bool) -> LoadKind:

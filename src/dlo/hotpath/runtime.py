@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dlo.errors import StreamingError
+from dlo.host.block_sources import BlockSource
 from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
@@ -174,6 +176,14 @@ class StreamingRuntime:
                 slot = self.planner.slot_of(index)
                 if slot is not None:
                     self.planner.forget(slot)
+
+    def replace_source(self, index: int, source: BlockSource) -> None:
+        """Between calls: block `index` streams from `source` from its next load on (a private
+        copy of a block whose weights changed); no slot keeps what it loaded from the old one."""
+        self.discard_loaded([index])
+        block = replace(self.blocks[index], source=source)
+        self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
+        self.loads.use_block(index, block)
 
     def drain(self) -> None:
         """Wait for every queued staged load (before synchronizing or tearing down), all of
