@@ -153,12 +153,15 @@ class OffloadHandle:
                 del _MANAGED[sub]
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        # First: blocks an interrupted call left pointing at their slots get their stand-ins back
+        # (See [Note: one writer per slot]), so the check of the stand-ins sees only changes made
+        # between calls.
+        self._runtime.start_call()
         self._changes.before_call()
         self._fusion.before_call()
         for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
             call.keep_installed()
         self._watch_compiles()
-        self._runtime.start_call()
         if self._residency is not None:
             self._residency.call_starts()
 
@@ -318,6 +321,7 @@ class OffloadHandle:
             return self._final_stats
         if self._changes_settled is None:  # once, also when a disable() cut short is called again
             try:
+                self._runtime.release_running()  # blocks an interrupted call left on their slots
                 self._changes.before_call()  # See [Note: stand-ins]
                 self._changes_settled = ()
             except StreamingError as err:  # the module is disabled first, then it is raised

@@ -109,7 +109,7 @@ class LockstepRuntime(StreamingRuntime):
         such as Ctrl-C skipped their end, or a schedule break raises through them; no more of
         their work is queued, so their slots are released. The call is then closed as the peers
         close theirs, from the same planner state (nothing running): the same collectives."""
-        self._release_running()
+        self.release_running()
         if self._cursor is not None:
             self._finish_call()
 

@@ -125,8 +125,8 @@ class StreamingRuntime:
             raise StreamingError(f"streamed block {block.name!r} is larger than the slots")
         for load in start.prefetch:
             self.queues[load.slot].load(load.block)
-        block.point_at(view)
         self.planner.commit(start)
+        block.point_at(view)  # last: a block pointed at a slot is one the planner counts as running
 
     def after_block(self, index: int) -> None:
         if not self.planner.is_running(index):  # before_block raised before the block started
@@ -147,12 +147,14 @@ class StreamingRuntime:
         """Before the root module runs: blocks still marked running were interrupted by a
         BaseException (torch runs no forward hook for those); their slots are released."""
         with self._step():
-            self._release_running()
+            self.release_running()
 
     def end_call(self) -> None:
         """After the root module ran (or raised)."""
 
-    def _release_running(self) -> None:
+    def release_running(self) -> None:
+        """Blocks still marked running (a BaseException skipped their end) are over: their
+        slots are free and their tensors stand-ins again. No collective: safe in any mode."""
         for index, slot_index in self.planner.release_running():
             self.executor.mark_free(self.queues[slot_index].state.slot)
             self.blocks[index].point_at(self.blocks[index].placeholders)
@@ -160,7 +162,7 @@ class StreamingRuntime:
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable())."""
         with self._step():
-            self._release_running()
+            self.release_running()
             for block in self.blocks:
                 block.restore()
 
