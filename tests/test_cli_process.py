@@ -227,10 +227,21 @@ def test_ctrl_c_during_make_tiny_leaves_nothing_and_the_same_command_then_works(
     """The pipeline is written beside DIR and renamed onto it once complete."""
     directory = tmp_path / "tiny-flux"
     stderr_log = tmp_path / "stderr.txt"
+    # The same CLI, with each saved model component followed by a long pause, so that the Ctrl-C
+    # surely lands with a component on disk and the rest not (tiny components save in milliseconds).
+    paused_after_each_component = (
+        "import sys, time, diffusers\n"
+        "save = diffusers.ModelMixin.save_pretrained\n"
+        "def paused(self, *args, **kwargs):\n"
+        "    save(self, *args, **kwargs)\n"
+        "    time.sleep(600)\n"
+        "diffusers.ModelMixin.save_pretrained = paused\n"
+        "from dlo.cli.main import main\n"
+        "sys.exit(main())\n"
+    )
     with open(stderr_log, "w") as log:
-        process = subprocess.Popen([*DLO, "make-tiny", "flux", str(directory)], stderr=log, stdout=subprocess.PIPE,
-                                   text=True, start_new_session=True)
-        # interrupted once a component is on disk
+        process = subprocess.Popen([sys.executable, "-c", paused_after_each_component, "make-tiny", "flux", str(directory)],
+                                   stderr=log, stdout=subprocess.PIPE, text=True, start_new_session=True)
         interrupt_when(process, lambda: any(tmp_path.glob(".tiny-flux.dlo-partial-*/*/config.json")))
     assert process.returncode == 130 and stderr_log.read_text().splitlines()[-1] == "dlo: interrupted"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stderr.txt"]

@@ -338,15 +338,26 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact(tm
     model, plan = fresh()
     with dlo.enable(model, "cpu", config, plan=plan):
         flux_outputs(model, [0])
-        with _LineInterrupt(None) as counted:
-            flux_outputs(model, [0])
+        counts = []
+        for _ in range(3):
+            with _LineInterrupt(None) as counted:
+                flux_outputs(model, [0])
+            counts.append(counted.lines)
+    # With a staging thread the main thread's waits run more or fewer lines from one call to the
+    # next: sample below the fewest seen, and say so where a call still ran fewer.
     rng = random.Random(backing)
-    for at in sorted(rng.sample(range(1, counted.lines + 1), 16)):
+    for at in sorted(rng.sample(range(1, min(counts) + 1), 16)):
         model, plan = fresh()
         with dlo.enable(model, "cpu", config, plan=plan):
             flux_outputs(model, [0])
-            with pytest.raises(KeyboardInterrupt), _LineInterrupt(at):
-                flux_outputs(model, [0])
+            interrupted = _LineInterrupt(at)
+            try:
+                with interrupted:
+                    flux_outputs(model, [0])
+            except KeyboardInterrupt:
+                pass
+            else:
+                assert backing == "staged" and interrupted.lines < at, f"line {at} of {counts} was never cut"
             got = flux_outputs(model, [0, 1])
         assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at
 
