@@ -5,6 +5,11 @@ class DloError(Exception):
     """Base class of every error dlo raises on purpose."""
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of another library's error, for a one-line message quoting it."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 class ConfigError(DloError, ValueError):
     """An `OffloadConfig` field or an `enable()` argument is invalid."""
 

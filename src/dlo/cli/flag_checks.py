@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from dlo.cli.config_flags import config_from_flags
+from dlo.cli.lora_flags import check_lora_names
 from dlo.cli.parallel_run import ParallelRun, parallel_run_from_flags
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
@@ -75,4 +76,5 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--keep-videos-s {args.keep_videos_s}: give a number of seconds > 0")
     if not 0 <= args.stall_timeout_s < float("inf"):
         raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
+    check_lora_names(args.lora)
     config_from_flags(args)

@@ -10,15 +10,16 @@ import torch
 
 from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.flag_checks import generate_config
-from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
+from dlo.cli.generate_job import GenerateJob, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
-from dlo.cli.model_source import resolve_model
+from dlo.cli.model_source import resolve_lora, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
 from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.pipelines.loading import check_components, pipeline_class
+from dlo.pipelines.lora_adapters import check_lora
 from dlo.pipelines.media_output import check_output_kind
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output).expanduser()
     device, dtype = device_and_dtype(args)
     config = generate_config(args, parallel)
-    model_dir = resolve_model(args.model_dir, "--offline was given" if args.offline else None)
+    cache_only = "--offline was given" if args.offline else None
+    model_dir = resolve_model(args.model_dir, cache_only)
     cls, index = pipeline_class(model_dir)
     video = "num_frames" in inspect.signature(cls.__call__).parameters
     check_output_kind(output, video)
@@ -79,14 +81,18 @@ def run(args: argparse.Namespace) -> int:
     request = checked_request(rules, args, dtype)
     check_sequence_split(parallel, model_dir, index, rules, request)
     kwargs = call_kwargs(cls, args, request)
-    check_config_for_model(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
+    transformer = build_on_meta(str(model_dir))
+    check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
-    job = GenerateJob(model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps)
+    loras = tuple(resolve_lora(flag, f"lora{i}", cache_only) for i, flag in enumerate(args.lora or ()))
+    for lora in loras:
+        check_lora(cls, transformer, lora)
+    job = GenerateJob(model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras)
     if parallel.mode is not None:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
     generated = generate(job, device, args.seed)
     write_output(job, generated.media, output)
     print(render_stats(generated.stats, args.steps, generated.seconds, device, generated.before_last_step))
-    print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in generated.placement.items()))
+    print("\n" + components_text(job, generated.placement))
     print(f"wrote {output}")
     return 0

@@ -18,6 +18,7 @@ from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.sequence_parallel import enable_context_parallel
 from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.pipelines.loading import load_pipeline
+from dlo.pipelines.lora_adapters import LoraFile, load_loras
 from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
 
 def render_stats(
@@ -57,6 +58,7 @@ class GenerateJob:
     compile: str
     steps: int
     fps: int
+    loras: tuple[LoraFile, ...] = ()  # loaded after enable_pipeline, all active at their scales
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ def generate(
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}) as handle:
+        load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
         def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
             if step == StepBytes.sampled_after(job.steps):  # once: stats() waits for the device
@@ -99,6 +102,13 @@ def generate(
     media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last)
+
+
+def components_text(job: GenerateJob, placement: dict[str, str]) -> str:
+    """Where the other components ran, and the LoRAs the call ran with."""
+    lines = ["other components: " + ", ".join(f"{k} on {v}" for k, v in placement.items())]
+    lines += [f"LoRA {lora.name}: {lora.path} at scale {lora.scale:g}" for lora in job.loras]
+    return "\n".join(lines)
 
 
 def _parameters(pipeline: type) -> frozenset[str]:

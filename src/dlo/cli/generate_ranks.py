@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dlo.cli.generate_job import GenerateJob, generate, render_stats, write_output
+from dlo.cli.generate_job import GenerateJob, components_text, generate, render_stats, write_output
 from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.rank_launch import RankPlace, launch_ranks, print_rank_errors
 from dlo.pipelines.library_noise import quiet_other_libraries
@@ -48,8 +48,7 @@ def run_ranks(job: GenerateJob, parallel: ParallelRun, device_type: str, seed: i
         share = f"1/{report['sequence_ranks']} of the sequence" if report["sequence_ranks"] > 1 else f"seed {report['seed']}"
         stats = render_stats(report["stats"], job.steps, report["seconds"], report["device"], report["before_last_step"])
         print(f"\nrank {rank} ({share}): {stats}")
-    placement = reports[0]["placement"]
-    print("\nother components: " + ", ".join(f"{k} on {v}" for k, v in placement.items()))
+    print("\n" + components_text(job, reports[0]["placement"]))
     for report in reports.values():
         if report["output"] is not None:
             print(f"wrote {report['output']}" + (f" (seed {report['seed']})" if parallel.mode is Parallel.DP else ""))

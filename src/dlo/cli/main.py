@@ -14,6 +14,7 @@ from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
 from dlo.cli.flag_checks import check_demo, check_generate, check_serve
+from dlo.cli.lora_flags import lora_flag, named_lora_flag
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
 from dlo.models.tiny_configs import TINY_CONFIGS
@@ -164,8 +165,13 @@ def _add_generate(commands) -> None:
         f"N tokens: attention time and memory grow with it (default: {DEFAULT_MAX_TOKENS} = 2**17)",
     )
     parser.add_argument(
+        "--lora", action="append", type=lora_flag, metavar="PATH[:SCALE]",
+        help="a LoRA to run with, at SCALE (default: 1): a .safetensors file, a directory holding one, or a hub id; "
+        "repeat for several. Checked against the transformer before anything loads",
+    )
+    parser.add_argument(
         "--offline", action="store_true",
-        help="use only models already in the Hugging Face cache, never download (also: HF_HUB_OFFLINE=1)",
+        help="use only models (and LoRAs) already in the Hugging Face cache, never download (also: HF_HUB_OFFLINE=1)",
     )
     parser.add_argument(
         "--output", required=True,
@@ -241,6 +247,12 @@ def _add_serve(commands) -> None:
     parser.add_argument(
         "--keep-videos-s", type=float, default=3600.0, metavar="S",
         help="seconds a finished video job is kept (default: 3600)",
+    )
+    parser.add_argument(
+        "--lora", action="append", type=named_lora_flag, metavar="NAME=PATH[:SCALE]",
+        help="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
+        "or a cached hub id); repeat for several. A request runs with those its \"lora\" field names "
+        '([{"name": NAME, "scale": S}], S defaulting to SCALE, itself to 1), the base model without it',
     )
     parser.add_argument(
         "--stall-timeout-s", type=float, default=600.0, metavar="S",

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dlo.errors import ConfigError
+from dlo.cli.lora_flags import LoraFlag
+from dlo.errors import ConfigError, first_line
+from dlo.pipelines.lora_adapters import LoraFile, lora_weights_file
 
 # The hub's repository id form; anything that is also an existing path is taken as the path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -20,33 +22,34 @@ def is_hub_id(target: str) -> bool:
     return bool(_HUB_ID.match(target)) and not Path(target).expanduser().exists()
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def _hub_snapshot(repo_id: str, cache_only: str | None) -> Path:
+def _hub_snapshot(
+    repo_id: str, cache_only: str | None, label: str = "MODEL", allow: list[str] = _ALLOW,
+    ignore: list[str] = _IGNORE,
+) -> Path:
+    """The hub cache's snapshot of `repo_id` (downloaded unless `cache_only` says why not);
+    `label`: how messages name it (the flag, the argument)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:  # the local cache first, without touching the network
-        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+        return Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=allow, ignore_patterns=ignore))
     except LocalEntryNotFoundError:
         pass
-    missing = f"MODEL {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE}"
+    missing = f"{label} {repo_id}: not in the Hugging Face cache {constants.HF_HUB_CACHE}"
     if cache_only or constants.HF_HUB_OFFLINE:
         why = cache_only or "HF_HUB_OFFLINE is set"
         raise ConfigError(
             f"{missing} and {why}; download it first (`hf download {repo_id}`) or pass its directory"
         )
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_ALLOW, ignore_patterns=_IGNORE))
+        return Path(snapshot_download(repo_id, allow_patterns=allow, ignore_patterns=ignore))
     except RepositoryNotFoundError:
         raise ConfigError(
-            f"MODEL {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
+            f"{label} {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
             "(log in with `hf auth login`)"
         ) from None
     except (HfHubHTTPError, OSError) as err:
-        raise ConfigError(f"{missing} and the download failed ({_first_line(err)})") from None
+        raise ConfigError(f"{missing} and the download failed ({first_line(err)})") from None
 
 
 def resolve_model(target: str, cache_only: str | None = None) -> Path:
@@ -58,3 +61,19 @@ def resolve_model(target: str, cache_only: str | None = None) -> Path:
     if not path.is_dir():
         raise ConfigError(f"MODEL {target}: no such directory (nor a Hugging Face hub id like org/name)")
     return path
+
+
+def resolve_lora(flag: LoraFlag, name: str, cache_only: str | None = None) -> LoraFile:
+    """The LoRA file a --lora names, as adapter `name`: a .safetensors file, a directory holding
+    one, or a hub id (the file at the repository's root, through the hub cache)."""
+    if is_hub_id(flag.target):
+        directory = _hub_snapshot(flag.target, cache_only, "--lora", allow=["*.safetensors"], ignore=[])
+    else:
+        directory = Path(flag.target).expanduser()
+        if directory.is_file():
+            if directory.suffix != ".safetensors":
+                raise ConfigError(f"{flag.text()}: not a .safetensors file; dlo loads LoRAs saved as safetensors")
+            return LoraFile(name, directory, flag.scale, flag.text())
+        if not directory.is_dir():
+            raise ConfigError(f"{flag.text()}: no such file or directory (nor a Hugging Face hub id like org/name)")
+    return LoraFile(name, lora_weights_file(directory, flag.text()), flag.scale, flag.text())

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.model_source import is_hub_id, resolve_model
+from dlo.cli.model_source import is_hub_id, resolve_lora, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
+from dlo.pipelines.lora_adapters import check_lora
 from dlo.serve.devices import replica_devices
 from dlo.serve.replica import ReplicaSpec
 
@@ -53,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
     cls, index = pipeline_class(model_dir)
     device, dtype = device_and_dtype(args)
     config = config_from_flags(args)
-    check_config_for_model(build_on_meta(str(model_dir)), config, "the transformer", dtype, device)
+    transformer = build_on_meta(str(model_dir))
+    check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
+    loras = tuple(resolve_lora(flag, flag.name, "dlo serve does not download") for flag in args.lora or ())
+    for lora in loras:
+        check_lora(cls, transformer, lora)
     rules = read_call_rules(model_dir, cls)
     # FastAPI and uvicorn: only for this command (check_serve_extra ran first).
     from dlo.serve.requests import Limits
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         timeout_s=args.timeout_s,
     )
-    spec = ReplicaSpec(str(model_dir), str(device), dtype, config)
+    spec = ReplicaSpec(str(model_dir), str(device), dtype, config, loras)
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     server = ServerSpec(
         replicas=tuple(specs),
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         keep_videos=args.keep_videos,
         keep_videos_s=args.keep_videos_s,
         log_level=args.log_level,
+        lora_scales=tuple((lora.name, lora.scale) for lora in loras),
     )
     placement = ", ".join(devices) if devices else str(device)
     serve(server, f"{cls.__name__} from {model_dir}, {args.replicas} replica(s) on {placement}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from dlo.backend.pipeline import STREAMED_COMPONENTS
-from dlo.errors import ConfigError
+from dlo.errors import ConfigError, first_line
 from dlo.host.checkpoint import read_json_object
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, SafetensorsFile
 from dlo.pipelines.library_noise import quiet_loading_bars
@@ -93,5 +93,4 @@ def load_pipeline(model_dir: Path, cls: type, dtype: torch.dtype, **components: 
     try:
         return cls.from_pretrained(model_dir, **{_dtype_argument(): dtype}, **components)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{model_dir}: diffusers could not load the {cls.__name__}: {first_line}") from None
+        raise ConfigError(f"{model_dir}: diffusers could not load the {cls.__name__}: {first_line(err)}") from None

@@ -28,7 +28,7 @@ from dlo.pipelines.call_rules import CallRules
 from dlo.pipelines.media_output import has_mp4_encoder
 from dlo.serve.pool import QueueFull, ReplicaPool, Unavailable
 from dlo.serve.replica import VideoFile, VideoFormat
-from dlo.serve.requests import ImageRequest, Limits, RequestError, VideoRequest, pipeline_kwargs
+from dlo.serve.requests import ImageRequest, Limits, RequestError, VideoRequest, chosen_adapters, pipeline_kwargs
 from dlo.serve.videos import VideoJobs, VideoShape, VideoStatus
 
 
@@ -77,9 +77,11 @@ def _log_access(request: Request, status: int, seconds: float) -> None:
 
 def make_app(
     pool: ReplicaPool, videos: VideoJobs, rules: CallRules, limits: Limits, parameters: frozenset[str],
-    model_name: str,
+    model_name: str, lora_scales: dict[str, float] | None = None,
 ) -> FastAPI:
-    """`parameters`: the names the pipeline's __call__ takes."""
+    """`parameters`: the names the pipeline's __call__ takes; `lora_scales`: the replicas'
+    LoRAs by name, at their --lora scales."""
+    lora_scales = lora_scales or {}
     app = FastAPI(title="dlo serve")
     video_format = "mp4" if has_mp4_encoder() else "webp"  # for a video request without `format`
 
@@ -120,10 +122,11 @@ def make_app(
         received = time.perf_counter()
         try:
             kwargs = pipeline_kwargs(request, rules, limits, parameters)
+            adapters = chosen_adapters(request, lora_scales)
         except RequestError as err:
             return _error(400, err.param, str(err))
         try:
-            job_id, future = pool.submit(kwargs, request.seed, request.n)
+            job_id, future = pool.submit(kwargs, request.seed, request.n, adapters=adapters)
         except QueueFull as full:
             return _queue_full(full)
         except Unavailable as refused:
@@ -150,6 +153,7 @@ def make_app(
     async def create_video(request: VideoRequest, connection: Request):
         try:
             kwargs = pipeline_kwargs(request, rules, limits, parameters)
+            adapters = chosen_adapters(request, lora_scales)
         except RequestError as err:
             return _error(400, err.param, str(err))
         height, width, frames = rules.default_size
@@ -159,7 +163,7 @@ def make_app(
             file=VideoFile(VideoFormat(request.format or video_format), request.fps),
         )
         try:
-            video = videos.submit(kwargs, shape)
+            video = videos.submit(kwargs, shape, adapters)
         except QueueFull as full:
             return _queue_full(full)
         except Unavailable as refused:

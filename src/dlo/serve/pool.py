@@ -28,6 +28,7 @@ from multiprocessing.connection import wait as connection_wait
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dlo.errors import ConfigError
+from dlo.pipelines.lora_adapters import Adapters
 from dlo.serve.replica import Cancel, Done, Job, Progress, Ready, ReplicaSpec, VideoFile, replica_main
 
 logger = logging.getLogger(__name__)
@@ -187,17 +188,18 @@ class ReplicaPool:
 
     def submit(
         self, kwargs: dict, seed: int, n: int, video: VideoFile | None = None,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[int], None] | None = None, adapters: Adapters = (),
     ) -> tuple[int, Future[Done]]:
         """Queue a job, or raise QueueFull or Unavailable. `on_progress(steps)` is called (on
-        the pool's thread) when a replica starts the job (0) and after each of its steps."""
+        the pool's thread) when a replica starts the job (0) and after each of its steps;
+        `adapters`: the LoRAs it runs with (see replica.Job)."""
         with self._lock:
             if self._refusal is not None:
                 raise Unavailable(self._refusal)
             if len(self._futures) >= self._capacity:
                 mean_s = sum(self._recent_s) / len(self._recent_s) if self._recent_s else 0.0
                 raise QueueFull(retry_after_s(mean_s, len(self._queue) + 1, self.replicas))
-            job = Job(next(self._ids), kwargs, seed, n, video)
+            job = Job(next(self._ids), kwargs, seed, n, video, adapters)
             future: Future[Done] = Future()
             self._futures[job.job_id] = future
             if on_progress is not None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dlo.pipelines.lora_adapters import Adapters, LoraFile, load_loras, use_adapters
 from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media
 
 
@@ -38,6 +39,7 @@ class ReplicaSpec:
     device: str
     dtype: torch.dtype
     config: Any  # dlo.OffloadConfig
+    loras: tuple[LoraFile, ...] = ()  # loaded at the start; each job picks among them
 
 
 class VideoFormat(enum.Enum):
@@ -63,6 +65,7 @@ class Job:
     seed: int
     n: int
     video: VideoFile | None = None
+    adapters: Adapters = ()  # the LoRAs the job runs with, and their scales; none: the base model
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,10 @@ def replica_main(spec: ReplicaSpec, conn, server_pid: int) -> None:
         return
     conn.send(Ready())
     inbox = _Inbox(conn)
+    adapters = _AdapterSwitch(pipe, bool(spec.loras))
     try:
         while (job := inbox.next_job()) is not None:
-            done = _run(pipe, job, inbox)
+            done = _run(pipe, job, inbox, adapters)
             stats = handle.stats()  # synchronizes the device: the job is over anyway
             memory = next(iter(stats.values())).host_memory if stats else None
             conn.send(
@@ -143,6 +147,21 @@ def replica_main(spec: ReplicaSpec, conn, server_pid: int) -> None:
         pass
     finally:
         handle.disable()
+
+
+class _AdapterSwitch:
+    """Switches the pipeline's active LoRAs when a job asks for others than the last one ran
+    with (a few module attributes: no weight moves, nothing reloads)."""
+
+    def __init__(self, pipe, has_loras: bool) -> None:
+        self.pipe = pipe
+        self.active: Adapters | None = None if has_loras else ()  # None: not known yet
+
+    def use(self, adapters: Adapters) -> None:
+        if adapters != self.active:
+            self.active = None  # a failed switch leaves it unknown: the next job sets it again
+            use_adapters(self.pipe, adapters)
+            self.active = adapters
 
 
 class _Cancelled(Exception):
@@ -184,11 +203,12 @@ def _load(spec: ReplicaSpec):
     transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
     pipe = load_pipeline(model_dir, cls, spec.dtype, transformer=transformer)
     handle = dlo.enable_pipeline(pipe, spec.device, spec.config, plans={"transformer": plan})
+    load_loras(pipe, spec.loras)  # after enable: the plan names the transformer's tensors as loaded
     pipe.set_progress_bar_config(disable=True)  # one bar per request and replica would fill the server's log
     return pipe, handle
 
 
-def _run(pipe, job: Job, inbox: _Inbox) -> Done:
+def _run(pipe, job: Job, inbox: _Inbox, adapters: _AdapterSwitch) -> Done:
     kwargs = dict(job.kwargs)
     counted = "callback_on_step_end" in inspect.signature(type(pipe).__call__).parameters
     inbox.conn.send(Progress(job.job_id, 0, per_step=counted))
@@ -206,6 +226,7 @@ def _run(pipe, job: Job, inbox: _Inbox) -> Done:
 
         kwargs["callback_on_step_end"] = step_end
     try:
+        adapters.use(job.adapters)
         files = []
         for k in range(job.n):  # image k of a request is seed + k: the same as n requests of one image
             generator = torch.Generator(device="cpu").manual_seed(job.seed + k)

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlo.pipelines.call_rules import MAX_SEED, CallRequest, CallRuleError, CallRules, validate_call
+from dlo.pipelines.lora_adapters import Adapters
 
 _PROMPT_CHARS = 10_000
 # max_sequence_length where the pipeline's signature gives no default (which would bound it):
@@ -22,6 +23,18 @@ _MOST_TEXT_TOKENS = 4096
 # guidance_scale: finite and far beyond any useful scale (pipelines use 0 to about 20), so the
 # guided noise prediction cannot overflow.
 _MOST_GUIDANCE = 1000.0
+# A LoRA scale: finite, and far beyond any useful one (people use about -2 to 2).
+_MOST_LORA_SCALE = 100.0
+_MOST_LORAS = 16  # adapters one request may run with
+
+
+class LoraChoice(BaseModel):
+    """One of the server's LoRAs (`dlo serve --lora NAME=...`), at `scale` (unset: NAME's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    scale: float | None = Field(default=None, ge=-_MOST_LORA_SCALE, le=_MOST_LORA_SCALE, allow_inf_nan=False)
 
 
 class _PipelineFields(BaseModel):
@@ -38,6 +51,7 @@ class _PipelineFields(BaseModel):
     num_inference_steps: int = Field(default=28, ge=1)
     guidance_scale: float | None = Field(default=None, ge=-_MOST_GUIDANCE, le=_MOST_GUIDANCE, allow_inf_nan=False)
     max_sequence_length: int | None = Field(default=None, ge=1, le=_MOST_TEXT_TOKENS)
+    lora: list[LoraChoice] = Field(default=[], max_length=_MOST_LORAS)  # none: the base model
 
 
 class ImageRequest(_PipelineFields):
@@ -72,6 +86,19 @@ class RequestError(Exception):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def chosen_adapters(request: ImageRequest | VideoRequest, lora_scales: dict[str, float]) -> Adapters:
+    """The adapters the request's job runs with, or a RequestError naming the field.
+    `lora_scales`: the server's LoRAs by name, at their --lora scales."""
+    names = [choice.name for choice in request.lora]
+    for name in names:
+        if name not in lora_scales:
+            loaded = f"it has {', '.join(lora_scales)}" if lora_scales else "it has none (dlo serve --lora NAME=PATH loads one)"
+            raise RequestError("lora", f"lora: no LoRA named {name!r} on this server; {loaded}")
+        if names.count(name) > 1:
+            raise RequestError("lora", f"lora: {name!r} is given twice; give each LoRA once, with its scale")
+    return tuple((c.name, lora_scales[c.name] if c.scale is None else c.scale) for c in request.lora)
 
 
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")

@@ -47,6 +47,7 @@ class ServerSpec:
     keep_videos: int
     keep_videos_s: float
     log_level: str = "info"  # of dlo serve's own lines and uvicorn's: debug, info, warning or error
+    lora_scales: tuple[tuple[str, float], ...] = ()  # the replicas' LoRAs (each spec's loras), by name
 
 
 def _refused_port(host: str, port: int, err: OSError) -> ConfigError:
@@ -119,7 +120,9 @@ def serve(spec: ServerSpec, description: str) -> None:
             endpoint = "/v1/videos" if "num_frames" in spec.parameters else "/v1/images/generations"
             print(f"dlo serve: {description}; http://{spec.host}:{spec.port}{endpoint}", flush=True)
             videos = VideoJobs(pool, spec.model_name, spec.keep_videos, spec.keep_videos_s)
-            app = make_app(pool, videos, spec.rules, spec.limits, spec.parameters, spec.model_name)
+            app = make_app(
+                pool, videos, spec.rules, spec.limits, spec.parameters, spec.model_name, dict(spec.lora_scales)
+            )
             # uvicorn's access log off: the app logs each request with its seconds and job (app.py).
             config = uvicorn.Config(app, host=spec.host, port=spec.port, log_level=spec.log_level, access_log=False)
             server = DrainingServer(config, pool)

@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dlo.pipelines.lora_adapters import Adapters
 from dlo.serve.pool import QueueFull, ReplicaPool, Unavailable
 from dlo.serve.replica import Done, VideoFile, VideoFormat
 
@@ -67,15 +68,17 @@ class VideoJobs:
         self._videos: dict[str, _Video] = {}
         self._lock = threading.Lock()
 
-    def submit(self, kwargs: dict, shape: VideoShape) -> dict:
-        """Queue a video job and return its object; QueueFull or Unavailable (from the pool)."""
+    def submit(self, kwargs: dict, shape: VideoShape, adapters: Adapters = ()) -> dict:
+        """Queue a video job (with the LoRAs `adapters`) and return its object; QueueFull or
+        Unavailable (from the pool)."""
         video = _Video(f"video_{uuid.uuid4().hex}", shape, kwargs["num_inference_steps"], int(time.time()))
         with self._lock:  # before the pool has the job: its first progress finds the record
             self._prune()
             self._videos[video.id] = video
         try:
             video.job_id, future = self._pool.submit(
-                kwargs, shape.seed, 1, shape.file, on_progress=lambda steps: self._progressed(video.id, steps)
+                kwargs, shape.seed, 1, shape.file, on_progress=lambda steps: self._progressed(video.id, steps),
+                adapters=adapters,
             )
         except (QueueFull, Unavailable):
             with self._lock:
