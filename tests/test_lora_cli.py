@@ -125,3 +125,20 @@ def test_lora_flags_are_refused_in_one_line_before_anything_is_looked_up(argv, s
         status = parser_exit.code
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_a_hub_id_lora_is_found_in_the_cache_and_one_not_there_is_named_offline(flux_loras, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    from hub_layout import cache_repo
+
+    from dlo.cli.lora_flags import lora_flag
+    from dlo.cli.model_source import resolve_lora
+    from dlo.errors import ConfigError
+
+    hub = cache_repo(tmp_path / "hub", "org/style-lora", flux_loras["a"].parent)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    lora = resolve_lora(lora_flag("org/style-lora:0.5"), "lora0", "--offline was given")
+    assert lora.path.name == "pytorch_lora_weights.safetensors" and lora.path.read_bytes() == flux_loras["a"].read_bytes()
+    assert lora.scale == 0.5 and lora.flag == "--lora org/style-lora:0.5"
+    with pytest.raises(ConfigError, match=r"^--lora org/absent: not in the Hugging Face cache .* and --offline was given"):
+        resolve_lora(lora_flag("org/absent"), "lora0", "--offline was given")
