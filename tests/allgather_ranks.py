@@ -128,6 +128,32 @@ def parity(
     )
 
 
+def gguf_parity(rank: int, world: int, path: str, config_dir: str, class_name: str) -> dict:
+    """A diffusers GGUF model (loaded from the file by every rank): its packed blocks gathered
+    across the group equal the resident GGUF model, in the call and after disable()."""
+    import warnings
+
+    from gguf_files import load_gguf
+
+    warnings.simplefilter("ignore")  # diffusers' notes on the weights it keeps in float32
+    reference, gathered = (load_gguf(path, config_dir, class_name) for _ in range(2))
+    seeds = [10 * rank + step for step in range(2)]
+    expected = _tiny_outputs(reference, "wan", seeds)
+    with dlo.enable(gathered, "cpu", dlo.OffloadConfig(use_allgather=True)) as handle:
+        got = _tiny_outputs(gathered, "wan", seeds)
+        stats = handle.stats()
+        block_bytes = [b.wire.nbytes for b in handle._runtime.blocks]
+    return dict(
+        identical_to_resident=all(torch.equal(a, b) for a, b in zip(expected, got)),
+        identical_after_disable=all(torch.equal(a, b) for a, b in zip(expected, _tiny_outputs(gathered, "wan", seeds))),
+        still_gguf=all(type(p).__name__ == "GGUFParameter" for n, p in gathered.named_parameters() if n.endswith("to_q.weight")),
+        group_size=stats.gather_group_size,
+        host_bytes=stats.host_bytes,
+        block_bytes=block_bytes,
+        uint8_image_bytes=stats.host_bytes_by_dtype.get("uint8", 0),
+    )
+
+
 def diverge(rank: int, world: int, gather_chunk_mib: float = 64.0, num_slots: int = 2) -> list:
     """Rank 1 skips a block in the second call: it raises there, rank 0 finishes the call,
     and the third call fails on every rank before any block collective. Then the
@@ -409,6 +435,7 @@ def mismatched(rank: int, world: int, **rank0: object) -> str:
 
 
 SCENARIOS["mismatched"] = mismatched
+SCENARIOS["gguf_parity"] = gguf_parity
 SCENARIOS["sequence_parallel"] = sequence_parallel
 
 

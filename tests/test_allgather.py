@@ -79,6 +79,30 @@ def test_gathered_blocks_are_bit_identical_and_each_rank_holds_a_shard(tmp_path,
         assert result["host_bytes"] <= sum(result["block_bytes"]) / world + 512 * len(result["block_bytes"])
 
 
+def test_gguf_blocks_are_sharded_and_gathered_as_their_packed_bytes(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+
+    from dlo.models.tiny import TINY_MODELS
+
+    model = TINY_MODELS["wan"].build(seed=0)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", gguf.GGMLQuantizationType.Q8_0)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed = sum(  # Q8_0: 34 bytes per 32 values
+        p.numel() * 34 // 32 for n, p in model.named_parameters()
+        if n.startswith("blocks.") and n.rpartition(".")[0] in linears and n.endswith(".weight") and p.shape[-1] % 32 == 0
+    )
+    results, _ = run_ranks(tmp_path, "gguf_parity", 2, path=str(path), config_dir=str(tmp_path),
+                           class_name="WanTransformer3DModel")
+    assert_no_errors(results)
+    for result in results.values():
+        assert result["identical_to_resident"] and result["identical_after_disable"] and result["still_gguf"]
+        assert result["group_size"] == 2
+        assert result["uint8_image_bytes"] == packed  # the blocks' images hold the packed bytes, not dequantized
+        assert result["host_bytes"] == sum(align_up(-(-size // 2)) for size in result["block_bytes"])  # half each
+
+
 def test_float8_blocks_are_sharded_and_gathered_as_float8(tmp_path):
     """Each rank keeps 1/2 of every block's float8 image; the gathered block is dequantized
     in the slot and equals the quantized model resident and rank-local float8 streaming."""

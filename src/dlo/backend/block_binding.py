@@ -35,6 +35,7 @@ from dlo.host.tensor_source import QuantizedSource, TensorSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
 from dlo.planning.adapters import adapter_modules
+from dlo.planning.gguf_weights import is_gguf_parameter
 from dlo.planning.block_layout import ALIGNMENT, BlockLayout, TensorSpec
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.shard_layout import ShardLayout, plan_shards
@@ -59,7 +60,8 @@ def check_streamable(name: str, tensor: torch.Tensor) -> None:
             f"{name!r} is on the meta device (weights not loaded). Load the model before dlo.enable(); a model "
             "from dlo.load_transformer needs plan=<the HostWeightPlan it returned>"
         )
-    if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.layout != torch.strided or tensor.is_quantized:
+    plain = type(tensor) in (torch.Tensor, nn.Parameter) or is_gguf_parameter(tensor)
+    if not plain or tensor.layout != torch.strided or tensor.is_quantized:
         raise EnableError(
             f"{name!r} is a {type(tensor).__name__} ({tensor.layout}); dlo streams plain dense tensors only"
         )
@@ -99,13 +101,17 @@ def refuse_shared(streamed: list[BlockTensors], rest: dict[int, str]) -> None:
 
 
 def placeholders(blocks: list[BlockTensors], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    """One 0-d tensor per dtype on `device`, NaN (0 for integers): each streamed tensor points
-    at it, expanded to its own shape, between its block's runs. See [Note: stand-ins]"""
+    """One 0-d tensor per dtype on `device`, NaN (0xFF for uint8, 0 for other integers): each
+    streamed tensor points at it, expanded to its own shape, between its block's runs. See
+    [Note: stand-ins]"""
     found: dict[torch.dtype, torch.Tensor] = {}
     for block in blocks:
         for tensor in block.tensors:
             if tensor.dtype not in found:
-                fill = float("nan") if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 0
+                if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+                    fill = float("nan")
+                else:
+                    fill = 0xFF if tensor.dtype == torch.uint8 else 0  # GGUF bytes: NaN scales
                 found[tensor.dtype] = torch.full((), fill, dtype=tensor.dtype, device=device)
     return found
 

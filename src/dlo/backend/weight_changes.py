@@ -3,7 +3,8 @@ streams from, or is refused with a StreamingError before any weight dlo streams 
 
 [Note: stand-ins]
 Between its calls a streamed block's tensors point at stand-ins: one 0-d tensor per dtype on
-the device, NaN (0 for integers), expanded to each tensor's shape. Shape, dtype and device
+the device, NaN (bytes of 0xFF for uint8: a GGUF weight's packed bytes, whose float16 scales
+then are NaN; 0 for other integers), expanded to each tensor's shape. Shape, dtype and device
 are the real ones, which is what PEFT (placing a new adapter beside its base weight) and
 diffusers' LoRA loaders (comparing a LoRA's shapes with the model's) read. Every stride is 0:
 no memory of its own, and torch refuses most writes into it ("more than one element of the

@@ -1,0 +1,24 @@
+"""GGUF weights as diffusers holds them.
+
+[Note: GGUF streaming]
+A model diffusers loaded from a GGUF file holds each quantized weight as a `GGUFParameter`: a
+Parameter subclass whose data is the file's packed bytes (uint8, each row the quant type's
+blocks) and whose `quant_type` says how to read them; the GGUFLinear owning it dequantizes it in
+every forward. To dlo such a weight is a uint8 tensor like any other: its bytes are packed into
+the block's host image as they are, copied into the slot, and the same parameter object is
+pointed at its slot view (`.data`, which keeps the object, hence its `quant_type`), so the
+forward dequantizes exactly the bytes diffusers' resident model does. fp8 streaming leaves it
+alone (it quantizes floating-point weights only), and fp8 GEMMs do not take a GGUFLinear (its
+weight is no bf16 tensor). Between calls it points at the uint8 stand-in, bytes of 0xFF: every
+GGUF block's float16 scale then reads NaN (See [Note: stand-ins]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_gguf_parameter(tensor: torch.Tensor) -> bool:
+    """diffusers' GGUFParameter, known by its class (diffusers need not be imported)."""
+    cls = type(tensor)
+    return cls.__name__ == "GGUFParameter" and cls.__module__.startswith("diffusers.")

@@ -1,0 +1,117 @@
+"""diffusers GGUF models streamed by dlo.enable: each GGUFParameter's packed bytes stream as
+they are and the forward dequantizes them as diffusers' resident GGUF model does, bit for bit,
+for every quant type diffusers dequantizes. Real GGUF files (gguf_files.py). See [Note: GGUF
+streaming] in dlo.planning.gguf_weights."""
+
+import warnings
+
+import pytest
+import torch
+
+import dlo
+from dlo.errors import StreamingError
+from dlo.models.tiny import TINY_MODELS
+
+diffusers = pytest.importorskip("diffusers")
+gguf = pytest.importorskip("gguf")
+from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, dequantize_gguf_tensor  # noqa: E402
+from gguf_files import WIDE_WAN, load_gguf, write_gguf  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def _quiet_diffusers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' notes on the weights it keeps in float32
+        yield
+
+
+@pytest.fixture(scope="module")
+def wide_wan(tmp_path_factory):
+    """A seeded Wan transformer wide enough for every quant type, and its config's directory."""
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WIDE_WAN)
+    directory = tmp_path_factory.mktemp("wide-wan")
+    model.save_config(directory)
+    return model, directory
+
+
+def _tiny_gguf(tmp_path, name, quant_type):
+    """(file, config directory, class name) of dlo.models.tiny's `name` written as `quant_type`."""
+    model = TINY_MODELS[name].build(seed=0)
+    model.save_config(tmp_path)
+    return write_gguf(model, tmp_path / f"{quant_type.name}.gguf", quant_type), tmp_path, type(model).__name__
+
+
+def _outputs(model, name="flux", seeds=(1, 2)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
+
+
+def _gguf_parameters(model):
+    return {n: p for n, p in model.named_parameters() if type(p).__name__ == "GGUFParameter"}
+
+
+@pytest.mark.parametrize("quant_type", SUPPORTED_GGUF_QUANT_TYPES, ids=lambda q: q.name)
+def test_every_quant_type_streams_its_packed_bytes_and_equals_the_resident_gguf_model(tmp_path, wide_wan, quant_type):
+    model, config_dir = wide_wan
+    path, cls = write_gguf(model, tmp_path / "model.gguf", quant_type), "WanTransformer3DModel"
+    reference, streamed = load_gguf(path, config_dir, cls), load_gguf(path, config_dir, cls)
+    packed = _gguf_parameters(streamed)
+    assert any(n.startswith("blocks.") for n in packed)  # the blocks hold GGUF weights
+    expected = _outputs(reference, "wan", seeds=(1,))
+    assert torch.isfinite(expected[0]).all()
+    seen = {}
+
+    def record(module, args):  # inside the call: the same parameter, on the slot's packed bytes
+        seen[module] = (type(module.weight).__name__, module.weight.quant_type, module.weight.dtype)
+
+    hooks = [m.register_forward_pre_hook(record) for m in streamed.modules() if type(m).__name__ == "GGUFLinear"]
+    with dlo.enable(streamed, "cpu") as handle:
+        got = _outputs(streamed, "wan", seeds=(1,))
+        stats = handle.stats()
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(expected[0], got[0])
+    assert set(seen.values()) == {("GGUFParameter", quant_type, torch.uint8)}
+    block_bytes = sum(p.nbytes for n, p in packed.items() if n.startswith("blocks."))
+    assert stats.host_bytes_by_dtype["uint8"] == block_bytes  # packed as in the file, not dequantized
+    after = streamed.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in reference.state_dict().items())
+    assert all(type(after[n]).__name__ == "GGUFParameter" and after[n].quant_type == p.quant_type for n, p in packed.items())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dlo.OffloadConfig(stream_dtype="fp8"),  # the blocks' float weights as float8, the GGUF ones packed
+        dlo.OffloadConfig(resident_layers=1),
+        dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=1.0),
+        dlo.OffloadConfig(num_slots=3),
+    ],
+    ids=["fp8", "resident-block", "auto-residency", "three-slots"],
+)
+@pytest.mark.parametrize("name", ["wan", "flux"])
+def test_gguf_blocks_with_every_mode_equal_the_resident_gguf_model_the_same_way(tmp_path, config, name):
+    path, config_dir, cls = _tiny_gguf(tmp_path, name, Q.Q8_0)
+    reference, streamed = load_gguf(path, config_dir, cls), load_gguf(path, config_dir, cls)
+    dlo.quantize_resident(reference, config)
+    expected = _outputs(reference, name, seeds=(1, 2, 3))
+    with dlo.enable(streamed, "cpu", config):
+        got = _outputs(streamed, name, seeds=(1, 2, 3))
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True, True, True]
+
+
+def test_between_calls_a_gguf_weight_reads_nan_and_a_new_tensor_for_it_is_refused(tmp_path):
+    path, config_dir, cls = _tiny_gguf(tmp_path, "flux", Q.Q8_0)
+    reference, streamed = load_gguf(path, config_dir, cls), load_gguf(path, config_dir, cls)
+    expected = _outputs(reference, seeds=(3,))
+    with dlo.enable(streamed, "cpu"):
+        _outputs(streamed)
+        weight = streamed.transformer_blocks[1].attn.to_q.weight
+        assert type(weight).__name__ == "GGUFParameter" and torch.isnan(dequantize_gguf_tensor(weight.clone())).all()
+        weight.data = torch.zeros_like(weight.data)
+        with pytest.raises(StreamingError, match=r"'transformer_blocks\.1\.attn\.to_q\.weight' was written in place"):
+            _outputs(streamed)
+        assert [torch.equal(a, b) for a, b in zip(expected, _outputs(streamed, seeds=(3,)))] == [True]
