@@ -115,3 +115,23 @@ def test_between_calls_a_gguf_weight_reads_nan_and_a_new_tensor_for_it_is_refuse
         with pytest.raises(StreamingError, match=r"'transformer_blocks\.1\.attn\.to_q\.weight' was written in place"):
             _outputs(streamed)
         assert [torch.equal(a, b) for a, b in zip(expected, _outputs(streamed, seeds=(3,)))] == [True]
+
+
+def test_fusing_a_lora_into_gguf_weights_is_refused_before_anything_fused_and_it_runs_unfused(tmp_path):
+    from lora_files import save_lora
+
+    path, config_dir, cls = _tiny_gguf(tmp_path, "wan", Q.Q8_0)
+    lora = save_lora(TINY_MODELS["wan"].build(seed=0), "wan", "a", tmp_path / "lora", 1)
+    reference, streamed = load_gguf(path, config_dir, cls), load_gguf(path, config_dir, cls)
+    with dlo.enable(streamed, "cpu") as handle:
+        _outputs(streamed, "wan")
+        for model in (reference, streamed):
+            model.load_lora_adapter(str(lora), adapter_name="a", prefix="transformer")
+        before = {k: v.clone() for k, v in streamed.state_dict().items()}
+        with pytest.raises(StreamingError, match=r"fuse_lora: the base Linear of '.*' holds a GGUF weight \(packed Q8_0"):
+            handle.fuse_lora()
+        assert handle.stats().rewritten_blocks == 0
+        assert [torch.equal(a, b) for a, b in zip(_outputs(reference, "wan"), _outputs(streamed, "wan"))] == [True, True]
+    after = streamed.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith("blocks."))
+    assert all(torch.equal(after[k], v) for k, v in reference.state_dict().items())

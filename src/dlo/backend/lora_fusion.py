@@ -36,6 +36,7 @@ from dlo.backend.weight_changes import WeightChanges
 from dlo.errors import StreamingError
 from dlo.hotpath.fp8_gemm import Fp8GemmLinear
 from dlo.planning.adapters import tuner_layers
+from dlo.planning.gguf_weights import is_gguf_parameter
 
 
 class LoraFusion:
@@ -65,12 +66,13 @@ class LoraFusion:
         """See [Note: fusing LoRA into streamed blocks]"""
         streamed = self._streamed_layers()
         inside = {id(layer) for _, layer, _ in streamed}
-        others = [layer for _, layer in tuner_layers(self._module) if id(layer) not in inside]
+        others = [(name, layer) for name, layer in tuner_layers(self._module) if id(layer) not in inside]
         from peft.tuners.tuners_utils import check_adapters_to_merge  # PEFT made the layers found
 
         with warnings.catch_warnings():  # PEFT warns again when it merges
             warnings.simplefilter("ignore")
             to_merge = [(name, layer, index) for name, layer, index in streamed if check_adapters_to_merge(layer, adapter_names)]
+            merged_resident = [(name, layer) for name, layer in others if check_adapters_to_merge(layer, adapter_names)]
         for name, layer, _ in to_merge:
             if isinstance(layer.get_base_layer(), Fp8GemmLinear):
                 raise StreamingError(
@@ -78,7 +80,15 @@ class LoraFusion:
                     "holds float8 weights, which a LoRA merge cannot add to; nothing was fused. Keep the LoRA "
                     "unfused, or fuse it before dlo.enable()"
                 )
-        for layer in others:
+        for name, layer in [(name, layer) for name, layer, _ in to_merge] + merged_resident:
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            if weight is not None and is_gguf_parameter(weight):
+                raise StreamingError(
+                    f"fuse_lora: the base Linear of {name!r} holds a GGUF weight (packed {weight.quant_type.name} bytes), "
+                    "which a LoRA merge cannot add to; nothing was fused. Keep the LoRA unfused (it runs beside the "
+                    "GGUF weights), or fuse it into a bf16 model and quantize that"
+                )
+        for _, layer in others:
             _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
         opened = {index for _, _, index in to_merge}
         try:
