@@ -32,6 +32,7 @@ PRELOAD = [
     "failed_enables",
     "sequence_parallel_ranks",
     "dlo.cli.generate_ranks",
+    "dlo.cli.demo_ranks",
 ]
 
 

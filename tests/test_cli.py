@@ -213,17 +213,22 @@ def test_inspect_reports_the_checkpoint_preflight(tmp_path, capsys):
     assert "no, falls back to the ordinary loader (unsupported_online_quantization" in capsys.readouterr().out
 
 
-def test_demo_across_two_gloo_ranks(tmp_path):
+def test_demo_across_two_gloo_ranks(tmp_path, capsys, monkeypatch):
+    """Two real rank processes in a real Gloo group; the command itself runs in-process (its
+    process is what test_demo_console_script_streams_what_the_resident_model_computes runs),
+    and its ranks fork from the tests' forkserver, which has imported torch and diffusers,
+    instead of spawning interpreters that import them again (as tests/test_generate_ranks.py
+    does; the spawn start method is the only difference, and the ranks do not depend on it)."""
+    from dlo.cli import rank_launch
+
+    from child_processes import child_context
+
+    monkeypatch.setattr(rank_launch, "rank_context", child_context)
     saved = tmp_path / "outputs.pt"
-    done = subprocess.run(
-        [sys.executable, "-m", "dlo.cli.main", "demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--nproc", "2",
-         "--gather-chunk-mib", "0.03", "--save-outputs", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "all-gather across 2 ranks (gloo)" in done.stdout
+    argv = ["demo", "--model", "flux", "--device", "cpu", "--steps", "2", "--nproc", "2", "--gather-chunk-mib", "0.03",
+            "--save-outputs", str(saved)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "all-gather across 2 ranks (gloo)" in capsys.readouterr().out
     for rank in range(2):  # each rank ran its own prompt
         assert_streamed_like_a_fresh_resident_run(saved, "flux", 2, prompt_seed=rank, rank=rank)
 

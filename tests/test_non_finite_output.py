@@ -2,26 +2,45 @@
 8 bits is 0, so a damaged weight file used to give an all-black image and exit status 0."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from dlo.cli.main import main
 from dlo.pipelines.media_output import NonFiniteOutput, check_finite
 from dlo.models.tiny import TINY_MODELS
 from nan_weights import poison
 
-DLO = [sys.executable, "-m", "dlo.cli.main"]
-def refusal(done):
-    """The one `dlo: error:` line of a refused run (progress bars aside), after status 1."""
-    assert done.returncode == 1, done.stderr
-    lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.startswith("dlo")]
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+
+def refusal(status, captured):
+    """The one `dlo: error:` line of a refused run (progress bars aside), after status 1.
+
+    In-process main() (formerly a `dlo` process each, ~8 s of imports apiece here): the
+    refusal is main's status and what it wrote; the exit status is main's return
+    (dlo.cli.launch and `-m dlo.cli.main` hand it to sys.exit, tests/test_cli_process.py runs
+    those as processes)."""
+    assert status == 1, captured.err
+    lines = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("dlo")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     return lines[0]
 
 
-def test_generate_refuses_an_image_from_a_damaged_transformer_and_writes_nothing(tiny_flux_dir, tmp_path):
+@pytest.fixture
+def progress_bars_restored():
+    """generate quiets the libraries' loading bars for the rest of its process: put them back."""
+    from diffusers.utils import logging as diffusers_logging
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    yield
+    transformers_logging.enable_progress_bar()
+    enable_progress_bars()
+    diffusers_logging.enable_progress_bar()
+
+
+def test_generate_refuses_an_image_from_a_damaged_transformer_and_writes_nothing(
+    tiny_flux_dir, tmp_path, capsys, progress_bars_restored
+):
     model = tmp_path / "flux"
     shutil.copytree(tiny_flux_dir, model)
     poison(model / "transformer" / "diffusion_pytorch_model.safetensors", "proj_out.weight")
@@ -29,25 +48,27 @@ def test_generate_refuses_an_image_from_a_damaged_transformer_and_writes_nothing
     out.mkdir()
     argv = ["generate", str(model), "--prompt", "a red cube", "--device", "cpu", "--steps", "2", "--height", "32",
             "--width", "32", "--output", str(out / "cube.png")]
-    done = subprocess.run([*DLO, *argv], capture_output=True, text=True, timeout=300)
-    line = refusal(done)
+    status = main(argv)
+    captured = capsys.readouterr()
+    line = refusal(status, captured)
     assert line.startswith("dlo: error: the generated image has 3072 non-finite values (NaN or infinity) of 3072; "
                            "nothing was written.")
     assert "check the model's files, or try another --dtype" in line
     assert list(out.iterdir()) == []
 
 
-def test_demo_refuses_a_run_of_a_damaged_checkpoint_and_saves_no_outputs(tmp_path):
+def test_demo_refuses_a_run_of_a_damaged_checkpoint_and_saves_no_outputs(tmp_path, capsys):
     checkpoint = tmp_path / "wan"
     TINY_MODELS["wan"].build(seed=0).save_pretrained(checkpoint)
     poison(checkpoint / "diffusion_pytorch_model.safetensors", "proj_out.weight")
     saved = tmp_path / "outputs.pt"
     argv = ["demo", "--model", "wan", "--from-checkpoint", str(checkpoint), "--device", "cpu", "--steps", "2",
             "--save-outputs", str(saved)]
-    done = subprocess.run([*DLO, *argv], capture_output=True, text=True, timeout=300)
-    line = refusal(done)
+    status = main(argv)
+    captured = capsys.readouterr()
+    line = refusal(status, captured)
     assert line.startswith("dlo: error: the resident run's output at step 1 has ") and "non-finite values" in line
-    assert done.stdout == "" and not saved.exists()
+    assert captured.out == "" and not saved.exists()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])

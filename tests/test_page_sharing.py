@@ -18,6 +18,7 @@ The test recomputes these from the built model; the comments are what they come 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing as mp
 import queue
@@ -84,9 +85,11 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     )
 
 
-def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results, cache_dir: str | None = None) -> None:
-    """Load, enable on cpu, run one forward; report smaps_rollup before loading and after
-    the forward, measured while every worker holds its mapping."""
+def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> None:
+    """For each (mmap, cache_dir) of `scenarios` in turn: load, enable on cpu, run one
+    forward; report smaps_rollup before loading and after the forward, measured while every
+    worker holds its mapping. Between scenarios the model and its handle are dropped, and
+    every worker has dropped them before anyone takes the next baseline."""
     try:
         # Everything imported and the inputs built before the first measurement, so the
         # deltas are the load, enable and forward only.
@@ -94,41 +97,45 @@ def _sharing_worker(rank: int, directory: str, mmap: bool, barrier, results, cac
 
         torch.set_num_threads(1)  # up to 3 workers on 2 cores
         inputs = WAN.inputs(seed=rank)
-        # Every worker has mapped torch's libraries before anyone takes a baseline: a late
-        # starter would otherwise lower the others' share of those pages between their two
-        # measurements.
-        barrier.wait(BARRIER_TIMEOUT_S)
-        before = dlo.read_smaps_rollup()
-        barrier.wait(BARRIER_TIMEOUT_S)
+        for index, (mmap, cache_dir) in enumerate(scenarios):
+            # Every worker has mapped torch's libraries (and dropped the last scenario's model)
+            # before anyone takes a baseline: a late starter would otherwise lower the others'
+            # share of those pages between their two measurements.
+            barrier.wait(BARRIER_TIMEOUT_S)
+            before = dlo.read_smaps_rollup()
+            barrier.wait(BARRIER_TIMEOUT_S)
 
-        config = dlo.OffloadConfig(
-            checkpoint_mmap=mmap, host_weight_cache=cache_dir is not None, cache_dir=cache_dir or "unused"
-        )
-        model, plan = dlo.load_transformer(directory, config=config)
-        handle = dlo.enable(model, "cpu", config, plan=plan)
-        with torch.inference_mode():
-            output = model(**inputs)[0]
-        stats = handle.stats()
-
-        barrier.wait(BARRIER_TIMEOUT_S)  # everyone loaded and ran: all mappings are live
-        after = dlo.read_smaps_rollup()
-        barrier.wait(BARRIER_TIMEOUT_S)  # nobody unmaps (exits) before everyone measured
-        results.put(
-            dict(
-                rank=rank,
-                plan=plan is not None,
-                before=before,
-                after=after,
-                mapped_bytes=stats.mapped_bytes,
-                host_bytes=stats.host_bytes,
-                backing=stats.backing,
-                slot_bytes=stats.slot_bytes,
-                finite=bool(torch.isfinite(output).all()),
+            config = dlo.OffloadConfig(
+                checkpoint_mmap=mmap, host_weight_cache=cache_dir is not None, cache_dir=cache_dir or "unused"
             )
-        )
+            model, plan = dlo.load_transformer(directory, config=config)
+            handle = dlo.enable(model, "cpu", config, plan=plan)
+            with torch.inference_mode():
+                output = model(**inputs)[0]
+            stats = handle.stats()
+
+            barrier.wait(BARRIER_TIMEOUT_S)  # everyone loaded and ran: all mappings are live
+            after = dlo.read_smaps_rollup()
+            barrier.wait(BARRIER_TIMEOUT_S)  # nobody unmaps (exits, drops) before everyone measured
+            results.put(
+                dict(
+                    scenario=index,
+                    rank=rank,
+                    plan=plan is not None,
+                    before=before,
+                    after=after,
+                    mapped_bytes=stats.mapped_bytes,
+                    host_bytes=stats.host_bytes,
+                    backing=stats.backing,
+                    slot_bytes=stats.slot_bytes,
+                    finite=bool(torch.isfinite(output).all()),
+                )
+            )
+            del model, plan, handle, output, stats
+            gc.collect()
     except BaseException:
         barrier.abort()  # the others fail fast instead of waiting out the timeout
-        results.put(dict(rank=rank, error=traceback.format_exc()))
+        results.put(dict(scenario=None, rank=rank, error=traceback.format_exc()))
 
 
 @dataclass(frozen=True)
@@ -140,23 +147,24 @@ class Delta:
     rss: int
 
 
-def _run_workers(
-    directory: Path, workers: int, mmap: bool, cache_dir: Path | None = None
-) -> tuple[list[dict], list[Delta]]:
+def _run_workers(directory: Path, workers: int, scenarios) -> list[tuple[list[dict], list[Delta]]]:
+    """`workers` spawned processes run each (mmap, cache_dir or None) of `scenarios` in turn;
+    per scenario, (reports, deltas) ordered by rank."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     results = ctx.Queue()
-    cache = str(cache_dir) if cache_dir is not None else None
+    scenarios = [(mmap, str(cache_dir) if cache_dir is not None else None) for mmap, cache_dir in scenarios]
     processes = [
-        ctx.Process(target=_sharing_worker, args=(rank, str(directory), mmap, barrier, results, cache), daemon=True)
+        ctx.Process(target=_sharing_worker, args=(rank, str(directory), scenarios, barrier, results), daemon=True)
         for rank in range(workers)
     ]
     for process in processes:
         process.start()
     reports: list[dict] = []
+    expected = workers * len(scenarios)
     try:
-        deadline = time.monotonic() + RESULTS_TIMEOUT_S
-        while len(reports) < workers and time.monotonic() < deadline:
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S * len(scenarios)
+        while len(reports) < expected and time.monotonic() < deadline:
             try:
                 reports.append(results.get(timeout=1.0))
             except queue.Empty:
@@ -165,9 +173,11 @@ def _run_workers(
                     # A worker died without reporting (killed, segfault): stop waiting.
                     codes = {p.pid: p.exitcode for p in dead}
                     pytest.fail(f"workers died without reporting: exit codes {codes}; got {reports}")
+            if any("error" in r for r in reports):
+                break
         errors = [r["error"] for r in reports if "error" in r]
         assert not errors, "worker failed:\n" + "\n".join(errors)
-        assert len(reports) == workers, f"only {len(reports)} of {workers} workers reported in {RESULTS_TIMEOUT_S}s"
+        assert len(reports) == expected, f"only {len(reports)} of {expected} reports came in"
         for process in processes:
             process.join(timeout=30)
             assert process.exitcode == 0, f"worker pid {process.pid} exit code {process.exitcode}"
@@ -176,18 +186,34 @@ def _run_workers(
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-    reports.sort(key=lambda r: r["rank"])
-    deltas = [
-        Delta(
-            rank=r["rank"],
-            private_dirty=r["after"].private_dirty - r["before"].private_dirty,
-            pss_file=r["after"].pss_file - r["before"].pss_file,
-            pss=r["after"].pss - r["before"].pss,
-            rss=r["after"].rss - r["before"].rss,
-        )
-        for r in reports
-    ]
-    return reports, deltas
+    per_scenario = []
+    for index in range(len(scenarios)):
+        mine = sorted((r for r in reports if r["scenario"] == index), key=lambda r: r["rank"])
+        deltas = [
+            Delta(
+                rank=r["rank"],
+                private_dirty=r["after"].private_dirty - r["before"].private_dirty,
+                pss_file=r["after"].pss_file - r["before"].pss_file,
+                pss=r["after"].pss - r["before"].pss,
+                rss=r["after"].rss - r["before"].rss,
+            )
+            for r in mine
+        ]
+        per_scenario.append((mine, deltas))
+    return per_scenario
+
+
+@pytest.fixture(scope="module")
+def three_workers(checkpoint, tmp_path_factory):
+    """One set of 3 spawned workers (each costs seconds of imports) runs two scenarios in
+    turn, each measured on its own baseline: checkpoint_mmap=True, then through the host
+    weight cache (checkpoint_mmap=False). Returns (mmap (reports, deltas), cache (reports,
+    deltas), the cache dir). The mmap scenario runs first, on fresh processes, as it did alone;
+    the cache one after it had dropped its model (its bounds are upper bounds on what a
+    worker writes: memory freed by the first scenario cannot make a private copy pass)."""
+    cache_dir = tmp_path_factory.mktemp("page-sharing-cache") / "cache"
+    mmap, cache = _run_workers(checkpoint.directory, 3, [(True, None), (False, cache_dir)])
+    return mmap, cache, cache_dir
 
 
 def _print_table(title: str, ckpt: SavedCheckpoint, reports: list[dict], deltas: list[Delta]) -> None:
@@ -204,9 +230,9 @@ def _print_table(title: str, ckpt: SavedCheckpoint, reports: list[dict], deltas:
     print(f"   sum        {summed_dirty:15.1f}  {summed_pss_file:10.1f}")
 
 
-def test_mmap_workers_share_one_copy_of_the_checkpoint(checkpoint):
+def test_mmap_workers_share_one_copy_of_the_checkpoint(checkpoint, three_workers):
     workers = 3  # more than two: a page shared by N counts 1/N in each worker's Pss
-    reports, deltas = _run_workers(checkpoint.directory, workers, mmap=True)
+    reports, deltas = three_workers[0]
     _print_table(f"checkpoint_mmap=True, {workers} workers", checkpoint, reports, deltas)
 
     for report in reports:
@@ -249,7 +275,7 @@ def test_private_load_gives_every_worker_its_own_copy(checkpoint):
     """The contrast: with checkpoint_mmap=False each process packs its own host copy of
     every block (and an ordinary copy of the rest), so Private_Dirty grows by at least the
     model in every worker: 2 workers hold 2 copies."""
-    reports, deltas = _run_workers(checkpoint.directory, 2, mmap=False)
+    ((reports, deltas),) = _run_workers(checkpoint.directory, 2, [(False, None)])
     _print_table("checkpoint_mmap=False, 2 workers", checkpoint, reports, deltas)
 
     for report, delta in zip(reports, deltas):
@@ -264,13 +290,14 @@ def test_private_load_gives_every_worker_its_own_copy(checkpoint):
         )
 
 
-def test_cache_workers_map_one_entry(checkpoint, tmp_path):
+def test_cache_workers_map_one_entry(checkpoint, three_workers):
     """Three processes load through the host weight cache at once: one publishes, the others
-    join, and all map the same entry, so the weights cost about one copy in total."""
-    reports, deltas = _run_workers(checkpoint.directory, 3, mmap=False, cache_dir=tmp_path / "cache")
+    join, and all map the same entry, so the weights cost about one copy in total. (The same
+    3 processes as the mmap test, its scenario done and dropped: see three_workers.)"""
+    _, (reports, deltas), cache_dir = three_workers
     _print_table("host_weight_cache=True, 3 workers", checkpoint, reports, deltas)
     assert all(r["plan"] and r["backing"] == "host_weight_cache" and r["host_bytes"] == 0 for r in reports)
-    assert len(list((tmp_path / "cache" / "v1").iterdir())) == 1
+    assert len(list((cache_dir / "v1").iterdir())) == 1
     # As above, summed Pss_File counts each shared page once: ~ the entry's bytes (the
     # checkpoint's own pages, mapped by diffusers' loader, are dropped with the tensors it
     # made). The ordinary load's private copies are freed (gc + malloc_trim), so no worker

@@ -62,15 +62,21 @@ def queue_server(server, tiny_flux_dir, tmp_path_factory):
         yield running, directory
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_flux_dir):
+    """The plain pipeline, loaded once for the module's two comparisons (it is only called)."""
+    return plain_pipeline(tiny_flux_dir)
+
+
 def _image(item: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB"))
 
 
-def test_images_equal_the_plain_pipeline_seed_by_seed(server, tiny_flux_dir):
+def test_images_equal_the_plain_pipeline_seed_by_seed(server, plain):
     base, cache = server
     status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "n": 2, "seed": 5})
     assert status == 200 and len(body["data"]) == 2
-    pipe = plain_pipeline(tiny_flux_dir)
+    pipe = plain
     for k, item in enumerate(body["data"]):
         with torch.inference_mode():
             expected = pipe(
@@ -405,7 +411,7 @@ def test_max_sequence_length_is_bounded_where_the_pipeline_gives_no_default(tiny
         ImageRequest(prompt="a", max_sequence_length=4097)
 
 
-def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir):
+def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir, plain):
     import openai
 
     base, _ = server
@@ -416,7 +422,7 @@ def test_the_openai_client_gets_the_plain_pipelines_image(server, tiny_flux_dir)
                     "guidance_scale": FLUX["guidance_scale"]},
     )
     with torch.inference_mode():
-        expected = plain_pipeline(tiny_flux_dir)(
+        expected = plain(
             "a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(11), **FLUX
         ).images[0]
     assert len(answer.data) == 1 and np.array_equal(_image({"b64_json": answer.data[0].b64_json}), np.asarray(expected))

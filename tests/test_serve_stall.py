@@ -12,7 +12,7 @@ from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
 from dlo.serve.pool import Metrics, ReplicaPool
 from dlo.serve.replica import ReplicaSpec
 
-STALL_S = 5.0  # far beyond a tiny step, even on a loaded machine (0.06 s idle, ~1 s under load)
+STALL_S = 3.0  # far beyond a tiny step, even on a loaded machine (0.06 s idle, ~1 s under load); the test waits it out
 
 
 def test_a_replica_that_stops_making_steps_is_killed_its_job_failed_and_it_is_restarted(tiny_flux_dir, tmp_path):
