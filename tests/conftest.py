@@ -116,3 +116,22 @@ def tiny_loras(tmp_path_factory):
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_loras(tiny_flux_dir, tiny_wan_dir, tmp_path_factory):
+    """LoRA files for the tiny Flux pipeline's transformer, written once per session: adapters
+    "a" and "b" (lora_files.py); "wan", one of the tiny Wan pipeline's (another model); "wider",
+    one of a wider Flux (another size of the model)."""
+    import diffusers
+    from lora_files import save_lora
+
+    directory = tmp_path_factory.mktemp("pipeline-loras")
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    made = {name: save_lora(transformer, "flux", name, directory, seed) for seed, name in enumerate("ab", 1)}
+    wan = diffusers.WanTransformer3DModel.from_pretrained(tiny_wan_dir / "transformer")
+    made["wan"] = save_lora(wan, "wan", "a", directory / "wan", 3)
+    wider = dict(transformer.config)
+    wider["num_attention_heads"] += 1  # every attention Linear is wider
+    made["wider"] = save_lora(diffusers.FluxTransformer2DModel.from_config(wider), "flux", "b", directory / "wider", 4)
+    return made

@@ -135,3 +135,19 @@ def test_fusing_a_lora_into_gguf_weights_is_refused_before_anything_fused_and_it
     after = streamed.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith("blocks."))
     assert all(torch.equal(after[k], v) for k, v in reference.state_dict().items())
+
+
+def test_after_a_refused_in_place_write_the_gguf_stand_ins_still_read_nan(tmp_path):
+    """The write landed in the one uint8 stand-in every GGUF weight shares; refusing it refills
+    the stand-in with 0xFF, not with a value that dequantizes to a plausible weight."""
+    path, config_dir, cls = _tiny_gguf(tmp_path, "flux", Q.Q8_0)
+    streamed = load_gguf(path, config_dir, cls)
+    with dlo.enable(streamed, "cpu"):
+        _outputs(streamed)
+        weight = streamed.transformer_blocks[1].attn.to_q.weight
+        with torch.no_grad():
+            weight[0, 0] = 7  # an in-place write torch lets through (one element)
+        with pytest.raises(StreamingError, match="was written in place"):
+            _outputs(streamed)
+        for other in (weight, streamed.transformer_blocks[0].attn.to_k.weight):
+            assert torch.isnan(dequantize_gguf_tensor(other.clone())).all()

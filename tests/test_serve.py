@@ -45,9 +45,11 @@ def _flags(max_queue: int, timeout_s: float) -> list[str]:
 
 
 @pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
-def server(tiny_flux_dir, tmp_path_factory):
+def server(tiny_flux_dir, tiny_flux_loras, tmp_path_factory):
+    """Its replica holds two LoRAs; a request without a `lora` field runs the base model."""
     cache = tmp_path_factory.mktemp("serve-cache")
-    with running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), _flags(0, TIMEOUT_S)) as running:
+    loras = ["--lora", f"style={tiny_flux_loras['a']}:0.7", "--lora", f"speed={tiny_flux_loras['b'].parent}"]
+    with running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), _flags(0, TIMEOUT_S) + loras) as running:
         yield running.base, cache
 
 
@@ -70,6 +72,50 @@ def plain(tiny_flux_dir):
 
 def _image(item: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))).convert("RGB"))
+
+
+def test_each_request_runs_the_loras_it_names_at_their_scales_and_unknown_ones_are_400(server, tiny_flux_dir, tiny_flux_loras):
+    """Switched per job in one replica, without reloading: each image equals the plain
+    pipeline with the same adapters; none named: the base model."""
+    import warnings
+
+    base, _ = server
+    asked = [
+        [{"name": "style"}, {"name": "speed", "scale": 0.4}],  # style at its --lora scale, 0.7
+        [],
+        [{"name": "speed"}],
+        None,  # no field: the base model, after a job with a LoRA
+    ]
+    got = []
+    for lora in asked:
+        status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, **({} if lora is None else {"lora": lora})})
+        assert status == 200, body
+        got.append(_image(body["data"][0]))
+    pipe = plain_pipeline(tiny_flux_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.load_lora_weights(str(tiny_flux_loras["a"]), adapter_name="style")
+        pipe.load_lora_weights(str(tiny_flux_loras["b"]), adapter_name="speed")
+
+    def plain_with(adapters):
+        if adapters:
+            pipe.enable_lora()
+            pipe.set_adapters([name for name, _ in adapters], [scale for _, scale in adapters])
+        else:
+            pipe.disable_lora()
+        with torch.inference_mode():
+            return np.asarray(pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(0), **FLUX).images[0])
+
+    expected = [plain_with([("style", 0.7), ("speed", 0.4)]), plain_with([]), plain_with([("speed", 1.0)]), plain_with([])]
+    assert not np.array_equal(expected[0], expected[1]) and not np.array_equal(expected[2], expected[1])
+    assert [np.array_equal(a, b) for a, b in zip(got, expected)] == [True] * 4
+    for lora, says in [
+        ([{"name": "sharp"}], "lora: no LoRA named 'sharp' on this server; it has style, speed"),
+        ([{"name": "style"}, {"name": "style", "scale": 0.1}], "lora: 'style' is given twice"),
+        ([{"name": "style", "scale": 101.0}], "scale: Input should be less than or equal to 100"),
+    ]:
+        status, body, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "lora": lora})
+        assert status == 400 and body["error"]["param"] in ("lora", "scale") and says in body["error"]["message"], body
 
 
 def test_images_equal_the_plain_pipeline_seed_by_seed(server, plain):

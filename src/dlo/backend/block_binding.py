@@ -100,19 +100,22 @@ def refuse_shared(streamed: list[BlockTensors], rest: dict[int, str]) -> None:
             owner_of[id(tensor)] = f"{block.ref.name}.{spec.name}"
 
 
+def stand_in_value(dtype: torch.dtype) -> float | int:
+    """NaN; for uint8 (GGUF's packed bytes) 0xFF, whose float16 scales read NaN; 0 for other
+    integers. See [Note: stand-ins]"""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return 0xFF if dtype == torch.uint8 else 0
+
+
 def placeholders(blocks: list[BlockTensors], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    """One 0-d tensor per dtype on `device`, NaN (0xFF for uint8, 0 for other integers): each
-    streamed tensor points at it, expanded to its own shape, between its block's runs. See
-    [Note: stand-ins]"""
+    """One 0-d tensor per dtype on `device`, of stand_in_value: each streamed tensor points at
+    it, expanded to its own shape, between its block's runs. See [Note: stand-ins]"""
     found: dict[torch.dtype, torch.Tensor] = {}
     for block in blocks:
         for tensor in block.tensors:
             if tensor.dtype not in found:
-                if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-                    fill = float("nan")
-                else:
-                    fill = 0xFF if tensor.dtype == torch.uint8 else 0  # GGUF bytes: NaN scales
-                found[tensor.dtype] = torch.full((), fill, dtype=tensor.dtype, device=device)
+                found[tensor.dtype] = torch.full((), stand_in_value(tensor.dtype), dtype=tensor.dtype, device=device)
     return found
 
 

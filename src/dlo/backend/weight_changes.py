@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dlo.backend.block_binding import stand_in_value
 from dlo.errors import StreamingError
 from dlo.host.block_rewrite import load_image, old_image, rewrite
 from dlo.host.block_sources import ShardSource
@@ -248,7 +249,7 @@ class WeightChanges:
 
 
 def _refill(stand_in: torch.Tensor) -> None:
-    stand_in.fill_(float("nan") if stand_in.dtype.is_floating_point or stand_in.dtype.is_complex else 0)
+    stand_in.fill_(stand_in_value(stand_in.dtype))
 
 
 def _gather_assigned(block: StreamedBlock, memory: torch.Tensor) -> None:

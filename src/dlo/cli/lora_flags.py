@@ -5,11 +5,12 @@ transformer later, before any weight loads (dlo.pipelines.lora_adapters)."""
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from dlo.errors import ConfigError
+from dlo.pipelines.call_rules import MOST_LORA_SCALE
 
 # PEFT keeps an adapter's layers in ModuleDicts keyed by its name: no dots.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -22,32 +23,34 @@ class LoraFlag:
     name: str | None  # serve's NAME; generate's adapters are named lora0, lora1, ... in flag order
     target: str
     scale: float
+    given: str  # the flag's value as the user gave it, for messages
 
     def text(self) -> str:
-        """The flag as the user gave it, for messages."""
-        return f"--lora {self.name + '=' if self.name else ''}{self.target}:{self.scale:g}"
+        return f"--lora {self.given}"
+
+
+# A scale as people write one: 0.8, -1, .5, 1e-1 (not float()'s '1_0', ' 2', 'nan').
+_SCALE = re.compile(r"[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 
 def _target_and_scale(text: str) -> tuple[str, float]:
-    """`PATH:SCALE` where what follows the last colon is a number, else `PATH` at scale 1."""
+    """`PATH:SCALE` where what follows the last colon is a number, else `PATH` at scale 1. A
+    path that exists is taken whole, colon and all."""
     target, colon, tail = text.rpartition(":")
-    if colon:
-        try:
-            scale = float(tail)
-        except ValueError:
-            return text, 1.0
-        if not math.isfinite(scale):
-            raise argparse.ArgumentTypeError(f"the scale of {text!r} must be a finite number")
-        if not target:
-            raise argparse.ArgumentTypeError(f"{text!r} names no file: give PATH[:SCALE]")
-        return target, scale
-    return text, 1.0
+    if not colon or not _SCALE.fullmatch(tail) or Path(text).expanduser().exists():
+        return text, 1.0
+    if not target:
+        raise argparse.ArgumentTypeError(f"{text!r} names no file: give PATH[:SCALE]")
+    scale = float(tail)
+    if not abs(scale) <= MOST_LORA_SCALE:
+        raise argparse.ArgumentTypeError(f"the scale of {text!r}: give one from -{MOST_LORA_SCALE:g} to {MOST_LORA_SCALE:g}")
+    return target, scale
 
 
 def lora_flag(text: str) -> LoraFlag:
     """An argparse type: `dlo generate --lora PATH[:SCALE]`."""
     target, scale = _target_and_scale(text)
-    return LoraFlag(None, target, scale)
+    return LoraFlag(None, target, scale, text)
 
 
 def named_lora_flag(text: str) -> LoraFlag:
@@ -58,7 +61,7 @@ def named_lora_flag(text: str) -> LoraFlag:
     if not _NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(f"the name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
     target, scale = _target_and_scale(rest)
-    return LoraFlag(name, target, scale)
+    return LoraFlag(name, target, scale, text)
 
 
 lora_flag.__name__ = named_lora_flag.__name__ = "LoRA"  # argparse's "invalid LoRA value: ..."

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from dlo.cli.lora_flags import LoraFlag
 from dlo.errors import ConfigError, first_line
-from dlo.pipelines.lora_adapters import LoraFile, lora_weights_file
+from dlo.pipelines.lora_adapters import LORA_WEIGHTS_FILE, LoraFile, lora_weights_file
 
 # The hub's repository id form; anything that is also an existing path is taken as the path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -24,10 +25,11 @@ def is_hub_id(target: str) -> bool:
 
 def _hub_snapshot(
     repo_id: str, cache_only: str | None, label: str = "MODEL", allow: list[str] = _ALLOW,
-    ignore: list[str] = _IGNORE,
+    ignore: list[str] = _IGNORE, download_only: Callable[[str], list[str]] | None = None,
 ) -> Path:
     """The hub cache's snapshot of `repo_id` (downloaded unless `cache_only` says why not);
-    `label`: how messages name it (the flag, the argument)."""
+    `label`: how messages name it (the flag, the argument); `download_only(repo_id)`: the
+    files to download, where `allow` would take too many."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -42,7 +44,8 @@ def _hub_snapshot(
             f"{missing} and {why}; download it first (`hf download {repo_id}`) or pass its directory"
         )
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=allow, ignore_patterns=ignore))
+        files = download_only(repo_id) if download_only is not None else allow
+        return Path(snapshot_download(repo_id, allow_patterns=files, ignore_patterns=ignore))
     except RepositoryNotFoundError:
         raise ConfigError(
             f"{label} {repo_id}: no such repository on the Hugging Face hub, or it is gated or private "
@@ -63,11 +66,31 @@ def resolve_model(target: str, cache_only: str | None = None) -> Path:
     return path
 
 
+def _hub_lora_file(repo_id: str, flag: str) -> str:
+    """The one file of a hub LoRA repository to download (its name listed, nothing fetched):
+    diffusers' LoRA file name, or the only .safetensors file at its root."""
+    from huggingface_hub import list_repo_files
+
+    files = list_repo_files(repo_id)
+    if "model_index.json" in files:
+        raise ConfigError(f"{flag}: {repo_id} is a pipeline repository, not a LoRA")
+    root = sorted(f for f in files if "/" not in f and f.endswith(".safetensors"))
+    if LORA_WEIGHTS_FILE in root:
+        return LORA_WEIGHTS_FILE
+    if len(root) != 1:
+        held = f"holds {', '.join(root)} at its root" if root else "holds no .safetensors file at its root"
+        raise ConfigError(f"{flag}: {repo_id} {held}; download the LoRA file (`hf download {repo_id} FILE`) and give its path")
+    return root[0]
+
+
 def resolve_lora(flag: LoraFlag, name: str, cache_only: str | None = None) -> LoraFile:
     """The LoRA file a --lora names, as adapter `name`: a .safetensors file, a directory holding
     one, or a hub id (the file at the repository's root, through the hub cache)."""
-    if is_hub_id(flag.target):
-        directory = _hub_snapshot(flag.target, cache_only, "--lora", allow=["*.safetensors"], ignore=[])
+    if is_hub_id(flag.target) and not flag.target.endswith(".safetensors"):  # a file name: a missing path
+        directory = _hub_snapshot(
+            flag.target, cache_only, "--lora", allow=["*.safetensors"], ignore=[],
+            download_only=lambda repo_id: [_hub_lora_file(repo_id, flag.text())],
+        )
     else:
         directory = Path(flag.target).expanduser()
         if directory.is_file():

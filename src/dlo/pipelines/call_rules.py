@@ -32,6 +32,8 @@ DEFAULT_MAX_TOKENS = 2**17
 # The largest seed of a call: torch.Generator.manual_seed takes 0 to 2**64 - 1 (a negative one
 # wraps onto these).
 MAX_SEED = 2**64 - 1
+# The largest LoRA scale, either sign: far beyond any useful one (people use about -2 to 2).
+MOST_LORA_SCALE = 100.0
 
 
 class CallRuleError(ConfigError):

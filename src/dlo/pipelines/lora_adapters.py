@@ -57,14 +57,15 @@ def check_lora(pipeline: type, transformer: nn.Module, lora: LoraFile) -> None:
         raise ConfigError(f"{lora.flag}: {pipeline.__name__} does not load LoRAs (diffusers has no LoRA loader for it)")
     try:
         state = pipeline.lora_state_dict(str(lora.path))
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except Exception as err:  # safetensors and diffusers' key converters raise many kinds
         raise ConfigError(f"{lora.flag}: {lora.path} is not a LoRA diffusers can read ({first_line(err)})") from None
     state = state[0] if isinstance(state, tuple) else state  # some loaders also return the alphas
     prefixes = tuple(f"{m}." for m in getattr(pipeline, "_lora_loadable_modules", ["transformer"]))
-    if not any(key.startswith(prefixes) for key in state):
+    foreign = sorted({key.split(".", 1)[0] for key in state if not key.startswith(prefixes)})
+    if foreign:  # diffusers would drop these weights with a warning, and load the rest
         raise ConfigError(
-            f"{lora.flag}: none of its {len(state)} weights is for a component of {pipeline.__name__} "
-            f"({', '.join(p[:-1] for p in prefixes)}): a LoRA for another pipeline?"
+            f"{lora.flag}: it holds weights for {', '.join(foreign)}, which {pipeline.__name__} has no LoRA loader "
+            f"for (it loads {', '.join(p[:-1] for p in prefixes)}): a LoRA for another pipeline?"
         )
     owner = f"{getattr(pipeline, 'transformer_name', 'transformer')}."
     modules = dict(transformer.named_modules())
@@ -99,7 +100,7 @@ def load_loras(pipe, loras: Sequence[LoraFile]) -> None:
     for lora in loras:
         try:
             pipe.load_lora_weights(str(lora.path), adapter_name=lora.name)
-        except (OSError, ValueError, KeyError, RuntimeError) as err:
+        except Exception as err:  # diffusers and PEFT raise many kinds (IndexError for a layer past the end, ...)
             raise ConfigError(f"{lora.flag}: diffusers could not load it ({first_line(err)})") from None
     if loras:
         use_adapters(pipe, tuple((lora.name, lora.scale) for lora in loras))

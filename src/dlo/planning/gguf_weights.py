@@ -8,8 +8,8 @@ every forward. To dlo such a weight is a uint8 tensor like any other: its bytes 
 the block's host image as they are, copied into the slot, and the same parameter object is
 pointed at its slot view (`.data`, which keeps the object, hence its `quant_type`), so the
 forward dequantizes exactly the bytes diffusers' resident model does. fp8 streaming leaves it
-alone (it quantizes floating-point weights only), and fp8 GEMMs do not take a GGUFLinear (its
-weight is no bf16 tensor). Between calls it points at the uint8 stand-in, bytes of 0xFF: every
+alone (it quantizes floating-point weights only), and fp8 GEMMs do not take a GGUFLinear (only
+plain nn.Linear modules become FP8 GEMMs). Between calls it points at the uint8 stand-in, bytes of 0xFF: every
 GGUF block's float16 scale then reads NaN (See [Note: stand-ins]).
 """
 

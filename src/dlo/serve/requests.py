@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlo.pipelines.call_rules import MAX_SEED, CallRequest, CallRuleError, CallRules, validate_call
+from dlo.pipelines.call_rules import MAX_SEED, MOST_LORA_SCALE, CallRequest, CallRuleError, CallRules, validate_call
 from dlo.pipelines.lora_adapters import Adapters
 
 _PROMPT_CHARS = 10_000
@@ -23,8 +23,6 @@ _MOST_TEXT_TOKENS = 4096
 # guidance_scale: finite and far beyond any useful scale (pipelines use 0 to about 20), so the
 # guided noise prediction cannot overflow.
 _MOST_GUIDANCE = 1000.0
-# A LoRA scale: finite, and far beyond any useful one (people use about -2 to 2).
-_MOST_LORA_SCALE = 100.0
 _MOST_LORAS = 16  # adapters one request may run with
 
 
@@ -34,7 +32,7 @@ class LoraChoice(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=64)
-    scale: float | None = Field(default=None, ge=-_MOST_LORA_SCALE, le=_MOST_LORA_SCALE, allow_inf_nan=False)
+    scale: float | None = Field(default=None, ge=-MOST_LORA_SCALE, le=MOST_LORA_SCALE, allow_inf_nan=False)
 
 
 class _PipelineFields(BaseModel):
