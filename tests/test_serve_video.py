@@ -312,7 +312,7 @@ class _FakePool:
     def __init__(self):
         self.futures = []
 
-    def submit(self, kwargs, seed, n, video, on_progress):
+    def submit(self, kwargs, seed, n, video, on_progress, adapters=()):
         from concurrent.futures import Future
 
         self.futures.append(Future())
