@@ -67,7 +67,21 @@ def check_demo(args: argparse.Namespace) -> None:
             raise ConfigError("--nproc runs the all-gather demo; it does not take --compile")
 
 
+def check_serve_extra() -> None:
+    """The `[serve]` extra's libraries import, or one line naming the one that does not and the
+    extra to install."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(
+            f"dlo serve needs the [serve] extra ({err.name or err} does not import): pip install 'dlo[serve]'"
+        ) from None
+
+
 def check_serve(args: argparse.Namespace) -> None:
+    check_serve_extra()  # before torch: a missing extra is one line at once
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue {args.max_queue}: give 0 or more")
     if not args.timeout_s > 0 or args.timeout_s == float("inf"):

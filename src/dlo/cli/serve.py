@@ -18,7 +18,6 @@ import torch
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.model_source import is_hub_id, resolve_lora, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
-from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.pipelines.lora_adapters import check_lora
@@ -32,22 +31,8 @@ def served_name(target: str) -> str:
     return target if is_hub_id(target) else Path(target).expanduser().resolve().name
 
 
-def check_serve_extra() -> None:
-    """The `[serve]` extra's libraries import, or one line naming the one that does not and the
-    extra to install."""
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as err:
-        raise ConfigError(
-            f"dlo serve needs the [serve] extra ({err.name or err} does not import): pip install 'dlo[serve]'"
-        ) from None
-
-
 def run(args: argparse.Namespace) -> int:
-    """After flag_checks.check_serve (main runs it)."""
-    check_serve_extra()
+    """After flag_checks.check_serve (main runs it; the [serve] extra imports)."""
     devices = replica_devices(args.devices, args.device, args.replicas)
     model_name = served_name(args.model_dir)
     model_dir = resolve_model(args.model_dir, "dlo serve does not download")
@@ -61,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     for lora in loras:
         check_lora(cls, transformer, lora)
     rules = read_call_rules(model_dir, cls)
-    # FastAPI and uvicorn: only for this command (check_serve_extra ran first).
+    # FastAPI and uvicorn: only for this command (flag_checks.check_serve_extra ran first).
     from dlo.serve.requests import Limits
     from dlo.serve.server import ServerSpec, serve
 
