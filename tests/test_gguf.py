@@ -151,3 +151,41 @@ def test_after_a_refused_in_place_write_the_gguf_stand_ins_still_read_nan(tmp_pa
             _outputs(streamed)
         for other in (weight, streamed.transformer_blocks[0].attn.to_k.weight):
             assert torch.isnan(dequantize_gguf_tensor(other.clone())).all()
+
+
+def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it(tiny_flux_dir, tmp_path, capsys):
+    """`dlo generate MODEL --transformer FILE.gguf`: MODEL's other components, the GGUF file's
+    transformer streamed packed; the image equals the plain pipeline holding the same GGUF
+    transformer. A file it cannot take is one line before anything loads."""
+    import numpy as np
+    from PIL import Image
+    from plain_pipeline import plain_pipeline
+    from test_generate import flags, reference_call
+
+    from dlo.cli.main import main
+
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    path = write_gguf(transformer, tmp_path / "flux-Q8_0.gguf", Q.Q8_0)
+    out = tmp_path / "cube.png"
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", *flags("flux")]
+    assert main([*argv, "--output", str(out), "--transformer", str(path)]) == 0
+    pipe = plain_pipeline(tiny_flux_dir)
+    base = np.asarray(reference_call(pipe, "flux").images[0])
+    pipe.transformer = load_gguf(path, tiny_flux_dir / "transformer", "FluxTransformer2DModel")
+    expected = np.asarray(reference_call(pipe, "flux").images[0])
+    assert not np.array_equal(expected, base)  # Q8_0 changes the image: the comparison can fail
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), expected)
+    capsys.readouterr()
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 12)
+    (tmp_path / "model.bin").write_bytes(b"\0")
+    for given, says in [
+        (tmp_path / "bad.gguf", "not a GGUF file the gguf package can read"),
+        (tmp_path / "model.bin", "give a .gguf file or a single-file .safetensors checkpoint"),
+        (tmp_path / "absent.gguf", "no such file"),
+    ]:
+        assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"dlo: error: --transformer {given}: {says}"), err
+    assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", str(path), "--host-weight-cache"]) == 2
+    assert "--transformer FILE is loaded by diffusers' single-file loader" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -47,7 +47,11 @@ def check_generate(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--device {args.device}: with --nproc each rank takes its own device (rank r: cuda:r); pass --device {kind}"
         )
-    generate_config(args, parallel)
+    if generate_config(args, parallel).host_weight_cache and args.transformer:
+        raise ConfigError(
+            "--host-weight-cache: the cache holds what dlo.load_transformer loads from MODEL's transformer directory; "
+            "--transformer FILE is loaded by diffusers' single-file loader instead. Give one of them"
+        )
 
 
 def demo_config(args: argparse.Namespace) -> OffloadConfig:

@@ -20,6 +20,7 @@ from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.pipelines.lora_adapters import check_lora
+from dlo.pipelines.single_file import check_single_file
 from dlo.pipelines.media_output import check_output_kind
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
@@ -84,10 +85,15 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
+    transformer_file = Path(args.transformer).expanduser() if args.transformer else None
+    if transformer_file is not None:
+        check_single_file(transformer_file, "--transformer")
     loras = tuple(resolve_lora(flag, f"lora{i}", cache_only) for i, flag in enumerate(args.lora or ()))
     for lora in loras:
         check_lora(cls, transformer, lora)
-    job = GenerateJob(model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras)
+    job = GenerateJob(
+        model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file
+    )
     if parallel.mode is not None:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
     generated = generate(job, device, args.seed)

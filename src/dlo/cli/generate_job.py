@@ -14,11 +14,13 @@ import dlo
 from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
+from dlo.cli.model_target import build_on_meta
 from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.sequence_parallel import enable_context_parallel
 from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.pipelines.loading import load_pipeline
 from dlo.pipelines.lora_adapters import LoraFile, load_loras
+from dlo.pipelines.single_file import load_single_file
 from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
 
 def render_stats(
@@ -59,6 +61,7 @@ class GenerateJob:
     steps: int
     fps: int
     loras: tuple[LoraFile, ...] = ()  # loaded after enable_pipeline, all active at their scales
+    transformer_file: Path | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,12 @@ def generate(
 ) -> Generated:
     """Load the pipeline with its transformer streamed by dlo and run the call with `seed`; an
     output with non-finite values is refused (NonFiniteOutput) before anything is written."""
-    transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)
+    if job.transformer_file is not None:
+        model_class = type(build_on_meta(str(job.model_dir)))
+        transformer = load_single_file(job.transformer_file, model_class, job.model_dir, job.dtype, "--transformer")
+        plan = None
+    else:
+        transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)
     pipe = load_pipeline(job.model_dir, job.pipeline, job.dtype, transformer=transformer)
     pipe.set_progress_bar_config(disable=not progress)
     if parallel.mode is Parallel.SP:

@@ -165,6 +165,11 @@ def _add_generate(commands) -> None:
         f"N tokens: attention time and memory grow with it (default: {DEFAULT_MAX_TOKENS} = 2**17)",
     )
     parser.add_argument(
+        "--transformer", metavar="FILE",
+        help="the transformer from this file instead of MODEL's: a .gguf file (its packed weights streamed as they "
+        "are) or a single-file .safetensors checkpoint; MODEL gives the other components and the transformer's config",
+    )
+    parser.add_argument(
         "--lora", action="append", type=lora_flag, metavar="PATH[:SCALE]",
         help="a LoRA to run with, at SCALE (default: 1): a .safetensors file, a directory holding one, or a hub id; "
         "repeat for several. Checked against the transformer before anything loads",

@@ -1,0 +1,52 @@
+"""A transformer from one file, as people download them: a GGUF file (Q8_0, Q4_K, ...) or a
+single-file `.safetensors` checkpoint (original or diffusers key layout), loaded by diffusers'
+`from_single_file` with the pipeline's own transformer config. A GGUF model streams its packed
+bytes (See [Note: GGUF streaming]); a single-file checkpoint is converted into ordinary tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlo.errors import ConfigError, first_line
+from dlo.host.safetensors_file import CheckpointError, SafetensorsFile
+
+SINGLE_FILE_SUFFIXES = (".gguf", ".safetensors")
+
+
+def check_single_file(path: Path, flag: str) -> None:
+    """Refuse, reading its header only, a file diffusers' single-file loader cannot take."""
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise ConfigError(f"{flag} {path}: give a .gguf file or a single-file .safetensors checkpoint")
+    if path.suffix == ".safetensors":
+        try:
+            SafetensorsFile(path).close()
+        except CheckpointError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+        return
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError(f"{flag} {path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'") from None
+    try:
+        gguf.GGUFReader(path)  # the header and tensor index; the data stays mapped, unread
+    except Exception as err:  # the reader raises many kinds on a damaged file
+        raise ConfigError(f"{flag} {path}: not a GGUF file the gguf package can read ({first_line(err)})") from None
+
+
+def load_single_file(path: Path, model_class: type, model_dir: Path, dtype: torch.dtype, flag: str) -> nn.Module:
+    """`model_class.from_single_file(path)` with the config of `model_dir/transformer`, in
+    `dtype` (a GGUF model's compute dtype); a failure of diffusers' loader is one ConfigError."""
+    import diffusers
+
+    quantization = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if path.suffix == ".gguf" else {}
+    try:
+        return model_class.from_single_file(
+            str(path), config=str(model_dir), subfolder="transformer", torch_dtype=dtype, **quantization
+        )
+    except Exception as err:  # diffusers' converters raise many kinds
+        raise ConfigError(f"{flag} {path}: diffusers could not load it as a {model_class.__name__} ({first_line(err)})") from None
