@@ -192,3 +192,38 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
     assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", str(path), "--host-weight-cache"]) == 2
     assert "--transformer FILE is loaded by diffusers' single-file loader" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_serve_replica_holds_the_gguf_transformer_file_and_serve_refuses_what_it_cannot_take(tiny_flux_dir, tmp_path, capsys):
+    """The replica's load (in this process: what each replica process runs) with --transformer:
+    its image equals the plain pipeline holding the same GGUF transformer. `dlo serve` refuses,
+    before anything loads, the file with its default host weight cache, and a damaged file."""
+    import numpy as np
+    from plain_pipeline import plain_pipeline
+    from test_generate import reference_call
+
+    from dlo.cli.main import main
+    from dlo.serve.replica import ReplicaSpec, _load
+
+    pytest.importorskip("fastapi")
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    path = write_gguf(transformer, tmp_path / "flux-Q8_0.gguf", Q.Q8_0)
+    pipe, handle = _load(ReplicaSpec(str(tiny_flux_dir), "cpu", torch.float32, dlo.OffloadConfig(), (), str(path)))
+    try:
+        assert type(pipe.transformer.transformer_blocks[0].attn.to_q.weight).__name__ == "GGUFParameter"
+        got = np.asarray(reference_call(pipe, "flux").images[0])
+        assert handle.stats()["transformer"].streamed_blocks > 0
+    finally:
+        handle.disable()
+    plain = plain_pipeline(tiny_flux_dir)
+    plain.transformer = load_gguf(path, tiny_flux_dir / "transformer", "FluxTransformer2DModel")
+    assert np.array_equal(got, np.asarray(reference_call(plain, "flux").images[0]))
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 12)
+    capsys.readouterr()  # the pipelines' progress bars
+    for argv, says in [
+        (["--transformer", str(path)], "--transformer FILE: dlo serve loads through the host weight cache by default"),
+        (["--transformer", str(tmp_path / "bad.gguf"), "--no-host-weight-cache"], "not a GGUF file the gguf package"),
+    ]:
+        assert main(["serve", str(tiny_flux_dir), "--device", "cpu", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

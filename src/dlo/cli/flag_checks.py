@@ -95,4 +95,8 @@ def check_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.stall_timeout_s < float("inf"):
         raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
     check_lora_names(args.lora)
-    config_from_flags(args)
+    if config_from_flags(args).host_weight_cache and args.transformer:
+        raise ConfigError(
+            "--transformer FILE: dlo serve loads through the host weight cache by default, which holds what "
+            "dlo.load_transformer loads from MODEL's transformer directory; add --no-host-weight-cache"
+        )

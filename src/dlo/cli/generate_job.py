@@ -14,7 +14,6 @@ import dlo
 from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
-from dlo.cli.model_target import build_on_meta
 from dlo.cli.parallel_run import Parallel, ParallelRun
 from dlo.cli.sequence_parallel import enable_context_parallel
 from dlo.cli.step_bytes import StepBytes, h2d_text
@@ -80,8 +79,7 @@ def generate(
     """Load the pipeline with its transformer streamed by dlo and run the call with `seed`; an
     output with non-finite values is refused (NonFiniteOutput) before anything is written."""
     if job.transformer_file is not None:
-        model_class = type(build_on_meta(str(job.model_dir)))
-        transformer = load_single_file(job.transformer_file, model_class, job.model_dir, job.dtype, "--transformer")
+        transformer = load_single_file(job.transformer_file, job.model_dir, job.dtype, "--transformer")
         plan = None
     else:
         transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)

@@ -254,6 +254,11 @@ def _add_serve(commands) -> None:
         help="seconds a finished video job is kept (default: 3600)",
     )
     parser.add_argument(
+        "--transformer", metavar="FILE",
+        help="the transformer from this file instead of MODEL's: a .gguf file or a single-file .safetensors "
+        "checkpoint (needs --no-host-weight-cache)",
+    )
+    parser.add_argument(
         "--lora", action="append", type=named_lora_flag, metavar="NAME=PATH[:SCALE]",
         help="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
         "or a cached hub id); repeat for several. A request runs with those its \"lora\" field names "

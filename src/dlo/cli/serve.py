@@ -21,6 +21,7 @@ from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.pipelines.lora_adapters import check_lora
+from dlo.pipelines.single_file import check_single_file
 from dlo.serve.devices import replica_devices
 from dlo.serve.replica import ReplicaSpec
 
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
+    transformer_file = Path(args.transformer).expanduser() if args.transformer else None
+    if transformer_file is not None:
+        check_single_file(transformer_file, "--transformer")
     loras = tuple(resolve_lora(flag, flag.name, "dlo serve does not download") for flag in args.lora or ())
     for lora in loras:
         check_lora(cls, transformer, lora)
@@ -57,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         timeout_s=args.timeout_s,
     )
-    spec = ReplicaSpec(str(model_dir), str(device), dtype, config, loras)
+    spec = ReplicaSpec(
+        str(model_dir), str(device), dtype, config, loras, str(transformer_file) if transformer_file else None
+    )
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     server = ServerSpec(
         replicas=tuple(specs),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dlo.errors import ConfigError, first_line
+from dlo.host.checkpoint import read_json_object
 from dlo.host.safetensors_file import CheckpointError, SafetensorsFile
 
 SINGLE_FILE_SUFFIXES = (".gguf", ".safetensors")
@@ -38,10 +39,13 @@ def check_single_file(path: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: not a GGUF file the gguf package can read ({first_line(err)})") from None
 
 
-def load_single_file(path: Path, model_class: type, model_dir: Path, dtype: torch.dtype, flag: str) -> nn.Module:
-    """`model_class.from_single_file(path)` with the config of `model_dir/transformer`, in
-    `dtype` (a GGUF model's compute dtype); a failure of diffusers' loader is one ConfigError."""
+def load_single_file(path: Path, model_dir: Path, dtype: torch.dtype, flag: str) -> nn.Module:
+    """The class `model_dir/transformer/config.json` names, `from_single_file(path)` with that
+    config, in `dtype` (a GGUF model's compute dtype); a failure of diffusers' loader is one
+    ConfigError."""
     import diffusers
+
+    model_class = getattr(diffusers, str(read_json_object(model_dir / "transformer" / "config.json").get("_class_name")))
 
     quantization = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if path.suffix == ".gguf" else {}
     try:

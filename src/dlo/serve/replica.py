@@ -40,6 +40,7 @@ class ReplicaSpec:
     dtype: torch.dtype
     config: Any  # dlo.OffloadConfig
     loras: tuple[LoraFile, ...] = ()  # loaded at the start; each job picks among them
+    transformer_file: str | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
 
 
 class VideoFormat(enum.Enum):
@@ -197,10 +198,15 @@ class _Inbox:
 def _load(spec: ReplicaSpec):
     import dlo
     from dlo.pipelines.loading import load_pipeline, pipeline_class
+    from dlo.pipelines.single_file import load_single_file
 
     model_dir = Path(spec.model_dir)
     cls, _ = pipeline_class(model_dir)
-    transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
+    if spec.transformer_file is not None:
+        transformer = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, "--transformer")
+        plan = None
+    else:
+        transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
     pipe = load_pipeline(model_dir, cls, spec.dtype, transformer=transformer)
     handle = dlo.enable_pipeline(pipe, spec.device, spec.config, plans={"transformer": plan})
     load_loras(pipe, spec.loras)  # after enable: the plan names the transformer's tensors as loaded
