@@ -131,6 +131,16 @@ def _add_demo(commands) -> None:
     parser.set_defaults(command="dlo.cli.demo", check=check_demo)
 
 
+def _add_weight_files(parser: argparse.ArgumentParser, lora_type, lora_metavar: str, transformer: str, lora: str) -> None:
+    """--transformer FILE and --lora (generate's and serve's forms); `transformer`: its help's ending."""
+    parser.add_argument(
+        "--transformer", metavar="FILE",
+        help="the transformer from this file instead of MODEL's: a .gguf file (its packed weights streamed as they "
+        f"are) or a single-file .safetensors checkpoint{transformer}",
+    )
+    parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
+
+
 def _add_generate(commands) -> None:
     parser = commands.add_parser(
         "generate",
@@ -164,14 +174,10 @@ def _add_generate(commands) -> None:
         help="refuse, before loading, a size whose transformer sequence (latent patches x latent frames) is over "
         f"N tokens: attention time and memory grow with it (default: {DEFAULT_MAX_TOKENS} = 2**17)",
     )
-    parser.add_argument(
-        "--transformer", metavar="FILE",
-        help="the transformer from this file instead of MODEL's: a .gguf file (its packed weights streamed as they "
-        "are) or a single-file .safetensors checkpoint; MODEL gives the other components and the transformer's config",
-    )
-    parser.add_argument(
-        "--lora", action="append", type=lora_flag, metavar="PATH[:SCALE]",
-        help="a LoRA to run with, at SCALE (default: 1): a .safetensors file, a directory holding one, or a hub id; "
+    _add_weight_files(
+        parser, lora_flag, "PATH[:SCALE]",
+        transformer="; MODEL gives the other components and the transformer's config",
+        lora="a LoRA to run with, at SCALE (default: 1): a .safetensors file, a directory holding one, or a hub id; "
         "repeat for several. Checked against the transformer before anything loads",
     )
     parser.add_argument(
@@ -253,14 +259,10 @@ def _add_serve(commands) -> None:
         "--keep-videos-s", type=float, default=3600.0, metavar="S",
         help="seconds a finished video job is kept (default: 3600)",
     )
-    parser.add_argument(
-        "--transformer", metavar="FILE",
-        help="the transformer from this file instead of MODEL's: a .gguf file or a single-file .safetensors "
-        "checkpoint (needs --no-host-weight-cache)",
-    )
-    parser.add_argument(
-        "--lora", action="append", type=named_lora_flag, metavar="NAME=PATH[:SCALE]",
-        help="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
+    _add_weight_files(
+        parser, named_lora_flag, "NAME=PATH[:SCALE]",
+        transformer=" (needs --no-host-weight-cache)",
+        lora="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
         "or a cached hub id); repeat for several. A request runs with those its \"lora\" field names "
         '([{"name": NAME, "scale": S}], S defaulting to SCALE, itself to 1), the base model without it',
     )
