@@ -12,15 +12,13 @@ from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.flag_checks import generate_config
 from dlo.cli.generate_job import GenerateJob, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
-from dlo.cli.model_source import resolve_lora, resolve_model
+from dlo.cli.model_source import checked_weight_files, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
 from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
 from dlo.pipelines.loading import check_components, pipeline_class
-from dlo.pipelines.lora_adapters import check_lora
-from dlo.pipelines.single_file import check_single_file
 from dlo.pipelines.media_output import check_output_kind
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
@@ -85,12 +83,7 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
-    transformer_file = Path(args.transformer).expanduser() if args.transformer else None
-    if transformer_file is not None:
-        check_single_file(transformer_file, "--transformer")
-    loras = tuple(resolve_lora(flag, f"lora{i}", cache_only) for i, flag in enumerate(args.lora or ()))
-    for lora in loras:
-        check_lora(cls, transformer, lora)
+    transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
     job = GenerateJob(
         model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file
     )

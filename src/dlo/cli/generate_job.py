@@ -19,8 +19,8 @@ from dlo.cli.sequence_parallel import enable_context_parallel
 from dlo.cli.step_bytes import StepBytes, h2d_text
 from dlo.pipelines.loading import load_pipeline
 from dlo.pipelines.lora_adapters import LoraFile, load_loras
-from dlo.pipelines.single_file import load_single_file
 from dlo.pipelines.media_output import ARRAY_OUTPUT, finite_media, write_image, write_video
+from dlo.pipelines.single_file import load_single_file
 
 def render_stats(
     stats: dict[str, dlo.OffloadStats], steps: int, seconds: float, device: torch.device | str,

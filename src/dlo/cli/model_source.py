@@ -7,9 +7,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from torch import nn
+
 from dlo.cli.lora_flags import LoraFlag
 from dlo.errors import ConfigError, first_line
-from dlo.pipelines.lora_adapters import LORA_WEIGHTS_FILE, LoraFile, lora_weights_file
+from dlo.pipelines.lora_adapters import LORA_WEIGHTS_FILE, LoraFile, check_lora, lora_weights_file
+from dlo.pipelines.single_file import check_single_file
 
 # The hub's repository id form; anything that is also an existing path is taken as the path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -81,6 +84,21 @@ def _hub_lora_file(repo_id: str, flag: str) -> str:
         held = f"holds {', '.join(root)} at its root" if root else "holds no .safetensors file at its root"
         raise ConfigError(f"{flag}: {repo_id} {held}; download the LoRA file (`hf download {repo_id} FILE`) and give its path")
     return root[0]
+
+
+def checked_weight_files(
+    transformer_flag: str | None, lora_flags: list[LoraFlag] | None, pipeline: type, transformer: nn.Module,
+    cache_only: str | None,
+) -> tuple[Path | None, tuple[LoraFile, ...]]:
+    """--transformer FILE and each --lora, found and checked against `transformer` (on the meta
+    device) before anything loads. An unnamed --lora (generate's) is adapter lora<i>."""
+    transformer_file = Path(transformer_flag).expanduser() if transformer_flag else None
+    if transformer_file is not None:
+        check_single_file(transformer_file, "--transformer")
+    loras = tuple(resolve_lora(flag, flag.name or f"lora{i}", cache_only) for i, flag in enumerate(lora_flags or ()))
+    for lora in loras:
+        check_lora(pipeline, transformer, lora)
+    return transformer_file, loras
 
 
 def resolve_lora(flag: LoraFlag, name: str, cache_only: str | None = None) -> LoraFile:

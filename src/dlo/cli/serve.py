@@ -16,12 +16,10 @@ from pathlib import Path
 import torch
 
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.model_source import is_hub_id, resolve_lora, resolve_model
+from dlo.cli.model_source import checked_weight_files, is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
-from dlo.pipelines.lora_adapters import check_lora
-from dlo.pipelines.single_file import check_single_file
 from dlo.serve.devices import replica_devices
 from dlo.serve.replica import ReplicaSpec
 
@@ -43,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
-    transformer_file = Path(args.transformer).expanduser() if args.transformer else None
-    if transformer_file is not None:
-        check_single_file(transformer_file, "--transformer")
-    loras = tuple(resolve_lora(flag, flag.name, "dlo serve does not download") for flag in args.lora or ())
-    for lora in loras:
-        check_lora(cls, transformer, lora)
+    transformer_file, loras = checked_weight_files(
+        args.transformer, args.lora, cls, transformer, "dlo serve does not download"
+    )
     rules = read_call_rules(model_dir, cls)
     # FastAPI and uvicorn: only for this command (flag_checks.check_serve_extra ran first).
     from dlo.serve.requests import Limits

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from dlo.errors import ConfigError, first_line
-from dlo.host.checkpoint import read_json_object
+from dlo.host.checkpoint import read_model_config
+from dlo.host.model_build import model_class as model_class_of
 from dlo.host.safetensors_file import CheckpointError, SafetensorsFile
 
 SINGLE_FILE_SUFFIXES = (".gguf", ".safetensors")
@@ -45,8 +46,8 @@ def load_single_file(path: Path, model_dir: Path, dtype: torch.dtype, flag: str)
     ConfigError."""
     import diffusers
 
-    model_class = getattr(diffusers, str(read_json_object(model_dir / "transformer" / "config.json").get("_class_name")))
-
+    config_path = model_dir / "transformer" / "config.json"
+    model_class = model_class_of(read_model_config(config_path.parent).get("_class_name"), config_path)
     quantization = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if path.suffix == ".gguf" else {}
     try:
         return model_class.from_single_file(
