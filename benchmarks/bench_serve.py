@@ -31,6 +31,7 @@ The markdown table comes last; it and the raw numbers go as JSON to --json (resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -76,16 +77,17 @@ def write_pipeline(directory: Path, tiny: bool, layers: int) -> int:
     return sum(path.stat().st_size for path in transformer.glob("*.safetensors"))
 
 
-def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
-    import dlo
-
+@contextlib.contextmanager
+def serving(args, directory: Path, replicas: int, gpus: int, *flags: str):
+    """`dlo serve directory` with `replicas` replicas and `flags`, through the host weight cache
+    under args.dir; yields (its base URL, seconds until it was healthy) and stops it on exit."""
     port = free_port()
     # One replica: cuda:0 (dlo serve refuses listed devices that would get no replica).
     placement = ["--device", "cpu"] if args.tiny else ["--devices", "0,1" if gpus >= 2 and replicas >= 2 else "0"]
     argv = [
         sys.executable, "-c", LAUNCH, "serve", str(directory), "--port", str(port), "--replicas", str(replicas),
         "--cache-dir", str(args.dir / "cache"), "--max-queue", str(args.requests),
-        "--cache-allow-any-filesystem", *placement,  # --dir may be on tmpfs or overlay: the cache lives there
+        "--cache-allow-any-filesystem", *placement, *flags,  # --dir may be on tmpfs or overlay: the cache lives there
     ]
     started = time.perf_counter()
     log = open(args.dir / f"serve-{replicas}.log", "w")
@@ -94,12 +96,27 @@ def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
     try:
         if not wait_healthy(server, base, timeout_s=float("inf")):
             raise SystemExit(f"dlo serve exited {server.returncode}: see {log.name}")
-        start_s = time.perf_counter() - started
-        clock = lap(f"{replicas} replica(s): start", started)
-        request = {
-            "prompt": "a red cube on a table", "size": args.size, "num_frames": args.frames,
-            "num_inference_steps": args.steps, "guidance_scale": 1.0, "format": "webp",
-        }
+        yield base, time.perf_counter() - started
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=120)
+        log.close()
+
+
+def video_request(args) -> dict:
+    return {
+        "prompt": "a red cube on a table", "size": args.size, "num_frames": args.frames,
+        "num_inference_steps": args.steps, "guidance_scale": 1.0, "format": "webp",
+    }
+
+
+def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
+    import dlo
+
+    with serving(args, directory, replicas, gpus) as (base, start_s):
+        clock = lap(f"{replicas} replica(s): start", time.perf_counter() - start_s)
+        request = video_request(args)
         run_jobs(base, [request] * replicas)  # warm-up: one job a replica
         clock = lap(f"{replicas} replica(s): warm-up", clock)
         began = time.perf_counter()
@@ -108,11 +125,6 @@ def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
         clock = lap(f"{replicas} replica(s): {args.requests} jobs", clock)
         pids = call(f"{base}/health")[1]["replica_pids"]
         pss = sum(dlo.read_smaps_rollup(pid).pss for pid in pids)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=120)
-        log.close()
     latencies.sort()
     return {
         "replicas": replicas, "start_s": start_s, "wall_s": wall_s, "requests_per_s": args.requests / wall_s,
@@ -121,8 +133,8 @@ def serve_run(args, directory: Path, replicas: int, gpus: int) -> dict:
     }
 
 
-def run_jobs(base: str, requests: list[dict]) -> list[float]:
-    """Posts every request at once, polls until all are done; each job's seconds."""
+def run_jobs(base: str, requests: list[dict], poll_s: float = 0.05) -> list[float]:
+    """Posts every request at once, polls every `poll_s` until all are done; each job's seconds."""
     posted = {}
     for request in requests:
         status, job, _ = call(f"{base}/v1/videos", request)
@@ -137,7 +149,7 @@ def run_jobs(base: str, requests: list[dict]) -> list[float]:
                 seconds[video_id] = time.perf_counter() - posted[video_id]
             elif job["status"] != "queued" and job["status"] != "running":
                 raise SystemExit(f"job {video_id}: {job}")
-        time.sleep(0.05)
+        time.sleep(poll_s)
     return list(seconds.values())
 
 
