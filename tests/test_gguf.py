@@ -182,7 +182,7 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 12)
     (tmp_path / "model.bin").write_bytes(b"\0")
     for given, says in [
-        (tmp_path / "bad.gguf", "not a GGUF file the gguf package can read"),
+        (tmp_path / "bad.gguf", "header_invalid: GGUF version 0; dlo reads versions (2, 3)"),
         (tmp_path / "model.bin", "give a .gguf file or a single-file .safetensors checkpoint"),
         (tmp_path / "absent.gguf", "no such file"),
     ]:
@@ -222,7 +222,7 @@ def test_a_serve_replica_holds_the_gguf_transformer_file_and_serve_refuses_what_
     capsys.readouterr()  # the pipelines' progress bars
     for argv, says in [
         (["--transformer", str(path)], "--transformer FILE: dlo serve loads through the host weight cache by default"),
-        (["--transformer", str(tmp_path / "bad.gguf"), "--no-host-weight-cache"], "not a GGUF file the gguf package"),
+        (["--transformer", str(tmp_path / "bad.gguf"), "--no-host-weight-cache"], "header_invalid: GGUF version 0"),
     ]:
         assert main(["serve", str(tiny_flux_dir), "--device", "cpu", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

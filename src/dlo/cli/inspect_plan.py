@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dlo.cli.config_flags import config_from_flags, torch_dtype
 from dlo.cli.format import human_bytes, table
+from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
 from dlo.cli.model_source import is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta
 from dlo.cli.weight_bytes import payload_bytes
@@ -63,6 +64,9 @@ def _plan_text(module, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if Path(args.target).suffix in FILE_SUFFIXES and Path(args.target).is_file():
+        print(render_file(Path(args.target)))
+        return 0
     cached = is_hub_id(args.target)
     target = str(resolve_model(args.target, "dlo inspect never downloads")) if cached else args.target
     if not Path(target).expanduser().is_dir():

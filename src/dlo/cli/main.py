@@ -297,8 +297,9 @@ def _add_inspect(commands) -> None:
         "target",
         metavar="MODEL",
         help="a diffusers model or pipeline directory, a Hugging Face hub id in the hub cache (org/name), a "
-        f"diffusers class name (default config, e.g. WanTransformer3DModel) or a built-in model "
-        f"({', '.join(sorted(TINY_CONFIGS))})",
+        f"diffusers class name (default config, e.g. WanTransformer3DModel), a built-in model "
+        f"({', '.join(sorted(TINY_CONFIGS))}), or a .gguf or single-file .safetensors file (its tensor types "
+        "and bytes per block)",
     )
     parser.add_argument("--dtype", choices=DTYPES, help="size the weights in this dtype")
     _add_verbose(parser)

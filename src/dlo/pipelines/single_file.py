@@ -12,6 +12,7 @@ from torch import nn
 
 from dlo.errors import ConfigError, first_line
 from dlo.host.checkpoint import read_model_config
+from dlo.host.gguf_file import read_gguf_index
 from dlo.host.model_build import model_class as model_class_of
 from dlo.host.safetensors_file import CheckpointError, SafetensorsFile
 
@@ -28,16 +29,29 @@ def check_single_file(path: Path, flag: str) -> None:
         try:
             SafetensorsFile(path).close()
         except CheckpointError as err:
-            raise ConfigError(f"{flag}: {err}") from None
+            raise ConfigError(f"{flag} {err}") from None
         return
     try:
-        import gguf
+        import gguf  # noqa: F401  (the index reader's quant tables)
     except ImportError:
         raise ConfigError(f"{flag} {path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'") from None
     try:
-        gguf.GGUFReader(path)  # the header and tensor index; the data stays mapped, unread
-    except Exception as err:  # the reader raises many kinds on a damaged file
-        raise ConfigError(f"{flag} {path}: not a GGUF file the gguf package can read ({first_line(err)})") from None
+        index = read_gguf_index(path)  # the header and tensor index; no tensor byte is read
+    except CheckpointError as err:
+        raise ConfigError(f"{flag} {err}") from None
+    unsupported = sorted({t.quant for t in index.tensors.values()} - diffusers_gguf_types())
+    if unsupported:
+        raise ConfigError(
+            f"{flag} {path}: diffusers' GGUF loader has no dequantization for {', '.join(unsupported)}; "
+            f"it reads {', '.join(sorted(diffusers_gguf_types()))}"
+        )
+
+
+def diffusers_gguf_types() -> set[str]:
+    """The ggml types diffusers' GGUF loader reads: plain F32/F16 and those it dequantizes."""
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+    return {"F32", "F16", *(quant.name for quant in SUPPORTED_GGUF_QUANT_TYPES)}
 
 
 def load_single_file(path: Path, model_dir: Path, dtype: torch.dtype, flag: str) -> nn.Module:
