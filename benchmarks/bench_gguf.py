@@ -159,6 +159,8 @@ def row(shape: str, quant: str, variant: str, run, reference: torch.Tensor | Non
 
 
 def run_shape(shape: Shape, device: torch.device, args: argparse.Namespace) -> list[Row]:
+    if args.tmp:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix=f"bench_gguf_{shape.name}_", dir=args.tmp))
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(args.seed + 1)), device)
     model = build_model(shape, args.seed, device)

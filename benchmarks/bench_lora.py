@@ -151,6 +151,8 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
 def _mapped(name: str, device: torch.device, args: argparse.Namespace) -> Row:
     """The fused blocks of a mapped checkpoint are copied on write; the others stay mapped."""
     shape = SHAPES[name]
+    if args.tmp:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix=f"bench_lora_{name}_", dir=args.tmp))
     build_model(shape, args.seed, device).save_pretrained(directory)
     release(device)

@@ -39,14 +39,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from dlo.backend.block_binding import stand_in_value
 from dlo.errors import StreamingError
-from dlo.host.block_rewrite import load_image, old_image, rewrite
-from dlo.host.block_sources import ShardSource
+from dlo.host.block_rewrite import load_image, old_image, rewrite, rewrite_in_place
+from dlo.host.block_sources import PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.interrupts import interrupts_held
@@ -176,10 +177,14 @@ class WeightChanges:
         runtime = self._runtime
         block = runtime.blocks[index]
         _gather_assigned(block, opened.memory)
-        values = opened.memory.cpu()
-        old = old_image(block.source, block.layout, block.wire, opened.gathered)
+        if isinstance(block.source, PackedSource) and not block.wire.quantized:
+            rewriting = partial(rewrite_in_place, block.source, block.wire, opened.memory)
+        else:
+            values = opened.memory.cpu()
+            old = old_image(block.source, block.layout, block.wire, opened.gathered)
+            rewriting = partial(rewrite, block.source, old, block.layout, block.wire, values, block.name, self._pin)
         with interrupts_held():  # a private copy made is either streamed and released, or never made
-            done = rewrite(block.source, old, block.layout, block.wire, values, block.name, self._pin)
+            done = rewriting()
             if done is None:
                 return
             if done.source is not block.source:

@@ -18,6 +18,11 @@ differently). A block whose image did not change is left as it was. Otherwise:
   shard the same way.
 Every rank of an all-gather group makes the same edit and so writes the same image: its
 shard is its pieces of it, the padding zeros.
+A private buffer of plain tensors only (no float8 weights: its image is the slot image) takes
+the fast way, `rewrite_in_place`: compared with the block's memory where that memory is (the
+device), a chunk at a time, then written with one copy from it (on a GPU, a DMA into the
+pinned buffer): no block-sized host buffers are made, so fusing a LoRA into a 700 MB block
+costs milliseconds, not a second.
 """
 
 from __future__ import annotations
@@ -87,6 +92,25 @@ def _new_image(
     if not requantized and torch.equal(image[: wire.plain_bytes], old[: wire.plain_bytes]):
         return None
     return image, tuple(requantized)
+
+
+COMPARE_CHUNK_BYTES = 64 * 2**20  # host bytes moved at a time to compare with a device block
+
+
+def rewrite_in_place(source: PackedSource, wire: WireLayout, memory: torch.Tensor) -> Rewrite | None:
+    """rewrite() of a private buffer of plain tensors (`not wire.quantized`) from the block's
+    `memory` (its slot image, on any device); None when nothing changed. See [Note: rewriting a
+    host copy]"""
+    assert not wire.quantized, "float8 weights are requantized by rewrite()"
+    host, values = source.host.tensor[: wire.plain_bytes], memory[: wire.plain_bytes]
+    for start in range(0, wire.plain_bytes, COMPARE_CHUNK_BYTES):
+        end = min(start + COMPARE_CHUNK_BYTES, wire.plain_bytes)
+        if not torch.equal(values[start:end], host[start:end].to(values.device, non_blocking=True)):
+            break
+    else:
+        return None
+    host.copy_(values)  # one copy: an interrupt cannot leave half of the weight written
+    return Rewrite(source, source.host.tensor, (), 0)
 
 
 def rewrite(
