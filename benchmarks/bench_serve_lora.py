@@ -4,10 +4,10 @@ bench_serve.py's pipeline (a Wan-14B-shaped transformer, --layers of its 40, wit
 encoder and VAE) and two rank-R LoRAs on every attention and MLP Linear of its blocks, written
 under --dir with diffusers' WanPipeline.save_lora_weights (seeded noise, A and B). One replica,
 `dlo serve DIR --lora a=... --lora b=...`; jobs go one at a time (each posted when the last is
-done, polled every 10 ms), after one warm-up job with each LoRA:
+done, polled every 10 ms), after one warm-up job with each LoRA, in --rounds rounds of:
 
   same         --jobs jobs with LoRA a, --steps steps each: no switch.
-  alternating  --jobs jobs with b, a, b, a, ...: every job switches.
+  alternating  --jobs jobs with b, a, b, a, ...: every job switches (the first, from a, too).
   one step     --jobs jobs with a, 1 step each.
 
 step = (median same - median one step) / (steps - 1); switch = median alternating - median same.
@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny Wan pipeline on the CPU: checks the script")
     parser.add_argument("--layers", type=int, default=12, help="Wan-14B layers in the transformer (default: 12)")
     parser.add_argument("--rank", type=int, default=64)
-    parser.add_argument("--jobs", type=int, default=6, help="jobs per series (default: 6)")
+    parser.add_argument("--jobs", type=int, default=6, help="jobs per series and round (default: 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three series, interleaved (default: 3)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--frames", type=int, default=17, help="4k+1 (default: 17)")
     parser.add_argument("--size", default=None, help="WxH (default: 832x480; --tiny: 32x32)")
@@ -97,11 +98,11 @@ def main() -> None:
         clock = lap("start", clock)
         series(["a", "b"], args.steps)
         clock = lap("warm-up", clock)
-        seconds = {
-            "same": series(["a"] * args.jobs, args.steps),
-            "alternating": series(["b", "a"] * (args.jobs // 2) + ["b"] * (args.jobs % 2), args.steps),
-            "one step": series(["a"] * args.jobs, 1),
-        }
+        seconds: dict[str, list[float]] = {"same": [], "alternating": [], "one step": []}
+        for _ in range(args.rounds):  # the series interleaved, so that drift falls on each alike
+            seconds["same"] += series(["a"] * args.jobs, args.steps)
+            seconds["alternating"] += series(["b", "a"] * (args.jobs // 2) + ["b"] * (args.jobs % 2), args.steps)
+            seconds["one step"] += series(["a"] * args.jobs, 1)
         lap("jobs", clock)
     median = {name: statistics.median(values) for name, values in seconds.items()}
     step_s = (median["same"] - median["one step"]) / (args.steps - 1)

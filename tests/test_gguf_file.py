@@ -5,6 +5,7 @@ CheckpointError kind before anything maps them, never with another exception."""
 from __future__ import annotations
 
 import random
+import sys
 import struct
 
 import numpy as np
@@ -98,6 +99,10 @@ def test_a_crafted_valid_file_reads_and_its_byte_ranges_are_the_ones_given(tmp_p
          Kind.HEADER_INVALID, "nested"),
         (gguf_bytes([], metadata=[(b"k", 13, b"")]), Kind.HEADER_INVALID, "unknown value type 13"),
         (gguf_bytes([], metadata=[(b"k", UINT8, b"\1"), (b"k", UINT8, b"\2")]), Kind.DUPLICATE_KEY, "'k'"),
+        (gguf_bytes([], metadata=[(b"k", ARRAY, struct.pack("<IQ", UINT8, 0)), (b"k", UINT8, b"\2")]), Kind.DUPLICATE_KEY, "'k'"),
+        (gguf_bytes([], metadata=[(b"GGUF.version", UINT32, struct.pack("<I", 3))]), Kind.HEADER_INVALID, "reserved"),
+        (gguf_bytes(VALID, metadata=[(b"general.alignment", ARRAY, struct.pack("<IQI", UINT32, 1, 64))], data=VALID_DATA),
+         Kind.HEADER_INVALID, "power of two"),
         (gguf_bytes(VALID, metadata=[(b"general.alignment", UINT32, struct.pack("<I", 24))], data=VALID_DATA),
          Kind.HEADER_INVALID, "power of two"),
         (gguf_bytes(VALID, metadata=[(b"general.alignment", STRING, _string(b"32"))], data=VALID_DATA),
@@ -167,13 +172,22 @@ def test_inspect_shows_a_files_tensor_types_and_bytes_per_block_and_refuses_a_da
     tensors = [(f"blocks.{i}.{name}".encode(), dims, kind, 128 * (2 * i + j)) for i in range(3)
                for j, (name, dims, kind) in enumerate([("w", (32, 2), Q.Q8_0), ("b", (4,), Q.F32)])]
     tensors.append((b"head.weight", (8,), Q.F16, 128 * 6))
-    path = _write(tmp_path, gguf_bytes(tensors, data=bytes(128 * 7)))
+    tensors.append((b"time_embedding.1.weight", (8,), Q.F16, 128 * 7))  # one indexed module: not a block list
+    path = _write(tmp_path, gguf_bytes(tensors, data=bytes(128 * 8)))
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "model.gguf: 7 tensors, 268 B" in out  # 3 x (68 + 16) + 16
+    assert "model.gguf: 8 tensors, 284 B" in out  # 3 x (68 + 16) + 2 x 16
     assert any(line.split() == ["blocks", "3", "Q8_0", "x1,", "F32", "x1", "84", "B"] for line in out.splitlines()), out
-    assert "outside the blocks:   16 B (F16 x1)" in out
-    damaged = _write(tmp_path, gguf_bytes(tensors, data=bytes(128 * 6)), "cut.gguf")
+    assert "outside the blocks:   32 B (F16 x2)" in out and "time_embedding" not in out
+    damaged = _write(tmp_path, gguf_bytes(tensors, data=bytes(128 * 7)), "cut.gguf")
     assert main(["inspect", str(damaged)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"dlo: error: {damaged}: truncated: 'head.weight'"), err
+    assert len(err) == 1 and err[0].startswith(f"dlo: error: {damaged}: truncated: 'time_embedding.1.weight'"), err
+
+
+def test_inspect_of_a_gguf_file_without_the_gguf_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    path = _write(tmp_path, gguf_bytes(VALID, data=VALID_DATA))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the extra were not installed
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dlo: error: {path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'"]

@@ -5,6 +5,7 @@ what users do: LoRA adapters, fuse/unfuse, in-place edits, load_state_dict, dtyp
 See [Note: stand-ins], [Note: editing a streamed block] in dlo.backend.weight_changes."""
 
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -203,6 +204,34 @@ def test_edits_inside_handle_editing_reach_the_streamed_weights(tiny_pair, name)
         assert handle.stats().rewritten_blocks == 1
         with pytest.raises(dlo.StreamingError, match="not a streamed block"):
             handle.editing(streamed.proj_out)
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("device_room", [True, False], ids=["compared-in-chunks", "out-of-device-memory"])
+def test_an_edit_of_only_the_last_byte_of_a_block_is_found_and_written(tiny_pair, monkeypatch, device_room):
+    """A block is compared with its host copy a chunk at a time (here 256 bytes: many chunks);
+    with no device room for a chunk the host way is taken. Either way a change in the block's
+    last tensor only reaches the streamed weights."""
+    from dlo.host import block_rewrite
+
+    monkeypatch.setattr(block_rewrite, "COMPARE_CHUNK_BYTES", 256)
+    if not device_room:
+        def no_room(*args):
+            raise torch.OutOfMemoryError("no device memory for the compare")
+
+        monkeypatch.setattr("dlo.backend.weight_changes.rewrite_in_place", no_room)
+    reference, streamed, _ = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, "wan")
+        block = handle._runtime.blocks[0]
+        last = max(block.layout.placements, key=lambda p: p.offset).spec.name
+        assert block.layout.nbytes > 8 * 256
+        name = f"{block.name}.{last}"
+        for model in (reference, streamed):
+            with torch.no_grad(), handle.editing(streamed.get_submodule(block.name)) if model is streamed else nullcontext():
+                model.get_parameter(name).view(-1)[-1] += 1.0
+        assert handle.stats().rewritten_blocks == 1
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
     assert same_state(reference, streamed)
 
 

@@ -94,6 +94,7 @@ def test_lora_fused_and_unfused_while_streaming_matches_resident_on_cuda(tmp_pat
     # disable() gives the streamed blocks CPU tensors; the rest (the adapters too) stays on the device.
     state, expected = model.state_dict(), reference.state_dict()
     assert state.keys() == expected.keys() and all(torch.equal(state[k].cpu(), expected[k].cpu()) for k in state)
+    assert all(state[k].dtype == expected[k].dtype for k in state)  # torch.equal would promote
 
 
 def test_load_state_dict_while_streaming_from_pinned_memory_matches_resident_on_cuda():

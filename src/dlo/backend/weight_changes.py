@@ -39,14 +39,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
 
 from dlo.backend.block_binding import stand_in_value
 from dlo.errors import StreamingError
-from dlo.host.block_rewrite import load_image, old_image, rewrite, rewrite_in_place
+from dlo.host.block_rewrite import Rewrite, load_image, old_image, rewrite, rewrite_in_place
 from dlo.host.block_sources import PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
@@ -177,14 +176,17 @@ class WeightChanges:
         runtime = self._runtime
         block = runtime.blocks[index]
         _gather_assigned(block, opened.memory)
-        if isinstance(block.source, PackedSource) and not block.wire.quantized:
-            rewriting = partial(rewrite_in_place, block.source, block.wire, opened.memory)
-        else:
-            values = opened.memory.cpu()
-            old = old_image(block.source, block.layout, block.wire, opened.gathered)
-            rewriting = partial(rewrite, block.source, old, block.layout, block.wire, values, block.name, self._pin)
+        in_place = isinstance(block.source, PackedSource) and not block.wire.quantized
         with interrupts_held():  # a private copy made is either streamed and released, or never made
-            done = rewriting()
+            try:
+                if in_place:
+                    done = rewrite_in_place(block.source, block.wire, opened.memory)
+                else:
+                    done = self._rewrite_on_host(block, opened)
+            except torch.OutOfMemoryError:
+                if not in_place:
+                    raise
+                done = self._rewrite_on_host(block, opened)  # no device room to compare: the host way needs none
             if done is None:
                 return
             if done.source is not block.source:
@@ -200,6 +202,11 @@ class WeightChanges:
             for k in done.requantized:
                 q = block.wire.quantized[k]
                 dequantize_into(views[q.index], *landed[k])
+
+    def _rewrite_on_host(self, block: StreamedBlock, opened: _Opened) -> Rewrite | None:
+        values = opened.memory.cpu()
+        old = old_image(block.source, block.layout, block.wire, opened.gathered)
+        return rewrite(block.source, old, block.layout, block.wire, values, block.name, self._pin)
 
     def close_all(self) -> None:
         """Close the blocks a change cut short (an exception in load_state_dict) left open:

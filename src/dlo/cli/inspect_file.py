@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dlo.cli.format import human_bytes, table
+from dlo.errors import ConfigError
 from dlo.host.gguf_file import read_gguf_index
 from dlo.host.safetensors_file import SAFETENSORS_DTYPE, read_entries
 
@@ -19,33 +20,48 @@ FILE_SUFFIXES = (".gguf", ".safetensors")
 def _tensors(path: Path) -> list[tuple[str, str, int]]:
     """(name, type, bytes) of every tensor of the file; a damaged header is a CheckpointError."""
     if path.suffix == ".gguf":
-        return [(t.name, t.quant, t.nbytes) for t in read_gguf_index(path).tensors.values()]
-    return [(e.key, SAFETENSORS_DTYPE[e.dtype], e.nbytes) for e in read_entries(path).values()]
+        try:
+            import gguf  # noqa: F401  (the index reader's quant tables)
+        except ImportError:
+            raise ConfigError(f"{path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'") from None
+    try:
+        if path.suffix == ".gguf":
+            return [(t.name, t.quant, t.nbytes) for t in read_gguf_index(path).tensors.values()]
+        return [(e.key, SAFETENSORS_DTYPE[e.dtype], e.nbytes) for e in read_entries(path).values()]
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
 def _types(counts: Counter) -> str:
     return ", ".join(f"{kind} x{count}" for kind, count in counts.most_common())
 
 
-def render_file(path: Path) -> str:
-    blocks: dict[str, dict[int, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
-    others: list[tuple[str, int]] = []
-    tensors = _tensors(path)
+def _block_lists(tensors: list[tuple[str, str, int]]) -> dict[str, list[list[tuple[str, int]]]]:
+    """The block lists among the names: "<list>.<i>." for i = 0..n-1, n >= 2 (a single indexed
+    module, such as an embedding's `.1.`, is not a list). Each block's (type, bytes) pairs."""
+    found: dict[str, dict[int, list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
     for name, kind, nbytes in tensors:
         match = _BLOCK.match(name)
         if match:
-            blocks[match["list"]][int(match["index"])].append((kind, nbytes))
-        else:
-            others.append((kind, nbytes))
+            found[match["list"]][int(match["index"])].append((kind, nbytes))
+    return {
+        name: [members[i] for i in range(len(members))]
+        for name, members in found.items()
+        if len(members) >= 2 and set(members) == set(range(len(members)))
+    }
+
+
+def render_file(path: Path) -> str:
+    tensors = _tensors(path)
+    lists = _block_lists(tensors)
     rows = []
-    for list_name, members in blocks.items():
-        per_block = {sum(n for _, n in block) for block in members.values()}
-        kinds = Counter(kind for block in members.values() for kind, _ in block)
-        first = next(iter(members.values()))
-        rows.append([list_name, len(members), _types(Counter(kind for kind, _ in first)),
-                     " / ".join(human_bytes(n) for n in sorted(per_block))])
-        if kinds != Counter({k: c * len(members) for k, c in Counter(kind for kind, _ in first).items()}):
-            rows[-1][2] += " (first block; the others differ)"
+    for list_name, blocks in lists.items():
+        per_block = sorted({sum(n for _, n in block) for block in blocks})
+        kinds = [Counter(kind for kind, _ in block) for block in blocks]
+        described = _types(kinds[0]) + ("" if all(k == kinds[0] for k in kinds) else " (block 0; the others differ)")
+        rows.append([list_name, len(blocks), described, " / ".join(human_bytes(n) for n in per_block)])
+    in_blocks = {name for name, *_ in tensors if (m := _BLOCK.match(name)) and m["list"] in lists}
+    others = [(kind, nbytes) for name, kind, nbytes in tensors if name not in in_blocks]
     total = sum(nbytes for _, _, nbytes in tensors)
     lines = [
         f"{path.name}: {len(tensors)} tensors, {human_bytes(total)}",

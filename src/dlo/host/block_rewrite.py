@@ -94,13 +94,16 @@ def _new_image(
     return image, tuple(requantized)
 
 
-COMPARE_CHUNK_BYTES = 64 * 2**20  # host bytes moved at a time to compare with a device block
+# Host bytes moved at a time to compare with a device block: the compare's device memory
+# (the chunk and torch.equal's mask) stays small beside the slots.
+COMPARE_CHUNK_BYTES = 16 * 2**20
 
 
 def rewrite_in_place(source: PackedSource, wire: WireLayout, memory: torch.Tensor) -> Rewrite | None:
     """rewrite() of a private buffer of plain tensors (`not wire.quantized`) from the block's
-    `memory` (its slot image, on any device); None when nothing changed. See [Note: rewriting a
-    host copy]"""
+    `memory` (its slot image, on any device); None when nothing changed. Nothing is written
+    before the final copy, so a failure before it (out of device memory for a chunk) leaves
+    the host copy as it was. See [Note: rewriting a host copy]"""
     assert not wire.quantized, "float8 weights are requantized by rewrite()"
     host, values = source.host.tensor[: wire.plain_bytes], memory[: wire.plain_bytes]
     for start in range(0, wire.plain_bytes, COMPARE_CHUNK_BYTES):

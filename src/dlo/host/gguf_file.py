@@ -26,6 +26,7 @@ VERSIONS = (2, 3)  # 64-bit counts and lengths (version 1 had 32-bit ones and is
 MAX_DIMS = 8
 DEFAULT_ALIGNMENT = 32
 ALIGNMENT_KEY = "general.alignment"
+RESERVED_PREFIX = "GGUF."
 MAX_ARRAY_NESTING = 8
 _READ_CHUNK = 2**20
 
@@ -112,8 +113,14 @@ class _Cursor:
 
 def _metadata(cursor: _Cursor, count: int) -> dict[str, object]:
     values: dict[str, object] = {}
+    seen: set[str] = set()
     for index in range(count):
         key = cursor.string(f"metadata key {index}")
+        if key in seen:
+            raise CheckpointError(CheckpointErrorKind.DUPLICATE_KEY, cursor.path, f"metadata key {key!r} is given twice")
+        if key.startswith(RESERVED_PREFIX):  # the gguf package's reader keeps its own fields under these names
+            raise CheckpointError(CheckpointErrorKind.HEADER_INVALID, cursor.path, f"metadata key {key!r} is reserved")
+        seen.add(key)
         value_type = cursor.unpack("<I", f"{key!r}'s type")
         if value_type in _FIXED:
             value = cursor.unpack(_FIXED[value_type], repr(key))
@@ -121,12 +128,11 @@ def _metadata(cursor: _Cursor, count: int) -> dict[str, object]:
             value = cursor.string(repr(key))
         elif value_type == _ARRAY:
             cursor.skip_array(repr(key), 1)
-            continue
+            value = None
         else:
             raise CheckpointError(CheckpointErrorKind.HEADER_INVALID, cursor.path, f"{key!r}: unknown value type {value_type}")
-        if key in values:
-            raise CheckpointError(CheckpointErrorKind.DUPLICATE_KEY, cursor.path, f"metadata key {key!r} is given twice")
-        values[key] = value
+        if value is not None:
+            values[key] = value
         if key == ALIGNMENT_KEY and (value_type != _UINT32 or value == 0 or value & (value - 1)):
             raise CheckpointError(
                 CheckpointErrorKind.HEADER_INVALID, cursor.path, f"{ALIGNMENT_KEY} must be a power of two as a uint32, got {value!r}"
