@@ -80,6 +80,8 @@ class _Cursor:
         if offset + nbytes > len(self._buffer):
             self._buffer = os.pread(self.fd, max(nbytes, _READ_CHUNK), self.pos)
             self._buffer_start, offset = self.pos, 0
+            if len(self._buffer) < nbytes:  # the file shrank while it was read
+                raise CheckpointError(CheckpointErrorKind.TRUNCATED, self.path, f"{what}: the file ended while it was read")
         self.pos += nbytes
         return self._buffer[offset : offset + nbytes]
 
