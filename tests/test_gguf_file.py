@@ -93,6 +93,7 @@ def test_a_crafted_valid_file_reads_and_its_byte_ranges_are_the_ones_given(tmp_p
         (b"GGML" + bytes(20), Kind.HEADER_INVALID, "magic"),
         (gguf_bytes(VALID, version=1, data=VALID_DATA), Kind.HEADER_INVALID, "version 1"),
         (gguf_bytes(VALID, data=VALID_DATA, tensor_count=2**60), Kind.TRUNCATED, "cannot fit"),
+        (gguf_bytes(VALID, data=VALID_DATA + bytes(2**20), tensor_count=100_001), Kind.HEADER_TOO_LARGE, "at most 100000"),
         (gguf_bytes([(b"w", (32,), Q.Q8_0, 0)], metadata=[(b"k", STRING, struct.pack("<Q", 2**63))]), Kind.TRUNCATED, "'k'"),
         (gguf_bytes([(b"w", (32,), Q.Q8_0, 0)], metadata=[(b"k", ARRAY, struct.pack("<IQ", UINT8, 2**40))]), Kind.TRUNCATED, "'k'"),
         (gguf_bytes([], metadata=[(b"k", ARRAY, struct.pack("<IQ", ARRAY, 1) * 9 + struct.pack("<IQ", UINT8, 0))]),

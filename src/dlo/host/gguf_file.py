@@ -28,6 +28,10 @@ DEFAULT_ALIGNMENT = 32
 ALIGNMENT_KEY = "general.alignment"
 RESERVED_PREFIX = "GGUF."
 MAX_ARRAY_NESTING = 8
+# Far above any real model's counts (a DiT has a few thousand tensors, an LLM's tokenizer lives in
+# arrays, not pairs), far below what a crafted 100 MiB header could list: parsing stays quick.
+MAX_TENSORS = 100_000
+MAX_METADATA_PAIRS = 100_000
 _READ_CHUNK = 2**20
 
 # GGUF metadata value types: fixed-size ones by struct format; 8 is a string, 9 an array.
@@ -188,6 +192,11 @@ def read_gguf_index(path: str | Path) -> GgufIndex:
         if (tensor_count + metadata_count) * 8 > cursor.size:  # each record takes at least 8 bytes
             raise CheckpointError(
                 kinds.TRUNCATED, path, f"{tensor_count} tensors and {metadata_count} metadata pairs cannot fit in {cursor.size} bytes"
+            )
+        if tensor_count > MAX_TENSORS or metadata_count > MAX_METADATA_PAIRS:
+            raise CheckpointError(
+                kinds.HEADER_TOO_LARGE, path,
+                f"{tensor_count} tensors and {metadata_count} metadata pairs; dlo reads at most {MAX_TENSORS} and {MAX_METADATA_PAIRS}",
             )
         metadata = _metadata(cursor, metadata_count)
         alignment = metadata.get(ALIGNMENT_KEY, DEFAULT_ALIGNMENT)
