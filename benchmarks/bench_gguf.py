@@ -20,7 +20,8 @@ Variants, one at a time, each on a fresh load and freed before the next:
   diffusers    enable_group_offload(block_level, 1 block a group, use_stream, record_stream) on the
                GGUF model (needs CUDA; skipped on the CPU).
 
-floor = max(resident median, packed block bytes / --link-gbps). dlo's output must equal the
+floor = max(resident median, packed block bytes / --link-gbps); the "dlo bf16" row has no resident
+run beside it, so its floor is its block bytes / --link-gbps alone. dlo's output must equal the
 resident GGUF model's bit for bit (torch.equal); for diffusers the max abs difference is shown.
 
 On the GPU machine, from the repository root (diffusers and gguf from the wheels in .whl/):
@@ -50,8 +51,8 @@ from torch import nn
 
 import dlo
 from bench_streaming import (
-    GB, SHAPES, DiffusersGroupOffload, DloStreaming, Resident, Shape, build_model, environment, release, synchronize,
-    timed_forwards, to_device,
+    GB, SHAPES, DiffusersGroupOffload, DloStreaming, Measured, Resident, Shape, build_model, environment,
+    measure_session, to_device,
 )
 from results_json import add_json_flag, write_json
 
@@ -128,33 +129,19 @@ def blocks_nbytes(model: nn.Module) -> int:
 
 
 def measure(model: nn.Module, variant: str, inputs: dict, device: torch.device, args: argparse.Namespace):
-    release(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    """bench_streaming's measurement of one variant, and the blocks' bytes in this model."""
     nbytes = blocks_nbytes(model)
-    session = VARIANTS[variant](model, device)
-    synchronize(device)
-    try:
-        with torch.inference_mode():
-            for _ in range(args.warmup):
-                session.model(**inputs)
-            session.start_window()
-            seconds, output = timed_forwards(session.model, inputs, device, args.iters)
-            streaming = session.streaming(args.iters)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    finally:
-        session.close()
-    return tuple(seconds), output.cpu(), peak, nbytes, streaming
+    return measure_session(VARIANTS[variant], model, inputs, device, args), nbytes
 
 
-def row(shape: str, quant: str, variant: str, run, reference: torch.Tensor | None) -> Row:
-    seconds, output, peak, nbytes, streaming = run
+def row(shape: str, quant: str, variant: str, measured: tuple[Measured, int], reference: torch.Tensor | None) -> Row:
+    run, nbytes = measured
     compared = reference is not None and variant != "resident"
     return Row(
-        shape, quant, variant, statistics.median(seconds), seconds, peak, nbytes, streaming.h2d_gbps,
-        streaming.exposed_copy_s,
-        torch.equal(output, reference) if compared else None,
-        (output.float() - reference.float()).abs().max().item() if compared else None,
+        shape, quant, variant, statistics.median(run.forward_s), run.forward_s, run.peak_hbm_bytes, nbytes,
+        run.streaming.h2d_gbps, run.streaming.exposed_copy_s,
+        torch.equal(run.output, reference) if compared else None,
+        (run.output.float() - reference.float()).abs().max().item() if compared else None,
     )
 
 
@@ -175,10 +162,10 @@ def run_shape(shape: Shape, device: torch.device, args: argparse.Namespace) -> l
     for quant, path in files.items():
         reference = None
         for variant in args.variants:
-            run = measure(load_gguf(path, directory, shape.class_name), variant, inputs, device, args)
+            measured = measure(load_gguf(path, directory, shape.class_name), variant, inputs, device, args)
             if variant == "resident":
-                reference = run[1]
-            rows.append(row(shape.name, quant, variant, run, reference))
+                reference = measured[0].output
+            rows.append(row(shape.name, quant, variant, measured, reference))
             print(f"{shape.name}/{quant}/{variant}: median {rows[-1].median_s:.4f} s", flush=True)
         path.unlink()
     shutil.rmtree(directory)

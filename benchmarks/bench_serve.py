@@ -168,21 +168,32 @@ def table(rows: list[dict], weight_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the served pipeline and its video (shared with bench_serve_lora.py)."""
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dlo-bench-serve"))
     parser.add_argument("--tiny", action="store_true", help="the tiny Wan pipeline on the CPU: checks the script")
     parser.add_argument("--layers", type=int, default=12, help="Wan-14B layers in the transformer (default: 12)")
-    parser.add_argument("--requests", type=int, default=8, help="jobs posted at once per run (default: 8)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--frames", type=int, default=17, help="4k+1 (default: 17)")
     parser.add_argument("--size", default=None, help="WxH (default: 832x480; --tiny: 32x32)")
-    add_json_flag(parser, "bench_serve")
-    args = parser.parse_args()
+
+
+def settle_pipeline_flags(args: argparse.Namespace) -> Path:
+    """Fills the size default, caps --tiny's frames; returns the pipeline's directory (created)."""
     args.size = args.size or ("32x32" if args.tiny else "832x480")
     if args.tiny:
         args.frames = min(args.frames, 5)
     args.dir.mkdir(parents=True, exist_ok=True)
+    return args.dir / ("tiny-wan" if args.tiny else f"wan14b-{args.layers}l")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pipeline_flags(parser)
+    parser.add_argument("--requests", type=int, default=8, help="jobs posted at once per run (default: 8)")
+    add_json_flag(parser, "bench_serve")
+    args = parser.parse_args()
+    directory = settle_pipeline_flags(args)
     import torch
 
     import dlo
@@ -192,7 +203,6 @@ def main() -> None:
                    "torch": torch.__version__, "dlo": dlo.__version__}
     print(" | ".join(f"{k} {v}" for k, v in environment.items()), flush=True)
     clock = time.perf_counter()
-    directory = args.dir / ("tiny-wan" if args.tiny else f"wan14b-{args.layers}l")
     weight_bytes = write_pipeline(directory, args.tiny, args.layers)
     lap(f"pipeline ({weight_bytes / 1e9:.2f} GB of transformer)", clock)
     rows = [serve_run(args, directory, replicas, gpus) for replicas in (1, 2)]

@@ -32,7 +32,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench_serve import lap, run_jobs, serving, video_request, write_pipeline
+from bench_serve import (
+    add_pipeline_flags,
+    lap,
+    run_jobs,
+    serving,
+    settle_pipeline_flags,
+    video_request,
+    write_pipeline,
+)
 from results_json import add_json_flag, write_json
 
 
@@ -64,26 +72,17 @@ def write_loras(directory: Path, rank: int) -> dict[str, Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/dlo-bench-serve"))
-    parser.add_argument("--tiny", action="store_true", help="the tiny Wan pipeline on the CPU: checks the script")
-    parser.add_argument("--layers", type=int, default=12, help="Wan-14B layers in the transformer (default: 12)")
+    add_pipeline_flags(parser)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--jobs", type=int, default=6, help="jobs per series and round (default: 6)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three series, interleaved (default: 3)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--frames", type=int, default=17, help="4k+1 (default: 17)")
-    parser.add_argument("--size", default=None, help="WxH (default: 832x480; --tiny: 32x32)")
     add_json_flag(parser, "bench_serve_lora")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (one step is measured apart)")
-    args.size = args.size or ("32x32" if args.tiny else "832x480")
-    if args.tiny:
-        args.frames = min(args.frames, 5)
+    directory = settle_pipeline_flags(args)
     args.requests = 1  # bench_serve's queue length: one job at a time here
-    args.dir.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
-    directory = args.dir / ("tiny-wan" if args.tiny else f"wan14b-{args.layers}l")
     write_pipeline(directory, args.tiny, args.layers)
     loras = write_loras(directory, args.rank)
     clock = lap("pipeline and LoRAs", clock)

@@ -321,11 +321,19 @@ def timed_forwards(
 def measure(shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> Measured:
     model = build_model(shape, args.seed, device)
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(args.seed + 1)), device)
+    return measure_session(VARIANTS[variant], model, inputs, device, args)
+
+
+def measure_session(
+    make: Callable[[nn.Module, torch.device], Session], model: nn.Module, inputs: Inputs, device: torch.device,
+    args: argparse.Namespace,
+) -> Measured:
+    """`make(model, device)` set up, --warmup untimed and --iters timed forwards, then closed."""
     release(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    session = VARIANTS[variant](model, device)
+    session = make(model, device)
     synchronize(device)
     setup_s = time.perf_counter() - started
     try:
