@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from dlo.backend import disk_tier
 from dlo.backend.auto_residency import AutoResidency, residency_budget
 from dlo.backend.block_binding import (
     BlockTensors,
@@ -35,13 +36,13 @@ from dlo.backend.device import resolve_device
 from dlo.backend.fp8_compute import Fp8GemmConversion, check_fp8_gemms
 from dlo.backend.gather_group import ParallelGroups, check_backend, resolve_gather_group
 from dlo.backend.handle import OffloadHandle, refuse_if_managed
-from dlo.backend.mapping_registration import NOT_APPLICABLE
+from dlo.backend.mapping_registration import NOT_APPLICABLE, registration_refused
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.backend.plan_binding import BoundPlan
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
-from dlo.host.block_sources import MappedSource, ShardSource
+from dlo.host.block_sources import DiskSource, MappedSource, ShardSource
 from dlo.host.fp8_codec import DequantizedWeight, prepare_dequantization
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
@@ -180,12 +181,13 @@ def _stager(
     blocks: list[StreamedBlock], executor: Executor, plan: BoundPlan | None, config: OffloadConfig, pin: bool
 ) -> Stager | None:
     """Pinned staging buffers for blocks packed from a mapping on every load (not needed when
-    the mapping is registered). On the CPU too, where the slots are host memory: the suite
-    then runs the staging thread the GPU runs."""
+    the mapping is registered), and the thread disk-tier loads run on. On the CPU too, where
+    the slots are host memory: the suite then runs the staging thread the GPU runs."""
     mapped = [b.wire.nbytes for b in blocks if isinstance(b.source, MappedSource)]
-    if not mapped or (plan is not None and plan.direct):
+    read = any(isinstance(b.source, DiskSource) for b in blocks)  # its loads run on the stager's thread
+    if not (mapped or read) or (plan is not None and plan.direct):
         return None
-    return Stager(executor, max(mapped), config.pack_threads or default_pack_threads(), pin)
+    return Stager(executor, max(mapped, default=0), config.pack_threads or default_pack_threads(), pin)
 
 
 def _backing(host_plan: HostWeightPlan | None, gather_group: GatherGroup | None, pin: bool, views: bool) -> str:
@@ -301,7 +303,10 @@ def enable(
         # weights to quantize are packed into private buffers: they never copy from the mapping.
         private_only = bool(blocks) and all(quantizes_privately(b, bound_plan) for b in blocks)
         shards_copied = gather_group is not None and bound_plan is not None and bound_plan.backing != "host_weight_cache"
-        if bound_plan is not None and not shards_copied and not private_only:
+        disk = disk_tier.plan_disk_tier(blocks, bound_plan, config, fp8_format(config))  # refused here when too small
+        if bound_plan is not None and disk_tier.is_active(disk):
+            bound_plan.registration = registration_refused(disk_tier.UNREGISTERED, quiet=True)
+        elif bound_plan is not None and not shards_copied and not private_only:
             bound_plan.register(config, device)
         rest = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
@@ -316,6 +321,7 @@ def enable(
                 config.gather_chunk_bytes,
                 converted=len(fp8_gemms) > 0,
             )
+            streamed = disk_tier.place_blocks(streamed, disk, pin, undo)
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         executor = make_executor(device, gathers=gather_group is not None and gather_group.size > 1)
         slot_size = max((b.slot_bytes for b in streamed), default=0)
@@ -329,10 +335,13 @@ def enable(
         if gather_group is not None:
             runtime = LockstepRuntime(streamed, slots, executor, ledger, BlockGather(gather_group, executor))
         else:
+            reads = disk_tier.read_ahead(streamed, disk, executor, pin)
+            if reads is not None:
+                undo.callback(reads.close)  # after the stager's: its jobs may wait for reads
             stager = _stager(streamed, executor, bound_plan, config, pin)
             if stager is not None:
                 undo.callback(stager.close)
-            runtime = RankLocalRuntime(streamed, slots, executor, ledger, stager)
+            runtime = RankLocalRuntime(streamed, slots, executor, ledger, stager, reads)
         tuner = None
         if budget is not None:
             tuner = _auto_residency(runtime, budget, device, device_weight_bytes, offload_plan, streamed_refs, config)
@@ -370,6 +379,7 @@ def enable(
             probe=probe,
             residency=tuner,
             fp8_gemms=fp8_gemms,
+            disk_budget_bytes=disk.tier.budget_bytes if disk is not None else 0,
         )
         undo.callback(handle.abandon)
         handle.activate()

@@ -29,7 +29,7 @@ from dlo.hotpath.compiled_call import CompileWatch, StreamedCallHandle
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.executors import Executor
-from dlo.observe.stats import CompileStats, OffloadStats
+from dlo.observe.stats import CompileStats, DiskStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import BlockRef, OffloadPlan
 from dlo.planning.wire_layout import bytes_by_dtype
@@ -81,6 +81,7 @@ class OffloadHandle:
         probe: OutsideUseProbe | None = None,
         residency: AutoResidency | None = None,
         fp8_gemms: Fp8GemmConversion | None = None,
+        disk_budget_bytes: int = 0,
     ) -> None:
         self.module = module
         self.device = device
@@ -100,8 +101,11 @@ class OffloadHandle:
         self._probe = probe  # See [Note: blocks used outside their call]
         self._residency = residency  # See [Note: automatic residency]
         self._fp8_gemms = fp8_gemms  # See [Note: fp8 compute]
-        self._releases = [block.source.release for block in runtime.blocks] + (
-            [runtime.stager.close] if runtime.stager is not None else []
+        self._disk_budget = disk_budget_bytes  # host_budget_gib with blocks on disk (See [Note: the disk tier])
+        self._releases = (
+            [block.source.release for block in runtime.blocks]
+            + ([runtime.stager.close] if runtime.stager is not None else [])
+            + ([runtime.read_ahead.close] if runtime.read_ahead is not None else [])  # after the stager: See [Note: the disk tier]
         )
         # See [Note: stand-ins], [Note: editing a streamed block]; a private copy made for a
         # changed block joins the releases.
@@ -291,6 +295,23 @@ class OffloadHandle:
             host_bytes_by_dtype=_host_bytes_by_dtype(runtime),
             rewritten_blocks=self._changes.rewritten_blocks,
             copied_on_write_bytes=self._changes.copied_bytes,
+            disk=self._disk_stats(),
+        )
+
+    def _disk_stats(self) -> DiskStats | None:
+        reads = self._runtime.read_ahead
+        if reads is None:
+            return None
+        return DiskStats(
+            blocks=tuple(self._runtime.blocks[i].name for i in reads.blocks),
+            budget_bytes=self._disk_budget,
+            read_buffer_bytes=reads.buffer_bytes,
+            read_bytes=reads.bytes_read,
+            reads=reads.reads,
+            read_s=reads.read_s,
+            gbps=reads.bytes_read / reads.read_s / 1e9 if reads.read_s > 0 else 0.0,
+            wait_s=reads.wait_s,
+            direct_io=reads.direct,
         )
 
     def _compile_stats(self) -> CompileStats:

@@ -77,6 +77,10 @@ def _int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
 
 
+def _float_or_auto(text: str) -> float | str:
+    return text if text == AUTO else float(text)
+
+
 # OffloadConfig field annotations -> how a flag's text is parsed (the config validates the value).
 _FLAG_TYPES = {
     "int": int,
@@ -84,6 +88,7 @@ _FLAG_TYPES = {
     "str": str,
     "int | str": _int_or_auto,
     "float | None": float,
+    "float | str | None": _float_or_auto,
     "str | None": str,
 }
 

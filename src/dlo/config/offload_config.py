@@ -96,6 +96,15 @@ class OffloadConfig:
             "the device has free at enable() plus what this process already holds"
         },
     )
+    host_budget_gib: float | str | None = field(
+        default=None,
+        metadata={
+            "help": "GiB of host memory the streamed blocks may hold (blocks kept in RAM plus the disk tier's read "
+            "buffers); the other blocks are read from their checkpoint or cache files on every use, with direct "
+            "I/O (docs/guides/disk-tier.md). 'auto': what the cgroup and the machine have available at enable(), "
+            "less a reserve. Unset: every streamed block stays in host memory"
+        },
+    )
     pin_memory: bool = field(
         default=True,
         metadata={"help": "page-lock the host copy of streamed blocks for async copies at link rate (cuda only)"},
@@ -222,6 +231,7 @@ class OffloadConfig:
                 "collective in plan order and blocks cannot change residency. Set use_allgather=False, or "
                 "resident_layers to a number"
             )
+        self._check_host_budget()
         _require_bool("pin_memory", self.pin_memory)
         _require_bool("record_timeline", self.record_timeline)
         _require_bool("use_allgather", self.use_allgather)
@@ -261,6 +271,20 @@ class OffloadConfig:
     def gather_chunk_bytes(self) -> int:
         """gather_chunk_mib in bytes (0: unchunked); a tiny positive size stays positive."""
         return math.ceil(self.gather_chunk_mib * 2**20)
+
+    def _check_host_budget(self) -> None:
+        budget = self.host_budget_gib
+        if budget is None or budget == AUTO:
+            pass
+        elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+            raise ConfigError(
+                f"OffloadConfig.host_budget_gib must be a finite number of GiB > 0, 'auto' or None, got {budget!r}"
+            )
+        if budget is not None and self.use_allgather:
+            raise ConfigError(
+                "OffloadConfig.host_budget_gib reads blocks from disk in rank-local mode only: all-gather mode keeps "
+                "each rank's shard in host memory. Set use_allgather=False, or leave host_budget_gib unset"
+            )
 
     def _check_fp8(self) -> None:
         # Frozen: the canonical spelling is stored once, here.

@@ -1,5 +1,6 @@
-"""Where a streamed block's bytes come from: a private packed host buffer, or a read-only
-mapping (packed into a staging buffer on every load, or, registered, copied from directly)."""
+"""Where a streamed block's bytes come from: a private packed host buffer, a read-only
+mapping (packed into a staging buffer on every load, or, registered, copied from directly),
+or, under a host memory budget, the mapping's files read on every use."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from dlo.host.checkpoint import Checkpoint
+from dlo.host.direct_reads import BlockReads, ReadImage
 from dlo.host.fp8_codec import dequantized
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import CopyTask, MappedTensor, coalesced
+from dlo.host.tensor_source import CopyTask, MappedTensor, TensorViews, coalesced
 from dlo.planning.block_layout import BlockLayout, view_placement
 from dlo.planning.shard_layout import ShardLayout
 from dlo.planning.wire_layout import WireLayout, landing_views, wire_targets
@@ -70,17 +72,21 @@ class MappedSource:
         return sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
 
     def copy_tasks(
-        self, targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]], whole: bool = False
+        self,
+        targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+        whole: bool = False,
+        views: TensorViews | None = None,
     ) -> list[CopyTask]:
         """Tasks that fill `targets` (see `wire_targets`); large tensors are split in chunks
-        for several host threads unless `whole`: direct device copies, as few as the mapping's
-        layout allows (See [Note: one copy per block])."""
+        for several host threads unless `whole`: direct device copies, as few as the layout
+        they are read from allows (See [Note: one copy per block]). `views`: where the
+        checkpoint tensors are read from (default: the mapping)."""
         tasks: list[CopyTask] = []
         for source, target in zip(self.sources, targets):
             if isinstance(source, torch.Tensor):
                 tasks.append(CopyTask(target, source))
             elif whole:
-                tasks.extend(source.pieces(self.checkpoint, target))
+                tasks.extend(source.pieces(views or self.checkpoint, target))
             else:
                 tasks.extend(source.copy_tasks(self.checkpoint, target))
         return coalesced(tasks) if whole else tasks
@@ -97,6 +103,40 @@ class MappedSource:
             source if isinstance(source, torch.Tensor) else source.materialize(self.checkpoint)
             for source in self.sources
         )
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class DiskSource:
+    """A mapped block read from its files on every use into a read buffer of the disk tier,
+    then copied from there (See [Note: the disk tier] in dlo.hotpath.read_ahead): a load never
+    reads the mapping, so the block's pages stay out of the page cache. Everything else (the
+    private tensors, restoring, packing once) is its mapping's."""
+
+    mapped: MappedSource
+    reads: BlockReads
+
+    pinned = False
+
+    @property
+    def host_bytes(self) -> int:
+        return self.mapped.host_bytes
+
+    def copy_tasks(
+        self, buffer: torch.Tensor, targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[CopyTask]:
+        """Copies filling `targets` from `buffer`, which holds the block's read."""
+        return self.mapped.copy_tasks(targets, whole=True, views=ReadImage(self.mapped.checkpoint, self.reads, buffer))
+
+    def pack(self, layout: BlockLayout, wire: WireLayout, buffer: torch.Tensor) -> None:
+        """The wire image into the host `buffer`, from the mapping (a one-off: promoting the
+        block, or rewriting its weights)."""
+        self.mapped.pack(layout, wire, buffer)
+
+    def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
+        return self.mapped.restored(layout, wire)
 
     def release(self) -> None:
         pass
@@ -151,4 +191,4 @@ class ShardSource:
             self.buffer.unpin()
 
 
-BlockSource = PackedSource | MappedSource | ShardSource
+BlockSource = PackedSource | MappedSource | DiskSource | ShardSource

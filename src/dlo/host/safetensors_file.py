@@ -202,9 +202,11 @@ class SafetensorsFile:
             if handle is None:
                 handle = stack.enter_context(open(self.path, "rb"))
             fd = handle.fileno()
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             self.entries, self.metadata = _read_header(self.path, fd, size)
             self.size = size
+            self.identity = (stat.st_dev, stat.st_ino, size)  # the file mapped: one reopened must be it
             # Empty files cannot be mapped; a valid header makes the file at least 8 bytes.
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         with warnings.catch_warnings():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ class CopyTask:
             np.copyto(_bytes(self.target), _bytes(self.source))
         else:
             self.target.copy_(self.source)
+
+
+class TensorViews(Protocol):
+    """Where a source's checkpoint tensors are read from: the mapping (a `Checkpoint`), or a
+    disk-tier read buffer (`dlo.host.direct_reads.ReadImage`)."""
+
+    def view(self, key: str) -> torch.Tensor: ...
 
 
 def count_adapters(sources: Iterable[TensorSource | QuantizedSource], checkpoint: Checkpoint) -> dict[str, int]:
@@ -146,7 +154,7 @@ class TensorSource:
             steps.append("cast")
         return tuple(steps)
 
-    def pieces(self, checkpoint: Checkpoint, target: torch.Tensor) -> list[CopyTask]:
+    def pieces(self, checkpoint: TensorViews, target: torch.Tensor) -> list[CopyTask]:
         """One task per checkpoint tensor, filling its part of `target` (a view shaped and
         typed like the runtime tensor)."""
         tasks = []
@@ -195,10 +203,10 @@ class QuantizedSource:
         """The float8 bytes are used as saved; scales not stored as fp32 are cast."""
         return ("cast",) if checkpoint.tensors[self.scale_key].entry.dtype != torch.float32 else ()
 
-    def scale(self, checkpoint: Checkpoint) -> torch.Tensor:
+    def scale(self, checkpoint: TensorViews) -> torch.Tensor:
         return checkpoint.view(self.scale_key).reshape(self.scale_shape)
 
-    def pieces(self, checkpoint: Checkpoint, target: tuple[torch.Tensor, torch.Tensor]) -> list[CopyTask]:
+    def pieces(self, checkpoint: TensorViews, target: tuple[torch.Tensor, torch.Tensor]) -> list[CopyTask]:
         """Tasks filling `target`: (float8 data, fp32 scale) views in a landing region."""
         data, scale = target
         return [CopyTask(data, checkpoint.view(self.data_key)), CopyTask(scale, self.scale(checkpoint))]

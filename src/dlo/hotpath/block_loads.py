@@ -1,12 +1,14 @@
 """What a load of each streamed block copies where: the one place a block's host source
 becomes a `BlockLoad` for the executor.
 
-A block is loaded one of four ways, fixed at enable() by where its bytes live:
+A block is loaded one of five ways, fixed at enable() by where its bytes live:
 - packed: its wire image in a private host buffer, copied whole;
 - direct: straight from a mapping registered with the driver (or, on the CPU, any mapping
   that is not staged), as few copies as its layout allows (See [Note: one copy per block]);
 - staged: packed from an unregistered mapping into a staging buffer on the stager's thread,
   then copied whole from there (See [Note: staged loads]);
+- read: read from its files into a read buffer of the disk tier, then copied from there as
+  a direct load copies from its mapping, on the stager's thread (See [Note: the disk tier]);
 - gathered: this rank's shard copied and the rest all-gathered (See [Note: chunked gathers]).
 Each of them, for a block with float8 weights, lands in a landing buffer and is finished into
 the slot from there (See [Note: fp8 landing]).
@@ -21,7 +23,7 @@ from functools import partial
 
 import torch
 
-from dlo.host.block_sources import MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import DiskSource, MappedSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.executors import BlockLoad, DeviceSlot, Executor
@@ -35,6 +37,7 @@ class LoadKind(enum.Enum):
     PACKED = "packed"
     DIRECT = "direct"
     STAGED = "staged"
+    READ = "read"
     GATHERED = "gathered"
 
 
@@ -82,6 +85,8 @@ class BlockLoads:
             return LoadKind.GATHERED
         if isinstance(block.source, PackedSource):
             return LoadKind.PACKED
+        if isinstance(block.source, DiskSource):
+            return LoadKind.READ
         return LoadKind.STAGED if staged else LoadKind.DIRECT
 
     def link_bytes(self, index: int) -> int:
@@ -137,10 +142,13 @@ class BlockLoads:
 
     def load(self, index: int, state: SlotState, image: torch.Tensor | None = None) -> BlockLoad:
         """Block `index` into the slot of `state`; `image`: the staging buffer a staged block
-        was packed into."""
+        was packed into, or the read buffer a disk block was read into."""
         block = self.blocks[index]
         finish = partial(self._finish, index, state) if block.wire.quantized else None
         kind = self.kinds[index]
+        if kind is LoadKind.READ:
+            assert image is not None
+            return BlockLoad(state.slot, partial(self._read_copies, index, state.slot, image, finish is not None), None, finish)
         if kind is LoadKind.GATHERED:
             assert self._gather is not None and isinstance(block.source, ShardSource)
             return self._gather.block_load(state.slot, block.source, finish, self._executor.landings)
@@ -156,6 +164,12 @@ class BlockLoads:
     def _image_copy(self, slot: DeviceSlot, image: torch.Tensor, landed: bool, k: int) -> tuple[CopyTask, ...]:
         target = self._executor.landings[k] if landed else slot.buffer
         return (CopyTask(target[: image.numel()], image),)
+
+    def _read_copies(self, index: int, slot: DeviceSlot, image: torch.Tensor, landed: bool, k: int) -> list[CopyTask]:
+        block = self.blocks[index]
+        assert isinstance(block.source, DiskSource)
+        plain = self._executor.landings[k] if landed else slot.buffer
+        return block.source.copy_tasks(image, wire_targets(block.layout, block.wire, plain, plain[block.wire.plain_bytes :]))
 
     def _landing_copies(self, index: int, k: int) -> tuple[CopyTask, ...]:
         return self._land_copies[k][index]

@@ -15,6 +15,7 @@ from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.interrupts import interrupts_held
+from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -34,8 +35,9 @@ class RankLocalRuntime(StreamingRuntime):
         executor: Executor,
         ledger: TransferLedger,
         stager: Stager | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
-        super().__init__(blocks, slots, executor, ledger, stager=stager)
+        super().__init__(blocks, slots, executor, ledger, stager=stager, read_ahead=read_ahead)
         self._slot_shape = (len(slots), self.slot_capacity)  # the last (count, bytes) fully allocated
 
     @contextlib.contextmanager

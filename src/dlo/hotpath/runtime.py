@@ -23,6 +23,7 @@ from dlo.host.block_sources import BlockSource
 from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
+from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.slot_queue import SlotQueue
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.streamed_block import StreamedBlock
@@ -41,14 +42,17 @@ class StreamingRuntime:
         ledger: TransferLedger,
         stager: Stager | None = None,
         gather: BlockGather | None = None,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
         """`stager`: packs mapped blocks into staging buffers (else they are copied directly
-        from their registered mapping); `gather`: all-gather mode's collectives."""
+        from their registered mapping) and runs disk-tier loads; `gather`: all-gather mode's
+        collectives; `read_ahead`: the disk tier's reads (See [Note: the disk tier])."""
         self.blocks = tuple(blocks)
         self.executor = executor
         self.ledger = ledger
         self.stager = stager
         self.gather = gather
+        self.read_ahead = read_ahead
         self.loads = BlockLoads(self.blocks, executor, gather, staged=stager is not None)
         self._landing_bytes = executor.landings[0].numel() if executor.landings else 0
         self.planner = SlotPlanner(len(self.blocks), len(slots), lockstep=self.lockstep)
@@ -63,7 +67,7 @@ class StreamingRuntime:
         self.queues = [
             SlotQueue(
                 self.loads.state_of(slot), self.loads, self.executor, self.stager, self.ledger,
-                self.slot_capacity, fixed_size=self.lockstep,
+                self.slot_capacity, fixed_size=self.lockstep, read_ahead=self.read_ahead,
             )
             for slot in slots
         ]
@@ -183,6 +187,8 @@ class StreamingRuntime:
         """Between calls: block `index` streams from `source` from its next load on (a private
         copy of a block whose weights changed); no slot keeps what it loaded from the old one."""
         self.discard_loaded([index])
+        if self.read_ahead is not None:
+            self.read_ahead.forget(index)
         block = replace(self.blocks[index], source=source)
         self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
         self.loads.use_block(index, block)

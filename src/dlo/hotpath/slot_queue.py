@@ -3,7 +3,8 @@
 [Note: one writer per slot]
 A slot is written only through its SlotQueue, whatever the kind of load (See
 dlo.hotpath.block_loads): loads run by the caller's thread are enqueued on the device at once;
-staged loads are handed to the stager's one thread, which runs them in submission order. The
+staged loads and disk-tier reads are handed to the stager's one thread, which runs them in
+submission order. The
 queue keeps the order of the two: before it runs a load of its own, it supersedes the staged
 loads still queued on the slot (a job not started is cancelled, one running is waited for),
 so no older load can land after a newer one; on the device, each load waits for the slot's
@@ -32,6 +33,7 @@ import torch
 from dlo.errors import StreamingError
 from dlo.hotpath.block_loads import BlockLoads, LoadKind, SlotState
 from dlo.hotpath.executors import Executor, LoadMarks
+from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.staging import Stager
 from dlo.observe.ledger import TransferLedger
 
@@ -74,9 +76,12 @@ class SlotQueue:
         ledger: TransferLedger,
         capacity: int,
         fixed_size: bool,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
-        """`capacity`: the most a refit may take; `fixed_size`: never refit (all-gather mode)."""
+        """`capacity`: the most a refit may take; `fixed_size`: never refit (all-gather mode);
+        `read_ahead`: the disk tier's reads (its blocks load through the stager)."""
         self.state = state
+        self._read_ahead = read_ahead
         self._loads = loads
         self._executor = executor
         self._stager = stager
@@ -92,11 +97,22 @@ class SlotQueue:
         with torch.profiler.record_function(f"dlo::h2d ({block.name})"):
             self._fit(index)
             state = self.state
-            if self._loads.kinds[index] is LoadKind.STAGED:  # See [Note: staged loads]
+            kind = self._loads.kinds[index]
+            if kind is LoadKind.STAGED:  # See [Note: staged loads]
                 assert self._stager is not None
                 future = self._stager.submit(
                     lambda staging: self._loads.pack_tasks(index, staging),
                     lambda staging: self._loads.load(index, state, staging),
+                )
+                self._jobs.append(_Job(block.name, self._loads.link_bytes(index), future))
+                return
+            if kind is LoadKind.READ:  # See [Note: the disk tier]
+                assert self._stager is not None and self._read_ahead is not None
+                read_ahead = self._read_ahead
+                future = self._stager.submit_read(
+                    lambda: read_ahead.take(index),
+                    lambda buffer: self._loads.load(index, state, buffer),
+                    read_ahead.give_back,
                 )
                 self._jobs.append(_Job(block.name, self._loads.link_bytes(index), future))
                 return

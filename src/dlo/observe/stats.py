@@ -47,6 +47,28 @@ class ResidencyStats:
 
 
 @dataclass(frozen=True)
+class DiskStats:
+    """The disk tier (See [Note: the disk tier]). blocks: the streamed blocks read from their
+    files on every use (names, execution order); budget_bytes: host_budget_gib in bytes;
+    read_buffer_bytes: the buffers they are read into. read_bytes / reads: what was read
+    (file bytes, alignment included) in how many block reads; read_s: the reads' summed
+    duration, and gbps the rate during them; wait_s: time loads waited for a read (exposed
+    when the compute stream waits on those loads: see exposed_copy_s). direct_io: every file
+    read with O_DIRECT (False: the file system refused it, and pages are dropped after each
+    read instead)."""
+
+    blocks: tuple[str, ...]
+    budget_bytes: int
+    read_buffer_bytes: int
+    read_bytes: int
+    reads: int
+    read_s: float
+    gbps: float
+    wait_s: float
+    direct_io: bool
+
+
+@dataclass(frozen=True)
 class OffloadStats:
     """Counters since `enable()`.
 
@@ -96,6 +118,7 @@ class OffloadStats:
         (fuse_lora, load_state_dict, handle.editing(); see [Note: rewriting a host copy]).
     copied_on_write_bytes: private host bytes made for changed blocks of a read-only mapping
         (checkpoint, cache entry, or its shards), which is never written; in host_bytes too.
+    disk: the disk tier under host_budget_gib (None without one: every block in host memory).
     """
 
     streamed_blocks: int
@@ -128,3 +151,4 @@ class OffloadStats:
     host_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     rewritten_blocks: int = 0
     copied_on_write_bytes: int = 0
+    disk: DiskStats | None = None

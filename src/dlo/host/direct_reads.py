@@ -1,0 +1,208 @@
+"""Reading a block's tensors from its checkpoint or cache files into a host buffer with direct
+I/O, so the disk tier never fills the page cache (See [Note: the disk tier] in
+dlo.hotpath.read_ahead).
+
+A block's tensors are grouped per file into spans (neighbours less than MERGE_GAP apart read
+as one), each widened to DIRECT_ALIGNMENT at both ends and placed at an aligned offset of the
+buffer: O_DIRECT needs the file offset, the length and the buffer address aligned. A span is
+read in READ_CHUNK pieces by a pool of threads (`os.preadv` releases the GIL), so several
+requests are in flight at once, as a disk needs to reach its rate.
+
+Where the file system refuses O_DIRECT (EINVAL at open, or at a first probing read), the file is
+read buffered and each span's pages are dropped from the page cache after its read
+(POSIX_FADV_DONTNEED): the page cache still does not grow, at the cost of a copy through it.
+That fallback is logged once per file with the code `direct_io_refused`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dlo.errors import StreamingError
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.pinned_buffer import aligned_empty
+from dlo.host.safetensors_file import SafetensorsFile
+
+logger = logging.getLogger(__name__)
+
+DIRECT_ALIGNMENT = 4096  # the largest logical block size of common disks: file offsets, lengths and addresses
+MERGE_GAP = 1 << 20  # tensors of one file closer than this are read in one span (the gap is read too)
+READ_CHUNK = 4 << 20  # bytes per read request
+DIRECT_IO_REFUSED = "direct_io_refused"
+
+
+def _down(value: int) -> int:
+    return value - value % DIRECT_ALIGNMENT
+
+
+def _up(value: int) -> int:
+    return _down(value + DIRECT_ALIGNMENT - 1)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [file_start, file_start + nbytes) of `file` into the buffer at `buffer_start`
+    (all DIRECT_ALIGNMENT-aligned; the last span of a file may end past its end)."""
+
+    file: SafetensorsFile
+    file_start: int
+    nbytes: int
+    buffer_start: int
+
+
+@dataclass(frozen=True)
+class BlockReads:
+    """Where a block's checkpoint tensors lie in the files and in its read buffer.
+    `payload_bytes`: the tensors' own bytes; `nbytes`: the buffer it needs (aligned spans)."""
+
+    spans: tuple[Span, ...]
+    placed: dict[str, int]  # checkpoint key -> its first byte in the buffer
+    payload_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        last = self.spans[-1] if self.spans else None
+        return last.buffer_start + last.nbytes if last is not None else 0
+
+    @classmethod
+    def plan(cls, checkpoint: Checkpoint, keys: Iterable[str]) -> BlockReads:
+        by_file: dict[int, list[tuple[int, int, str]]] = {}
+        files: dict[int, SafetensorsFile] = {}
+        for key in set(keys):
+            source = checkpoint.tensors[key]
+            by_file.setdefault(id(source.file), []).append((source.entry.begin, source.entry.end, key))
+            files[id(source.file)] = source.file
+        spans: list[Span] = []
+        placed: dict[str, int] = {}
+        for file_id, ranges in by_file.items():
+            ranges.sort()
+            groups = [[ranges[0]]]
+            for piece in ranges[1:]:
+                if piece[0] - max(end for _, end, _ in groups[-1]) < MERGE_GAP:
+                    groups[-1].append(piece)
+                else:
+                    groups.append([piece])
+            for group in groups:
+                at = spans[-1].buffer_start + spans[-1].nbytes if spans else 0
+                start, end = _down(group[0][0]), _up(max(end for _, end, _ in group))
+                spans.append(Span(files[file_id], start, end - start, at))
+                placed.update((key, at + begin - start) for begin, _, key in group)
+        payload = sum(checkpoint.tensors[key].entry.nbytes for key in placed)
+        return cls(tuple(spans), placed, payload)
+
+
+class ReadImage:
+    """A block's checkpoint tensors as views of the read buffer they were read into (what
+    `TensorSource.pieces` reads from, as it reads from the mapping)."""
+
+    def __init__(self, checkpoint: Checkpoint, reads: BlockReads, buffer: torch.Tensor) -> None:
+        self._checkpoint = checkpoint
+        self._reads = reads
+        self._buffer = buffer
+
+    def view(self, key: str) -> torch.Tensor:
+        entry = self._checkpoint.tensors[key].entry
+        start = self._reads.placed[key]
+        return self._buffer[start : start + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+
+class _OpenFile:
+    """One file opened for the disk tier: O_DIRECT, or buffered with pages dropped after reads."""
+
+    def __init__(self, file: SafetensorsFile) -> None:
+        self.path = file.path
+        self.direct = True
+        fd = None
+        try:
+            fd = os.open(file.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            # Some file systems accept the flag but not the I/O: one aligned read tells.
+            os.preadv(fd, [aligned_empty(DIRECT_ALIGNMENT, torch.device("cpu"), DIRECT_ALIGNMENT).numpy()], 0)
+            self.fd = fd
+        except OSError as err:
+            if fd is not None:
+                os.close(fd)
+            if err.errno != errno.EINVAL:
+                raise StreamingError(f"cannot read {file.path} to stream blocks from disk: {err}") from None
+            logger.warning(
+                "dlo: %s: the file system refused O_DIRECT; disk-tier blocks are read buffered and their pages "
+                "dropped after each read (%s)", file.path, DIRECT_IO_REFUSED,
+            )
+            self.direct = False
+            self.fd = os.open(file.path, os.O_RDONLY | os.O_CLOEXEC)
+        stat = os.fstat(self.fd)
+        if (stat.st_dev, stat.st_ino, stat.st_size) != file.identity:
+            os.close(self.fd)
+            raise StreamingError(
+                f"{file.path} is not the file dlo mapped at enable() (replaced or resized since): load the model again"
+            )
+
+    def read(self, into: np.ndarray, offset: int) -> int:
+        """Fill `into` from `offset` (short only at the end of the file); returns the bytes read."""
+        done = 0
+        while done < into.size:
+            try:
+                count = os.preadv(self.fd, [into[done:]], offset + done)
+            except OSError as err:
+                raise StreamingError(f"reading {self.path} at byte {offset + done} failed: {err}") from None
+            if count == 0:
+                break
+            done += count
+        if not self.direct:
+            os.posix_fadvise(self.fd, offset, into.size, os.POSIX_FADV_DONTNEED)
+        return done
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class DiskReader:
+    """Reads blocks' spans into buffers with READ_CHUNK requests on `threads` threads."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dlo-read")
+        self._files: dict[int, _OpenFile] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    @property
+    def direct(self) -> bool:
+        """Every file opened so far is read with O_DIRECT."""
+        return all(f.direct for f in self._files.values())
+
+    def _open(self, file: SafetensorsFile) -> _OpenFile:
+        with self._lock:
+            opened = self._files.get(id(file))
+            if opened is None:
+                opened = self._files[id(file)] = _OpenFile(file)
+            return opened
+
+    def read(self, reads: BlockReads, buffer: torch.Tensor) -> None:
+        """The block's spans into `buffer` (DIRECT_ALIGNMENT-aligned, at least reads.nbytes)."""
+        array = buffer.numpy()
+        requests = []
+        for span in reads.spans:
+            opened = self._open(span.file)
+            wanted = min(span.nbytes, span.file.size - span.file_start)  # the span may end past the file
+            for start in range(0, span.nbytes, READ_CHUNK):
+                into = array[span.buffer_start + start : span.buffer_start + min(span.nbytes, start + READ_CHUNK)]
+                requests.append((opened, into, span.file_start + start, max(0, min(into.size, wanted - start))))
+        for opened, got, wanted in self._pool.map(lambda r: (r[0], r[0].read(r[1], r[2]), r[3]), requests):
+            if got < wanted:
+                raise StreamingError(f"{opened.path} ended early: read {got} of {wanted} bytes (truncated since enable()?)")
+            self.bytes_read += got
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for opened in self._files.values():
+                opened.close()
+            self._files.clear()

@@ -1,0 +1,224 @@
+"""Reading disk-tier blocks ahead of their loads, into a few host buffers.
+
+[Note: the disk tier]
+Under `host_budget_gib`, the blocks planned onto disk (See [Note: which blocks stay in RAM] in
+dlo.planning.host_tier) are read from their checkpoint or cache files on every use, with
+direct I/O (dlo.host.direct_reads), into read buffers that are page-locked like staging
+buffers; their copies into a slot go straight from there. The page cache does not grow and
+each use reads the block once: a buffer never keeps a block for a later use.
+
+The reads run on a thread of their own, ahead of the loads: `ReadAhead` keeps its buffers
+filled with the next disk blocks in cyclic index order after the last one taken, so the disk
+works while RAM blocks compute, across the end of a call into the next. A load of a disk
+block is a staged load (the stager's one thread, in slot-queue order: See [Note: one writer
+per slot] in dlo.hotpath.slot_queue): it takes the block's buffer, waiting for its read if it
+is not done (a block not predicted is read first, evicting a read not yet taken), enqueues
+the copies out of it, records the event they end with and gives the buffer back. The buffer
+is read into again only after that event, so no read overwrites bytes a copy still reads.
+
+A read that fails (the file truncated or unreadable since enable()) fails the load that takes
+it, as a failed staged load does; the block is read again at its next use.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dlo.errors import StreamingError
+from dlo.host.block_sources import DiskSource
+from dlo.host.direct_reads import DiskReader
+from dlo.host.pinned_buffer import HostBuffer, host_buffers
+
+
+class _State(enum.Enum):
+    FREE = "free"
+    READING = "reading"
+    FILLED = "filled"
+    TAKEN = "taken"
+
+
+@dataclass(eq=False)
+class ReadBuffer:
+    """One read buffer: what it holds (`block`, in `state`), and the event its last copies
+    out recorded (read into again only after it)."""
+
+    host: HostBuffer
+    copied_out: Any
+    state: _State = _State.FREE
+    block: int | None = None
+    failure: BaseException | None = None
+    stale: bool = field(default=False)  # its block left the disk tier while it was being read
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.host.tensor
+
+
+class ReadAhead:
+    def __init__(
+        self,
+        sources: dict[int, DiskSource],
+        reader: DiskReader,
+        count: int,
+        nbytes: int,
+        pin: bool,
+        copied_out_event: Any,
+    ) -> None:
+        """`sources`: block index -> its disk source; `count` buffers of `nbytes`;
+        `copied_out_event()` makes a buffer's event (the executor's staging_event)."""
+        self._sources = dict(sources)
+        self._order = sorted(self._sources)
+        self._reader = reader
+        self._buffers = [ReadBuffer(host, copied_out_event()) for host in host_buffers(count, nbytes, pin)]
+        self._cond = threading.Condition()
+        self._wanted: list[int] = []  # taken blocks no buffer holds or reads: read these first
+        self._after: int | None = None  # the last block taken: read-ahead continues after it
+        self._stopped = False
+        self.read_s = 0.0  # summed read time (the reader thread's)
+        self.wait_s = 0.0  # time loads waited for reads (the stager's thread)
+        self.reads = 0
+        self._thread = threading.Thread(target=self._run, name="dlo-read-ahead", daemon=True)
+        self._thread.start()
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(self._order)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.host.nbytes for b in self._buffers)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._reader.bytes_read
+
+    @property
+    def direct(self) -> bool:
+        return self._reader.direct
+
+    def take(self, index: int) -> ReadBuffer:
+        """Block `index`'s buffer once its read is done (raising the read's failure, with the
+        buffer given back); give it back after enqueuing the copies out of it."""
+        started = time.perf_counter()
+        with self._cond:
+            while True:
+                held = self._holding(index)
+                if held is not None and held.state is _State.FILLED:
+                    break
+                if self._stopped:
+                    raise StreamingError(f"block {index} was to be read from disk after the reads stopped")
+                if held is None and index not in self._wanted:
+                    self._wanted.append(index)
+                    self._cond.notify_all()
+                self._cond.wait()
+            if index in self._wanted:
+                self._wanted.remove(index)
+            held.state = _State.TAKEN
+            self._after = index
+            self._cond.notify_all()
+        self.wait_s += time.perf_counter() - started
+        if held.failure is not None:
+            failure, held.failure = held.failure, None
+            self.give_back(held)
+            raise failure
+        return held
+
+    def give_back(self, buffer: ReadBuffer) -> None:
+        with self._cond:
+            buffer.state, buffer.block = _State.FREE, None
+            self._cond.notify_all()
+
+    def forget(self, index: int) -> None:
+        """Block `index` no longer streams from disk (its source was replaced): no read of it
+        is kept or started. No load of it may be queued."""
+        with self._cond:
+            self._sources.pop(index, None)
+            if index in self._order:
+                self._order.remove(index)
+            for buffer in self._buffers:
+                if buffer.block == index and buffer.state is _State.FILLED:
+                    buffer.state, buffer.block, buffer.failure = _State.FREE, None, None
+                elif buffer.block == index and buffer.state is _State.READING:
+                    buffer.stale = True
+            self._cond.notify_all()
+
+    def _holding(self, index: int) -> ReadBuffer | None:
+        """The buffer holding or reading block `index` for its next use."""
+        for buffer in self._buffers:
+            if buffer.block == index and buffer.state in (_State.READING, _State.FILLED) and not buffer.stale:
+                return buffer
+        return None
+
+    def _ahead(self) -> list[int]:
+        """The disk blocks expected next, in order, at most one per buffer."""
+        order = self._order
+        if not order:
+            return []
+        start = 0 if self._after is None else next((k for k, i in enumerate(order) if i > self._after), 0)
+        return [order[(start + k) % len(order)] for k in range(min(len(order), len(self._buffers)))]
+
+    def _next_read(self) -> tuple[ReadBuffer, int] | None:
+        """What to read into which buffer now (under the lock): a wanted block first, into a
+        free buffer or over a read nobody wants yet; else the next expected block no buffer
+        holds, into a free buffer."""
+        free = next((b for b in self._buffers if b.state is _State.FREE), None)
+        for index in self._wanted:
+            if self._holding(index) is None:
+                spare = free or next(
+                    (b for b in self._buffers if b.state is _State.FILLED and b.block not in self._wanted), None
+                )
+                return (spare, index) if spare is not None else None
+        if free is None:
+            return None
+        for index in self._ahead():
+            if self._holding(index) is None:
+                return free, index
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (chosen := self._next_read()) is None:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                buffer, index = chosen
+                buffer.state, buffer.block, buffer.failure, buffer.stale = _State.READING, index, None, False
+                source = self._sources[index]
+            started = time.perf_counter()
+            try:
+                buffer.copied_out.synchronize()  # the copies out of its last block are done
+                self._reader.read(source.reads, buffer.tensor)
+            except Exception as failure:  # handed to the load that takes it
+                buffer.failure = failure
+            self.read_s += time.perf_counter() - started
+            with self._cond:
+                self.reads += 1
+                if buffer.stale:
+                    buffer.state, buffer.block, buffer.failure, buffer.stale = _State.FREE, None, None, False
+                else:
+                    buffer.state = _State.FILLED
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop reading (a read under way finishes first); a load still waiting for a read
+        fails. Idempotent; after the stager stopped (its jobs may wait for reads)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def close(self) -> None:
+        """Stop, close the files, unpin the buffers (the device must be synchronized first if
+        copies out of them may still run)."""
+        self.stop()
+        self._reader.close()
+        for buffer in self._buffers:
+            buffer.host.unpin()
+
