@@ -158,6 +158,30 @@ def test_random_skip_paths_over_every_source_of_one_model_equal_resident(tmp_pat
                 runtime.promote(index)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_random_skip_paths_over_disk_and_kept_blocks_equal_resident(tmp_path, seed):
+    """SD3 under a host budget of 85 % of its checkpoint: blocks read from disk per use, kept
+    ones (private copies), promoted and demoted between calls (a
+    promoted disk block is packed from the mapping once): random skip_layers paths equal resident."""
+    rng = random.Random(seed)
+    reference = SD3.build(seed=3)
+    reference.save_pretrained(tmp_path / "sd3")
+    size = (tmp_path / "sd3" / "diffusion_pytorch_model.safetensors").stat().st_size
+    model, plan = dlo.load_transformer(tmp_path / "sd3")
+    config = dlo.OffloadConfig(host_budget_gib=0.85 * size / 2**30)
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        runtime = handle._runtime
+        assert 0 < len(handle.stats().disk.blocks) < len(runtime.blocks)
+        for call in range(10):
+            skip = sorted(rng.sample(range(1, 4), rng.randrange(3)))
+            assert torch.equal(sd3_call(model, call, skip), sd3_call(reference, call, skip)), (call, skip)
+            index = rng.randrange(len(runtime.blocks))
+            if index in runtime.promoted:
+                runtime.demote(index)
+            elif rng.random() < 0.3:
+                runtime.promote(index)
+
+
 def flux_outputs(model, seeds):
     with torch.inference_mode():
         return [model(**FLUX.inputs(seed))[0] for seed in seeds]
@@ -235,13 +259,18 @@ def test_ctrl_c_at_every_step_of_a_call_leaves_the_next_calls_exact(tmp_path, mo
             assert [torch.equal(a, b) for a, b in zip(flux_outputs(model, [0, 1]), expected)] == [True, True], at
 
 
-def test_interrupts_at_random_instants_never_leave_a_wrong_output(tmp_path):
+@pytest.mark.parametrize("host_budget", [None, 0.4], ids=["staged", "disk-tier"])
+def test_interrupts_at_random_instants_never_leave_a_wrong_output(tmp_path, host_budget):
     """An alarm raising KeyboardInterrupt at a random instant of a call (the way a reviewer
-    found the bricked slot): after each caught interrupt, a whole call equals resident."""
+    found the bricked slot): after each caught interrupt, a whole call equals resident. With
+    a host budget of 40 % of the checkpoint, most blocks are read from disk per use (See
+    [Note: the disk tier]), the rest kept as private copies."""
     reference = FLUX.build(seed=1)
     expected = flux_outputs(reference, [0])[0]
     reference.save_pretrained(tmp_path / "flux")
     model, plan = dlo.load_transformer(tmp_path / "flux")
+    size = (tmp_path / "flux" / "diffusion_pytorch_model.safetensors").stat().st_size
+    config = dlo.OffloadConfig(host_budget_gib=host_budget and host_budget * size / 2**30)
     rng = random.Random(0)
 
     def alarm(sig, frame):
@@ -249,7 +278,8 @@ def test_interrupts_at_random_instants_never_leave_a_wrong_output(tmp_path):
 
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
-        with dlo.enable(model, "cpu", plan=plan):
+        with dlo.enable(model, "cpu", config, plan=plan) as handle:
+            assert (handle.stats().disk is not None) == (host_budget is not None)
             started = time.perf_counter()
             flux_outputs(model, [0])
             call_s = time.perf_counter() - started

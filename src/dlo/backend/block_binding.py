@@ -168,11 +168,6 @@ def _formats(block: BlockTensors, plan: BoundPlan | None, fp8: Fp8Format | None)
     return tuple(format_of(t, selected) for t, selected in zip(block.tensors, block.quantize))
 
 
-def host_image_bytes(block: BlockTensors, plan: BoundPlan | None, fp8: Fp8Format | None) -> int:
-    """The bytes of the block's wire image: what a private host copy of it holds."""
-    return plan_wire_layout(block.specs, _formats(block, plan, fp8))[1].nbytes
-
-
 def quantizes_privately(block: BlockTensors, plan: BoundPlan | None) -> bool:
     """Whether the block has weights to quantize at enable() (not already float8 in the
     plan's mapping): it then streams from a private buffer, whatever the plan."""

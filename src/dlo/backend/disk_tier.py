@@ -5,23 +5,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from dlo.backend.block_binding import BlockTensors, host_image_bytes, quantizes_privately
-from dlo.backend.plan_binding import BoundPlan
+from torch import nn
+
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.host.block_sources import DiskSource, MappedSource, PackedSource
 from dlo.host.direct_reads import DIRECT_ALIGNMENT, BlockReads, DiskReader
+from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.pinned_buffer import HostBuffer, aligned_empty
+from dlo.host.tensor_source import QuantizedSource
 from dlo.host.memory_budget import available_host_bytes
 from dlo.hotpath.executors import Executor
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.streamed_block import StreamedBlock
+from dlo.planning.adapters import adapter_modules
+from dlo.planning.block_layout import ALIGNMENT
+from dlo.planning.fp8_selection import quantized_tensors
 from dlo.planning.host_tier import GIB, HostTier, plan_host_tier
+from dlo.planning.offload_plan import BlockRef
+from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format, wire_targets
 
 logger = logging.getLogger(__name__)
@@ -47,25 +55,41 @@ def budget_bytes(config: OffloadConfig) -> int:
 
 
 def plan_disk_tier(
-    blocks: list[BlockTensors], plan: BoundPlan | None, config: OffloadConfig, fp8: Fp8Format | None
+    module: nn.Module, refs: list[BlockRef], host_plan: HostWeightPlan | None, config: OffloadConfig
 ) -> DiskTier | None:
-    """None without a budget; refuses (ConfigError) a budget that cannot hold what must stay.
-    A block streams from its file when the mapping holds it (not quantized at enable())."""
+    """None without a budget; refuses (ConfigError) a budget that cannot hold what must stay,
+    before the plan is taken or anything changed. From names alone (the planned tensors are
+    still on the meta device): a block is read from its files when the plan maps some of its
+    tensors and none is to be quantized at enable(). What a block kept in host memory holds
+    is counted from above: its reads (alignment included) or its tensors, plus ALIGNMENT per
+    tensor (the private copy's layout)."""
     if config.host_budget_gib is None:
         return None
+    weights = host_plan.peek() if host_plan is not None else None
+    bindings = weights.bindings if weights is not None else {}
     reads: list[BlockReads | None] = []
     host: list[int] = []
-    planned = plan.planned if plan is not None else {}
-    for block in blocks:
-        host.append(host_image_bytes(block, plan, fp8))  # kept, a block is a private copy (see place_blocks)
-        keys = [key for t in block.tensors if (source := planned.get(id(t))) is not None for key in source.keys]
-        readable = plan is not None and keys and not quantizes_privately(block, plan)
-        reads.append(BlockReads.plan(plan.weights.checkpoint, keys) if readable else None)
-    tier = plan_host_tier([b.ref.name for b in blocks], host, [r.nbytes if r else None for r in reads], budget_bytes(config))
+    for ref in refs:
+        owned = {id(o.tensor): o for o in owned_tensors(ref.module, adapter_modules(ref.module))}
+        sources = {key: bindings.get(f"{ref.name}.{o.name}") for key, o in owned.items()}
+        selected = quantized_tensors(module, ref, config)
+        to_quantize = any(key in selected and not isinstance(s, QuantizedSource) for key, s in sources.items())
+        unplanned = sum(o.tensor.numel() * o.tensor.element_size() for key, o in owned.items() if sources[key] is None)
+        padding = ALIGNMENT * len(owned)
+        keys = [k for s in sources.values() if s is not None for k in s.keys]
+        if weights is None or not keys or to_quantize:
+            reads.append(None)
+            planned = sum(math.prod(s.shape) * s.dtype.itemsize for s in sources.values() if s is not None)
+            host.append(planned + unplanned + padding)
+            continue
+        block_reads = BlockReads.plan(weights.checkpoint, keys)
+        reads.append(block_reads)
+        host.append(block_reads.nbytes + unplanned + padding)
+    tier = plan_host_tier([r.name for r in refs], host, [r.nbytes if r else None for r in reads], budget_bytes(config))
     if tier.active:
         logger.info(
             "dlo: host_budget_gib=%.2f GiB: %d of %d streamed blocks are read from disk on every use",
-            tier.budget_bytes / GIB, len(tier.on_disk), len(blocks),
+            tier.budget_bytes / GIB, len(tier.on_disk), len(refs),
         )
     return DiskTier(tier, tuple(reads))
 

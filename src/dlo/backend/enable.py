@@ -43,6 +43,7 @@ from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.block_sources import DiskSource, MappedSource, ShardSource
+from dlo.host.direct_reads import drop_cached
 from dlo.host.fp8_codec import DequantizedWeight, prepare_dequantization
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.tensor_source import TensorSource
@@ -282,6 +283,7 @@ def enable(
     if config.resident_layers == AUTO:  # refused here when too small: before anything moves
         budget = residency_budget(config, summarize(module, offload_plan, config), device)
     pin = config.pin_memory and device.type == "cuda"
+    disk = disk_tier.plan_disk_tier(module, streamed_refs, host_plan, config)  # refused here when too small
 
     started = time.perf_counter()
     with contextlib.ExitStack() as undo:  # unwinds only if a step raises: see pop_all() below
@@ -303,7 +305,6 @@ def enable(
         # weights to quantize are packed into private buffers: they never copy from the mapping.
         private_only = bool(blocks) and all(quantizes_privately(b, bound_plan) for b in blocks)
         shards_copied = gather_group is not None and bound_plan is not None and bound_plan.backing != "host_weight_cache"
-        disk = disk_tier.plan_disk_tier(blocks, bound_plan, config, fp8_format(config))  # refused here when too small
         if bound_plan is not None and disk_tier.is_active(disk):
             bound_plan.registration = registration_refused(disk_tier.UNREGISTERED, quiet=True)
         elif bound_plan is not None and not shards_copied and not private_only:
@@ -323,6 +324,8 @@ def enable(
             )
             streamed = disk_tier.place_blocks(streamed, disk, pin, undo)
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
+        if bound_plan is not None and disk_tier.is_active(disk):
+            drop_cached(bound_plan.weights.checkpoint)  # See [Note: the disk tier]
         executor = make_executor(device, gathers=gather_group is not None and gather_group.size > 1)
         slot_size = max((b.slot_bytes for b in streamed), default=0)
         slots = _allocate_slots(executor, slot_size, config.num_slots, undo)

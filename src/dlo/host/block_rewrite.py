@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import BlockSource, DiskSource, MappedSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into, dequantized, quantize_into
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.planning.block_layout import BlockLayout, view_placement
@@ -56,7 +56,7 @@ def old_image(source: BlockSource, layout: BlockLayout, wire: WireLayout, gather
     its group gathered."""
     if isinstance(source, PackedSource):
         return source.host.tensor
-    if isinstance(source, MappedSource):
+    if isinstance(source, (MappedSource, DiskSource)):
         image = torch.empty(wire.nbytes, dtype=torch.uint8)
         source.pack(layout, wire, image)
         return image
@@ -135,7 +135,7 @@ def rewrite(
     if isinstance(source, PackedSource):
         source.host.tensor.copy_(image)
         return Rewrite(source, source.host.tensor, requantized, 0)
-    if isinstance(source, MappedSource):
+    if isinstance(source, (MappedSource, DiskSource)):  # read-only: copied on write
         buffer = HostBuffer(wire.nbytes, pin)
         buffer.tensor.copy_(image)
         return Rewrite(PackedSource(buffer), buffer.tensor, requantized, buffer.nbytes)

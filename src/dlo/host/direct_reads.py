@@ -206,3 +206,23 @@ class DiskReader:
             for opened in self._files.values():
                 opened.close()
             self._files.clear()
+
+
+def drop_cached(checkpoint: Checkpoint) -> None:
+    """Take the checkpoint's pages out of this process's mapping (MADV_DONTNEED) and out of
+    the page cache (POSIX_FADV_DONTNEED; pages other processes map stay): what enable() read
+    through the mapping (headers, the parts placed on the device) does not stay cached under
+    a host memory budget. Best effort: a file that cannot be advised is left as it is."""
+    for file in checkpoint.files:
+        try:
+            file.advise_dontneed()
+            fd = os.open(file.path, os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, ValueError) as err:
+            logger.info("dlo: %s: its cached pages stay (%s)", file.path, err)
+            continue
+        try:
+            stat = os.fstat(fd)
+            if (stat.st_dev, stat.st_ino, stat.st_size) == file.identity:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

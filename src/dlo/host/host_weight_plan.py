@@ -55,6 +55,11 @@ class HostWeightPlan:
         weights = self._weights
         return {} if weights is None else count_adapters(self.bindings.values(), weights.checkpoint)
 
+    def peek(self) -> HostWeights | None:
+        """The mapping and bindings while the plan is pending, without taking them (to plan
+        from before anything is bound); None once taken."""
+        return self._weights
+
     def take(self) -> HostWeights | None:
         """The mapping and bindings, the first time; None ever after. See [Note: plan hand-off]"""
         weights, self._weights = self._weights, None

@@ -230,6 +230,12 @@ class SafetensorsFile:
             raise ValueError(f"bytes [{begin}, {begin + nbytes}) are not inside {self.path} ({self.size} bytes)")
         return self._bytes[begin : begin + nbytes]
 
+    def advise_dontneed(self) -> None:
+        """Drop this mapping's page table entries (MADV_DONTNEED): its pages are no longer
+        this process's, and a later read faults them in again from the page cache or the file."""
+        if self._bytes is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views this mapping (False once closed)."""
         if self._bytes is None:

@@ -5,7 +5,10 @@ Under `host_budget_gib`, the blocks planned onto disk (See [Note: which blocks s
 dlo.planning.host_tier) are read from their checkpoint or cache files on every use, with
 direct I/O (dlo.host.direct_reads), into read buffers that are page-locked like staging
 buffers; their copies into a slot go straight from there. The page cache does not grow and
-each use reads the block once: a buffer never keeps a block for a later use.
+each use reads the block once: a buffer never keeps a block for a later use. The blocks that
+stay in host memory are read once at enable(), the same way, into private copies, and the
+pages enable() read through the mapping are dropped at its end (dlo.backend.disk_tier), so
+what the budget holds is this process's own memory and the checkpoint is not left cached.
 
 The reads run on a thread of their own, ahead of the loads: `ReadAhead` keeps its buffers
 filled with the next disk blocks in cyclic index order after the last one taken, so the disk
@@ -16,8 +19,9 @@ is not done (a block not predicted is read first, evicting a read not yet taken)
 the copies out of it, records the event they end with and gives the buffer back. The buffer
 is read into again only after that event, so no read overwrites bytes a copy still reads.
 
-A read that fails (the file truncated or unreadable since enable()) fails the load that takes
-it, as a failed staged load does; the block is read again at its next use.
+A read that fails (the file truncated or unreadable since enable()) is read again when its
+block is taken, and a second failure fails the load, as a failed staged load does; the block
+is read again at its next use.
 """
 
 from __future__ import annotations
@@ -102,10 +106,34 @@ class ReadAhead:
     def direct(self) -> bool:
         return self._reader.direct
 
+    def wait_idle(self) -> None:
+        """Wait until no read runs and none is due (every buffer holds its next block, or
+        the reads stopped)."""
+        with self._cond:
+            while not self._stopped and (
+                self._next_read() is not None or any(b.state is _State.READING for b in self._buffers)
+            ):
+                self._cond.wait()
+
     def take(self, index: int) -> ReadBuffer:
-        """Block `index`'s buffer once its read is done (raising the read's failure, with the
-        buffer given back); give it back after enqueuing the copies out of it."""
+        """Block `index`'s buffer once its read is done; give it back after enqueuing the
+        copies out of it. A failed read is read again once (a read ahead may have failed on
+        what was true then); a second failure is raised, the buffer given back."""
         started = time.perf_counter()
+        retried = False
+        while True:
+            held = self._filled(index)
+            if held.failure is None:
+                break
+            failure, held.failure = held.failure, None
+            self.give_back(held)
+            if retried:
+                raise failure
+            retried = True
+        self.wait_s += time.perf_counter() - started
+        return held
+
+    def _filled(self, index: int) -> ReadBuffer:
         with self._cond:
             while True:
                 held = self._holding(index)
@@ -122,11 +150,6 @@ class ReadAhead:
             held.state = _State.TAKEN
             self._after = index
             self._cond.notify_all()
-        self.wait_s += time.perf_counter() - started
-        if held.failure is not None:
-            failure, held.failure = held.failure, None
-            self.give_back(held)
-            raise failure
         return held
 
     def give_back(self, buffer: ReadBuffer) -> None:

@@ -1,0 +1,355 @@
+"""The disk tier: blocks beyond host_budget_gib are read from their files on every use with
+direct I/O, on a real file system (docs/guides/disk-tier.md, [Note: the disk tier])."""
+
+import ctypes
+import logging
+import mmap
+import os
+import random
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import dlo
+from dlo.host.block_sources import DiskSource, MappedSource
+from dlo.host.checkpoint import Checkpoint
+from dlo.host.direct_reads import BlockReads, DiskReader, ReadImage
+from dlo.host.memory_budget import RESERVE_MIN, available_host_bytes
+from dlo.host.tensor_source import TensorSource
+from dlo.hotpath.read_ahead import ReadAhead
+from dlo.models.tiny import TINY_MODELS
+from dlo.planning.host_tier import GIB, plan_host_tier
+
+diffusers = pytest.importorskip("diffusers")
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def save(directory, name, seed=2):
+    TINY_MODELS[name].build(seed=seed).save_pretrained(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    drop_pages(files)
+    return files
+
+
+def drop_pages(files):
+    """The files' pages out of the page cache (written back first), as after a reboot."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages are in the page cache (mincore of a fresh mapping)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), size, prot=mmap.PROT_READ)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    residency = (ctypes.c_ubyte * pages)()
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    try:
+        assert LIBC.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), residency) == 0, ctypes.get_errno()
+    finally:
+        del view
+        mapping.close()
+    return sum(page & 1 for page in residency)
+
+
+def storage_read_bytes() -> int:
+    """This process's bytes read from storage (/proc/self/io), page cache hits not counted."""
+    for line in open("/proc/self/io"):
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def outputs(model, name, seeds=(1, 2, 3)):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed))[0] for seed in seeds]
+
+
+def ordinary(directory, name):
+    model = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory).eval()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+def budget_gib(files, fraction):
+    return sum(f.stat().st_size for f in files) * fraction / GIB
+
+
+@pytest.mark.parametrize("name", ["flux", "wan", "sd3"])
+@pytest.mark.parametrize("fraction", [0.3, 0.9])
+def test_blocks_beyond_the_budget_stream_from_disk_bit_identical(tmp_path, name, fraction):
+    files = save(tmp_path / name, name)
+    model, plan = dlo.load_transformer(tmp_path / name)
+    config = dlo.OffloadConfig(host_budget_gib=budget_gib(files, fraction))
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        got = outputs(model, name)
+        stats = handle.stats()
+    expected = outputs(ordinary(tmp_path / name, name), name)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    disk = stats.disk
+    assert disk is not None and 0 < len(disk.blocks) <= stats.streamed_blocks
+    # Every use of a disk block read it once; beyond the three calls' uses, the prefetch of the
+    # next call's first block and the read-ahead (at most its two buffers).
+    assert 3 * len(disk.blocks) <= disk.reads <= 3 * len(disk.blocks) + 3
+    assert disk.direct_io and disk.read_bytes > 0
+    assert stats.registration_fallback.startswith("host_budget_gib")
+    if fraction == 0.9:  # some blocks stay, as private copies read once at enable()
+        assert len(disk.blocks) < stats.streamed_blocks and stats.host_bytes > 0
+
+
+def test_the_disk_tier_leaves_the_page_cache_empty_and_reads_each_use_once(tmp_path):
+    """Caches dropped first: each call reads its disk blocks once from storage (the kernel's
+    /proc/self/io agrees with dlo's count), and afterwards not one page of the checkpoint is
+    cached (mincore)."""
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.5)), plan=plan) as handle:
+        reads = handle._runtime.read_ahead
+
+        def calls(seeds):
+            got = outputs(model, "flux", seeds)
+            reads.wait_idle()  # the read-ahead has filled its buffers for the next call
+            return got, storage_read_bytes(), handle.stats().disk
+
+        _, storage0, disk0 = calls((1,))
+        _, storage1, disk1 = calls((2,))
+        got, storage2, disk2 = calls((3, 4, 5))
+        cached = [cached_pages(path) for path in files]
+    blocks = len(disk0.blocks)
+    assert disk1.reads - disk0.reads == blocks and disk2.reads - disk1.reads == 3 * blocks
+    per_call = disk1.read_bytes - disk0.read_bytes
+    assert per_call > 0 and disk2.read_bytes - disk1.read_bytes == 3 * per_call
+    assert 3 * per_call <= storage2 - storage1 <= 3 * per_call + 2**20  # the kernel read them from storage
+    assert storage1 - storage0 >= per_call
+    assert cached == [0] * len(files)
+    expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux", seeds=(3, 4, 5))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_budget_change_between_enables_moves_blocks_between_ram_and_disk(tmp_path):
+    files = save(tmp_path / "wan", "wan")
+    expected = outputs(ordinary(tmp_path / "wan", "wan"), "wan")
+    on_disk = []
+    for fraction in (0.9, 0.3, 10.0):
+        model, plan = dlo.load_transformer(tmp_path / "wan")
+        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, fraction)), plan=plan) as handle:
+            assert all(torch.equal(a, b) for a, b in zip(outputs(model, "wan"), expected)), fraction
+            disk = handle.stats().disk
+            on_disk.append(disk.blocks if disk is not None else ())
+    assert 0 < len(on_disk[0]) < len(on_disk[1]) and on_disk[2] == ()  # a budget that holds the model: RAM only
+
+
+def test_a_budget_that_holds_the_model_changes_nothing(tmp_path):
+    """RAM is preferred: the blocks stream from the mapping as without a budget."""
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 2.0)), plan=plan) as handle:
+        outputs(model, "flux", seeds=(1,))
+        stats = handle.stats()
+    assert stats.disk is None and stats.staging_bytes > 0 and stats.registration_fallback == ""
+
+
+def test_a_budget_below_one_read_is_refused_before_the_plan_is_taken(tmp_path):
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with pytest.raises(dlo.ConfigError, match=r"host_budget_gib=0\.00 GiB cannot hold .* raise it to at least"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=1e-6), plan=plan)
+    assert not plan.taken  # nothing was lost: the same plan enables with a budget that works
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.5)), plan=plan):
+        got = outputs(model, "flux")
+    assert all(torch.equal(a, b) for a, b in zip(got, outputs(ordinary(tmp_path / "flux", "flux"), "flux")))
+
+
+def test_a_model_of_private_copies_beyond_the_budget_is_refused_with_the_fix(tiny_pair):
+    reference, model, _ = tiny_pair("flux", seed=1)
+    weights = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(dlo.ConfigError, match="no streamed block is in a file: load the model with dlo.load_transformer"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=1e-4))
+    assert [p.data_ptr() for p in model.parameters()] == weights  # untouched
+    assert torch.equal(outputs(model, "flux", (1,))[0], outputs(reference, "flux", (1,))[0])
+
+
+def test_a_file_system_that_refuses_o_direct_is_read_buffered_with_its_pages_dropped(tmp_path, caplog):
+    """ramfs refuses O_DIRECT (EINVAL at open): the reads fall back to buffered ones, logged
+    with the code, and stay bit-identical."""
+    mount_point = tmp_path / "ramfs"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount_point)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        files = save(mount_point / "wan", "wan")
+        model, plan = dlo.load_transformer(mount_point / "wan")
+        with caplog.at_level(logging.WARNING, logger="dlo.host.direct_reads"):
+            with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.5)), plan=plan) as handle:
+                got = outputs(model, "wan")
+                disk = handle.stats().disk
+        assert not disk.direct_io and disk.reads >= 3 * len(disk.blocks) > 0
+        assert "direct_io_refused" in caplog.text and "refused O_DIRECT" in caplog.text
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs(ordinary(mount_point / "wan", "wan"), "wan")))
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_file_cut_short_after_enable_fails_the_call_and_the_next_call_is_exact(tmp_path):
+    files = save(tmp_path / "flux", "flux")
+    expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan):
+        assert torch.equal(outputs(model, "flux", (1,))[0], expected[0])
+        (path,) = files
+        content = path.read_bytes()
+        with open(path, "r+b") as handle:
+            handle.truncate(len(content) // 8)  # past the header: every block after it is cut
+        drop_pages(files)
+        with pytest.raises(dlo.StreamingError, match="ended early"):
+            outputs(model, "flux", (1,))
+        with open(path, "r+b") as handle:  # the same file (inode) whole again
+            handle.write(content)
+        assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
+
+
+def test_a_file_replaced_after_it_was_mapped_is_refused_by_name(tmp_path):
+    """load_transformer mapped one file; another now has its name (a fresh download, say):
+    the disk tier reads by name, so it refuses to read it, before any weight is used."""
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    (path,) = files
+    replacement = path.with_suffix(".new")
+    replacement.write_bytes(path.read_bytes())
+    os.replace(replacement, path)  # another inode under the same name
+    weights = {name: p for name, p in model.named_parameters()}
+    with pytest.raises(dlo.StreamingError, match="is not the file dlo mapped at enable"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.9)), plan=plan)
+    assert {name: p for name, p in model.named_parameters()}.keys() == weights.keys()
+
+
+def _block_files(tmp_path, count, nbytes):
+    """A checkpoint of `count` tensors, tensor i all bytes i (one per block), and its disk sources."""
+    tensors = {f"b{i}": torch.full((nbytes,), i, dtype=torch.uint8) for i in range(count)}
+    save_file(tensors, tmp_path / "diffusion_pytorch_model.safetensors")
+    checkpoint = Checkpoint(tmp_path)
+    sources = {}
+    for i in range(count):
+        mapped = MappedSource(checkpoint, (TensorSource((f"b{i}",), (nbytes,), torch.uint8),))
+        sources[i] = DiskSource(mapped, BlockReads.plan(checkpoint, [f"b{i}"]))
+    return checkpoint, sources
+
+
+class _NoEvent:
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_read_ahead_under_random_orders_and_forgets_hands_out_only_the_block_asked_for(tmp_path, seed):
+    """Random take orders (mostly the predicted one), random holding times, blocks forgotten
+    midway, against real files: every buffer taken holds the block asked for, and still does
+    when given back (no read overwrote it while taken)."""
+    rng = random.Random(seed)
+    checkpoint, sources = _block_files(tmp_path, 6, 3 * 4096 + 100)
+    reads = ReadAhead(sources, DiskReader(3), rng.choice([1, 2]), max(s.reads.nbytes for s in sources.values()), False, _NoEvent)
+    live = list(range(6))
+    try:
+        position = 0
+        for step in range(120):
+            if rng.random() < 0.7:
+                index = live[position % len(live)]
+                position += 1
+            else:
+                index = rng.choice(live)
+            buffer = reads.take(index)
+            value = ReadImage(checkpoint, sources[index].reads, buffer.tensor).view(f"b{index}")
+            assert bool((value == index).all()), (step, index)
+            time.sleep(rng.uniform(0, 0.002))
+            assert bool((value == index).all()), (step, index)
+            reads.give_back(buffer)
+            if len(live) > 2 and rng.random() < 0.05:
+                gone = rng.choice(live)
+                live.remove(gone)
+                reads.forget(gone)
+        reads.wait_idle()
+        assert reads.reads <= 120 + 120 + 2  # predicted reads wasted at most once per take, plus the buffers
+    finally:
+        reads.close()
+        checkpoint.close()
+
+
+def test_a_load_waiting_for_a_read_fails_when_the_reads_stop(tmp_path):
+    checkpoint, sources = _block_files(tmp_path, 2, 4096)
+    reads = ReadAhead(sources, DiskReader(1), 1, 8192, False, _NoEvent)
+    reads.stop()
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(dlo.StreamingError, reads.take, 1)))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and errors
+    reads.close()
+    checkpoint.close()
+
+
+def test_which_blocks_stay_is_an_even_spread_of_the_rest_after_the_read_buffers():
+    names = [f"b{i}" for i in range(12)]
+    sizes = [100] * 12
+    # The model fits: nothing on disk.
+    assert plan_host_tier(names, sizes, sizes, 1200).on_disk == ()
+    # 2 read buffers of 100, then 6 blocks kept: 6 on disk, every other block.
+    tier = plan_host_tier(names, sizes, sizes, 800)
+    assert tier.read_buffers == 2 and tier.on_disk == (1, 3, 5, 7, 9, 11)
+    # Room for one buffer only: one is used, and nothing else stays.
+    tier = plan_host_tier(names, sizes, sizes, 150)
+    assert tier.read_buffers == 1 and len(tier.on_disk) == 12
+    # A private block (no file) must stay and counts first.
+    read = [None] + sizes[1:]
+    tier = plan_host_tier(names, sizes, read, 500)
+    assert 0 not in tier.on_disk and tier.read_buffers == 2 and len(tier.on_disk) == 9
+    with pytest.raises(dlo.ConfigError, match=r"0\.00 GiB of blocks that are private copies .*one read of the largest block, 'b1'"):
+        plan_host_tier(names, sizes, read, 150)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "2", "most"])
+def test_a_host_budget_that_is_not_a_size_is_refused(value):
+    with pytest.raises(dlo.ConfigError, match="host_budget_gib must be a finite number of GiB > 0, 'auto' or None"):
+        dlo.OffloadConfig(host_budget_gib=value)
+
+
+def test_a_host_budget_with_all_gather_is_refused():
+    with pytest.raises(dlo.ConfigError, match="rank-local mode only"):
+        dlo.OffloadConfig(host_budget_gib=4, use_allgather=True)
+
+
+def test_auto_is_what_the_machine_and_the_cgroup_leave_less_a_reserve(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {64 * 2**20} kB\n")  # 64 GiB
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_host_bytes(meminfo, cgroup) == 64 * GIB - int(6.4 * GIB)  # no cgroup limit: 10 % reserved
+    (cgroup / "memory.max").write_text(f"{20 * GIB}\n")
+    (cgroup / "memory.current").write_text(f"{4 * GIB}\n")
+    assert available_host_bytes(meminfo, cgroup) == 14 * GIB  # the cgroup leaves less; 10 % of it is below 2 GiB
+    (cgroup / "memory.current").write_text(f"{19 * GIB}\n")
+    assert available_host_bytes(meminfo, cgroup) == 0  # less than the reserve
+    assert RESERVE_MIN == 2 * GIB
+    assert available_host_bytes(tmp_path / "none", tmp_path / "none") == 0
+
+
+def test_auto_on_this_machine_streams_everything_from_ram_when_it_fits(tmp_path):
+    save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib="auto"), plan=plan) as handle:
+        outputs(model, "flux", (1,))
+        assert handle.stats().disk is None
