@@ -353,3 +353,32 @@ def test_auto_on_this_machine_streams_everything_from_ram_when_it_fits(tmp_path)
     with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib="auto"), plan=plan) as handle:
         outputs(model, "flux", (1,))
         assert handle.stats().disk is None
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3], ids=["mapped", "disk-tier"])
+def test_an_edit_of_a_file_block_is_copied_on_write_and_nothing_else_is(tmp_path, fraction):
+    """The files are never written: the one block whose weights change becomes a private copy
+    (under a budget: in host memory beyond it, out of the disk tier), the unchanged ones are
+    not copied (their padding, which nothing reads, may differ), and the next calls equal the
+    same edit resident."""
+    files = save(tmp_path / "flux", "flux")
+    reference = ordinary(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    contents = [path.read_bytes() for path in files]
+    config = dlo.OffloadConfig(host_budget_gib=fraction and budget_gib(files, fraction))
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        outputs(model, "flux", (1,))
+        disk = handle.stats().disk
+        edited = disk.blocks[0] if disk is not None else "transformer_blocks.1"
+        weight = f"{edited}.{next(n for n, p in reference.get_submodule(edited).named_parameters() if p.dim() == 2)}"
+        with handle.editing(), torch.no_grad():
+            model.get_parameter(weight).mul_(0.5)
+        with torch.no_grad():
+            reference.get_parameter(weight).mul_(0.5)
+        got = outputs(model, "flux")
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, outputs(reference, "flux")))
+    assert stats.rewritten_blocks == 1 and stats.copied_on_write_bytes > 0
+    if disk is not None:
+        assert edited not in stats.disk.blocks and len(stats.disk.blocks) == len(disk.blocks) - 1
+    assert [path.read_bytes() for path in files] == contents

@@ -89,9 +89,20 @@ def _new_image(
         if not torch.equal(value, dequantized(data, scale, placement.spec.dtype)):
             quantize_into(value, data, scale, f"{name}.{placement.spec.name}")
             requantized.append(k)
-    if not requantized and torch.equal(image[: wire.plain_bytes], old[: wire.plain_bytes]):
+    if not requantized and not _plain_changed(values, old, layout, wire):
         return None
     return image, tuple(requantized)
+
+
+def _plain_changed(values: torch.Tensor, old: torch.Tensor, layout: BlockLayout, wire: WireLayout) -> bool:
+    """Whether a plain tensor's bytes differ. The padding between tensors is not compared:
+    an image packed from a mapping leaves it as the allocator gave it."""
+    quantized = {q.index for q in wire.quantized}
+    return any(
+        not torch.equal(values[p.offset : p.offset + p.spec.nbytes], old[p.offset : p.offset + p.spec.nbytes])
+        for i, p in enumerate(layout.placements)
+        if i not in quantized
+    )
 
 
 # Host bytes moved at a time to compare with a device block: the compare's device memory
