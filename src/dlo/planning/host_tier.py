@@ -36,6 +36,10 @@ class HostTier:
         return bool(self.on_disk)
 
 
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3g} GiB"
+
+
 def _spread(candidates: Sequence[int], count: int) -> tuple[int, ...]:
     """`count` of `candidates` evenly spaced over them (the middle of each of `count` equal parts)."""
     n = len(candidates)
@@ -56,16 +60,16 @@ def plan_host_tier(
     buffer = max((read_bytes[i] or 0 for i in readable), default=0)
     least = fixed + buffer
     if not readable or budget_bytes < least:
-        private = f"{fixed / GIB:.2f} GiB of blocks that are private copies (not in a file) and " if fixed else ""
+        private = f"{_gib(fixed)} of blocks that are private copies (not in a file) and " if fixed else ""
         if not readable:
             hint = ("no streamed block is in a file: load the model with dlo.load_transformer (checkpoint_mmap=True "
                     "or host_weight_cache=True) so blocks can be read from disk")
         else:
             largest = names[max(readable, key=lambda i: read_bytes[i] or 0)]
-            hint = f"raise it to at least {least / GIB:.2f} GiB ({private}one read of the largest block, {largest!r})"
+            hint = f"raise it to at least {_gib(least)} ({private}one read of the largest block, {largest!r})"
         raise ConfigError(
-            f"OffloadConfig.host_budget_gib={budget_bytes / GIB:.2f} GiB cannot hold the streamed blocks "
-            f"({total / GIB:.2f} GiB): {hint}, or leave host_budget_gib unset"
+            f"OffloadConfig.host_budget_gib={_gib(budget_bytes)} cannot hold the streamed blocks "
+            f"({_gib(total)}): {hint}, or leave host_budget_gib unset"
         )
     buffers = 2 if budget_bytes >= fixed + 2 * buffer else 1
     room = budget_bytes - fixed - buffers * buffer

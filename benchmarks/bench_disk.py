@@ -1,0 +1,210 @@
+"""The disk tier: a transformer streamed under host_budget_gib, its blocks beyond the budget read
+from the checkpoint on every use, caches dropped before each measured forward.
+
+One run, side by side, on one checkpoint written under --dir (bench_streaming.py's shapes,
+random bf16 weights from one seed, saved with save_pretrained; files fsynced):
+
+  disk rate    the checkpoint read with O_DIRECT (4 MiB requests, 8 in flight, like dlo's
+               reader), pages dropped first: the floor's rate.
+  resident     the model on the device (the compute time and the reference output).
+  dlo budget   dlo.load_transformer + dlo.enable(OffloadConfig(host_budget_gib=B)) for each
+               --budgets B ("1" GiB; "2/3": two thirds of the streamed blocks' bytes), one
+               warm-up forward, then --iters forwards, each after dropping the page cache
+               (/proc/sys/vm/drop_caches as root, else POSIX_FADV_DONTNEED on the files).
+
+Per dlo row: seconds per forward; the floor max(resident, disk bytes read per forward / disk
+rate) and the ratio; RSS + the checkpoint's cached pages (mincore) after the forwards, against
+the budget + read buffers; the output vs resident (torch.equal).
+
+On the GPU machine, from the repository root:
+
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+  python3 benchmarks/bench_disk.py --dir /tmp/bench_disk
+
+CPU smoke test: python benchmarks/bench_disk.py --device cpu --shape tiny --budgets 2/3 --iters 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import shutil
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from bench_streaming import GB, SHAPES, build_model, synchronize, timed_forwards, to_device
+from results_json import add_json_flag, write_json
+
+import dlo
+from dlo.host.pinned_buffer import aligned_empty
+
+GIB = 2**30
+CHUNK = 4 << 20
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """How: drop_caches (root) or fadvise of each file."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "drop_caches"
+    except OSError:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise"
+
+
+def direct_read_gbps(files: list[Path], limit_bytes: int) -> float:
+    """Up to `limit_bytes` of the files read with O_DIRECT, 8 requests of CHUNK in flight."""
+    drop_page_cache(files)
+    buffers = [aligned_empty(CHUNK, torch.device("cpu"), 4096).numpy() for _ in range(8)]
+    jobs = []
+    for path in files:
+        size = path.stat().st_size
+        jobs += [(path, offset) for offset in range(0, size - size % 4096, CHUNK)]
+    jobs = jobs[: max(1, limit_bytes // CHUNK)]
+    fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
+
+    def read(k: int) -> int:
+        path, offset = jobs[k]
+        return os.preadv(fds[path], [buffers[k % 8]], offset)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        total = 0
+        for start in range(0, len(jobs), 8):  # one request per buffer in flight at a time
+            total += sum(pool.map(read, range(start, min(start + 8, len(jobs)))))
+    seconds = time.perf_counter() - started
+    for fd in fds.values():
+        os.close(fd)
+    return total / seconds / GB
+
+
+def cached_bytes(files: list[Path]) -> int:
+    libc = ctypes.CDLL(None)
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), size, prot=mmap.PROT_READ)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        residency = (ctypes.c_ubyte * pages)()
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), residency)
+        del view
+        mapping.close()
+        total += sum(page & 1 for page in residency) * mmap.PAGESIZE
+    return total
+
+
+def budget_of(text: str, blocks_bytes: int) -> float:
+    if "/" in text:
+        numerator, denominator = text.split("/")
+        return blocks_bytes * int(numerator) / int(denominator) / GIB
+    return float(text)
+
+
+def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, device, args, reference) -> dict:
+    model, plan = dlo.load_transformer(directory)
+    handle = dlo.enable(model, device, dlo.OffloadConfig(host_budget_gib=budget_gib), plan=plan)
+    seconds = []
+    try:
+        with torch.inference_mode():
+            model(**inputs)  # warm-up
+            handle._runtime.read_ahead.wait_idle()
+            start = handle.stats().disk
+            for _ in range(args.iters):
+                drop_page_cache(files)
+                forward_s, output = timed_forwards(model, inputs, device, 1)
+                seconds += forward_s
+            end = handle.stats()
+        memory = psutil.Process().memory_info().rss + cached_bytes(files)
+    finally:
+        handle.disable()
+    disk = end.disk
+    read_per_forward = (disk.read_bytes - start.read_bytes) / args.iters
+    return {
+        "budget_gib": budget_gib,
+        "median_s": statistics.median(seconds),
+        "forward_s": seconds,
+        "disk_blocks": len(disk.blocks),
+        "read_bytes_per_forward": read_per_forward,
+        "reader_gbps": (disk.read_bytes - start.read_bytes) / (disk.read_s - start.read_s) / GB,
+        "read_buffer_bytes": disk.read_buffer_bytes,
+        "rss_plus_cached_bytes": memory,
+        "equal_to_resident": torch.equal(output.cpu(), reference),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_disk"))
+    parser.add_argument("--shape", default="wan", choices=sorted(SHAPES))
+    parser.add_argument("--budgets", type=lambda t: t.split(","), default=["1", "2/3"])
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    add_json_flag(parser, "bench_disk")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    directory = args.dir / shape.name
+    shutil.rmtree(directory, ignore_errors=True)
+    started = time.perf_counter()
+    model = build_model(shape, args.seed, device)
+    model.save_pretrained(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    print(f"wrote {sum(f.stat().st_size for f in files) / GB:.2f} GB in {time.perf_counter() - started:.1f} s", flush=True)
+    inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(args.seed + 1)), device)
+    blocks_bytes = sum(
+        p.numel() * p.element_size() for path in dlo.discover(model).block_lists for p in model.get_submodule(path).parameters()
+    )
+    gbps = direct_read_gbps(files, 4 * GIB)
+    print(f"disk O_DIRECT: {gbps:.2f} GB/s", flush=True)
+    model = model.to(device)
+    with torch.inference_mode():
+        model(**inputs)
+        resident_s, output = timed_forwards(model, inputs, device, args.iters)
+    reference = output.cpu()
+    resident = statistics.median(resident_s)
+    del model, output
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows = []
+    for text in args.budgets:
+        row = run_budget(directory, files, budget_of(text, blocks_bytes), inputs, device, args, reference)
+        row["floor_s"] = max(resident, row["read_bytes_per_forward"] / (gbps * GB))
+        row["x_floor"] = row["median_s"] / row["floor_s"]
+        rows.append(row)
+        print(row, flush=True)
+    lines = [
+        f"resident {resident:.3f} s/forward; disk O_DIRECT {gbps:.2f} GB/s; blocks {blocks_bytes / GB:.2f} GB",
+        "",
+        "| host_budget_gib | blocks on disk | read GB/fwd | s/forward | floor s | x floor | reader GB/s "
+        "| RSS + cached GiB | budget + buffers GiB | output vs resident |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['budget_gib']:.2f} | {r['disk_blocks']} | {r['read_bytes_per_forward'] / GB:.2f} | {r['median_s']:.3f} "
+            f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
+            f"| {r['budget_gib'] + r['read_buffer_bytes'] / GIB:.2f} | {'bit-identical' if r['equal_to_resident'] else 'DIFFERS'} |"
+        )
+    table = "\n".join(lines)
+    write_json(args.json, "bench_disk", rows, table, resident_s=resident, disk_gbps=gbps)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The disk tier on CUDA: pinned read buffers, copies from them on the copy stream, events
+guarding their reuse (See [Note: the disk tier])."""
+
+import pytest
+import torch
+
+import dlo
+from dlo.models.tiny import TINY_MODELS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+diffusers = pytest.importorskip("diffusers")
+
+
+def run(model, name, dtype, seeds):
+    with torch.inference_mode():
+        return [model(**TINY_MODELS[name].inputs(seed, dtype, "cuda"))[0] for seed in seeds]
+
+
+@pytest.mark.parametrize("name", ["wan", "flux"])
+@pytest.mark.parametrize("torch_dtype", [None, torch.bfloat16], ids=["as-saved", "cast"])
+@pytest.mark.parametrize("fraction", [0.3, 0.9])
+def test_disk_tier_matches_resident_on_cuda(tmp_path, name, torch_dtype, fraction):
+    TINY_MODELS[name].build(seed=2).save_pretrained(tmp_path)
+    dtype = torch_dtype or torch.float32
+    cls = getattr(diffusers, TINY_MODELS[name].class_name)
+    expected = run(cls.from_pretrained(tmp_path, torch_dtype=dtype).eval().cuda(), name, dtype, range(6))
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    model, plan = dlo.load_transformer(tmp_path, torch_dtype=torch_dtype)
+    with dlo.enable(model, "cuda", dlo.OffloadConfig(host_budget_gib=fraction * size / 2**30), plan=plan) as handle:
+        got = run(model, name, dtype, range(6))
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.disk is not None and stats.disk.reads >= 6 * len(stats.disk.blocks) > 0
+    assert stats.registered_bytes == 0 and stats.pinned
+
+
+def test_a_float8_checkpoint_read_from_disk_on_cuda(tmp_path):
+    """float8 bytes read from disk land in the landing buffers and are dequantized there."""
+    from fp8_checkpoints import resident_from, write_fp8_checkpoint
+
+    directory, dequantized = write_fp8_checkpoint(tmp_path)
+    expected = run(resident_from(dequantized).cuda(), "flux", torch.bfloat16, range(4))
+    model, plan = dlo.load_transformer(directory)
+    with dlo.enable(model, "cuda", dlo.OffloadConfig(host_budget_gib=0.00037), plan=plan) as handle:
+        got = run(model, "flux", torch.bfloat16, range(4))
+        disk = handle.stats().disk
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert disk is not None and len(disk.blocks) > 0
