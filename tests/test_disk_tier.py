@@ -397,3 +397,24 @@ def test_a_float8_checkpoint_is_read_from_disk_as_stored(tmp_path):
         disk = handle.stats().disk
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert disk is not None and len(disk.blocks) > 0
+
+
+def test_dlo_inspect_shows_which_blocks_a_budget_reads_from_disk(tmp_path, capsys):
+    """The same split enable() makes, before anything is loaded; a budget too small is one line."""
+    from dlo.cli.main import main
+
+    files = save(tmp_path / "flux", "flux")
+    budget = budget_gib(files, 0.5)
+    assert main(["inspect", str(tmp_path / "flux"), "--host-budget-gib", str(budget)]) == 0
+    out = capsys.readouterr().out
+    shown = out.split("read from disk:", 1)[1].strip().split(", ")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget), plan=plan) as handle:
+        assert list(handle.stats().disk.blocks) == shown
+    assert main(["inspect", str(tmp_path / "flux"), "--host-budget-gib", "100"]) == 0
+    assert "holds every streamed block: nothing is read from disk" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "flux"), "--host-budget-gib", "1e-9"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--host-budget-gib" in err[0] and "raise it to at least" in err[0]
+    assert main(["inspect", "FluxTransformer2DModel", "--host-budget-gib", "1"]) == 0
+    assert "not applicable: FluxTransformer2DModel has no checkpoint" in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,10 +16,11 @@ from torch import nn
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.host.block_sources import DiskSource, MappedSource, PackedSource
+from dlo.host.checkpoint import Checkpoint
 from dlo.host.direct_reads import DIRECT_ALIGNMENT, BlockReads, DiskReader
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.pinned_buffer import HostBuffer, aligned_empty
-from dlo.host.tensor_source import QuantizedSource
+from dlo.host.tensor_source import MappedTensor, QuantizedSource
 from dlo.host.memory_budget import available_host_bytes
 from dlo.hotpath.executors import Executor
 from dlo.hotpath.interrupts import interrupts_held
@@ -57,6 +59,20 @@ def budget_bytes(config: OffloadConfig) -> int:
 def plan_disk_tier(
     module: nn.Module, refs: list[BlockRef], host_plan: HostWeightPlan | None, config: OffloadConfig
 ) -> DiskTier | None:
+    """See `plan_from_sources`; from the pending plan's mapping and bindings."""
+    weights = host_plan.peek() if host_plan is not None else None
+    if weights is None:
+        return plan_from_sources(module, refs, None, {}, config)
+    return plan_from_sources(module, refs, weights.checkpoint, weights.bindings, config)
+
+
+def plan_from_sources(
+    module: nn.Module,
+    refs: list[BlockRef],
+    checkpoint: Checkpoint | None,
+    bindings: Mapping[str, MappedTensor],
+    config: OffloadConfig,
+) -> DiskTier | None:
     """None without a budget; refuses (ConfigError) a budget that cannot hold what must stay,
     before the plan is taken or anything changed. From names alone (the planned tensors are
     still on the meta device): a block is read from its files when the plan maps some of its
@@ -65,8 +81,6 @@ def plan_disk_tier(
     tensor (the private copy's layout)."""
     if config.host_budget_gib is None:
         return None
-    weights = host_plan.peek() if host_plan is not None else None
-    bindings = weights.bindings if weights is not None else {}
     reads: list[BlockReads | None] = []
     host: list[int] = []
     for ref in refs:
@@ -77,12 +91,12 @@ def plan_disk_tier(
         unplanned = sum(o.tensor.numel() * o.tensor.element_size() for key, o in owned.items() if sources[key] is None)
         padding = ALIGNMENT * len(owned)
         keys = [k for s in sources.values() if s is not None for k in s.keys]
-        if weights is None or not keys or to_quantize:
+        if checkpoint is None or not keys or to_quantize:
             reads.append(None)
             planned = sum(math.prod(s.shape) * s.dtype.itemsize for s in sources.values() if s is not None)
             host.append(planned + unplanned + padding)
             continue
-        block_reads = BlockReads.plan(weights.checkpoint, keys)
+        block_reads = BlockReads.plan(checkpoint, keys)
         reads.append(block_reads)
         host.append(block_reads.nbytes + unplanned + padding)
     tier = plan_host_tier([r.name for r in refs], host, [r.nbytes if r else None for r in reads], budget_bytes(config))

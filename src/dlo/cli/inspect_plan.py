@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dlo.cli.config_flags import config_from_flags, torch_dtype
+from dlo.backend.disk_tier import plan_from_sources
+from dlo.cli.config_flags import config_from_flags, in_flag_terms, torch_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
 from dlo.cli.model_source import is_hub_id, resolve_model
@@ -14,7 +15,10 @@ from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
 from dlo.host.tensor_source import count_adapters
-from dlo.planning.offload_plan import discover
+from dlo.config import OffloadConfig
+from dlo.config.offload_config import AUTO
+from dlo.errors import ConfigError
+from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.plan_summary import PlanSummary, summarize
 
 def render(summary: PlanSummary, weight_bytes: int) -> str:
@@ -57,6 +61,29 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
     )
 
 
+def render_host_tier(result: MappedLoad, config: OffloadConfig) -> str:
+    """Under config.host_budget_gib: which blocks stay in host memory, which are read from disk."""
+    resident = 0 if config.resident_layers == AUTO else config.resident_layers
+    refs = resolve_blocks(result.skeleton, result.offload_plan)[resident:]
+    try:
+        disk = plan_from_sources(result.skeleton, refs, result.checkpoint, result.sources.planned, config)
+    except ConfigError as err:
+        raise ConfigError(in_flag_terms(str(err), {"host_budget_gib"})) from None
+    assert disk is not None
+    tier = disk.tier
+    budget = human_bytes(tier.budget_bytes)
+    if not tier.active:
+        return f"host budget:          {budget} holds every streamed block: nothing is read from disk"
+    names = [refs[i].name for i in tier.on_disk]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"host budget:          {budget}: {len(refs) - len(names)} of {len(refs)} streamed blocks stay in host memory "
+        f"(read once at enable()), {len(names)} are read from disk on every use into {tier.read_buffers} read "
+        f"buffer(s) of {human_bytes(tier.read_buffer_bytes)}\n"
+        f"read from disk:       {shown}"
+    )
+
+
 def _plan_text(module, args: argparse.Namespace) -> str:
     if args.dtype:
         module = module.to(torch_dtype(args.dtype))
@@ -71,11 +98,20 @@ def run(args: argparse.Namespace) -> int:
     target = str(resolve_model(args.target, "dlo inspect never downloads")) if cached else args.target
     if not Path(target).expanduser().is_dir():
         print(_plan_text(build_on_meta(target), args))
+        if args.host_budget_gib is not None:
+            print(f"host budget:          not applicable: {target} has no checkpoint, so no block can be read from disk")
         return 0
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
     try:
         print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
         print(render_preflight(result))
+        config = config_from_flags(args)
+        if config.host_budget_gib is not None:
+            print(
+                render_host_tier(result, config) if isinstance(result, MappedLoad)
+                else "host budget:          not applicable: the checkpoint cannot be mapped, so no block can be read "
+                "from disk"
+            )
     finally:
         if isinstance(result, MappedLoad):
             result.checkpoint.close()
