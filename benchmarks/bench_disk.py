@@ -12,6 +12,9 @@ random bf16 weights from one seed, saved with save_pretrained; files fsynced):
                warm-up forward, then --iters forwards, each after dropping the page cache
                (/proc/sys/vm/drop_caches as root, else POSIX_FADV_DONTNEED on the files).
 
+  diffusers    enable_group_offload(block_level, one block a group, use_stream, record_stream,
+               offload_to_disk_path under --dir): the same forwards, caches dropped alike (CUDA only).
+
 Per dlo row: seconds per forward; the floor max(resident, disk bytes read per forward / disk
 rate) and the ratio; RSS + the checkpoint's cached pages (mincore) after the forwards, against
 the budget + read buffers; the output vs resident (torch.equal).
@@ -148,6 +151,41 @@ def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, de
     }
 
 
+def run_diffusers_disk(shape, inputs, device, args, reference) -> dict:
+    """diffusers' group offloading to disk (block_level, one block a group, streams), which
+    writes each group to a file under --dir at setup and reads it back on every onload."""
+    path = args.dir / "diffusers-offload"
+    shutil.rmtree(path, ignore_errors=True)
+    model = build_model(shape, args.seed, device)
+    started = time.perf_counter()
+    model.enable_group_offload(
+        onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+        num_blocks_per_group=1, use_stream=True, record_stream=True, offload_to_disk_path=str(path),
+    )
+    setup_s = time.perf_counter() - started
+    files = sorted(path.glob("*.safetensors"))
+    seconds = []
+    with torch.inference_mode():
+        model(**inputs)  # warm-up
+        for _ in range(args.iters):
+            drop_page_cache(files)
+            forward_s, output = timed_forwards(model, inputs, device, 1)
+            seconds += forward_s
+    memory = psutil.Process().memory_info().rss + cached_bytes(files)
+    result = {
+        "variant": "diffusers disk offload",
+        "setup_s": setup_s,
+        "median_s": statistics.median(seconds),
+        "forward_s": seconds,
+        "files_bytes": sum(f.stat().st_size for f in files),
+        "rss_plus_cached_bytes": memory,
+        "max_abs_diff_vs_resident": (output.cpu().float() - reference.float()).abs().max().item(),
+    }
+    del model, output
+    shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_disk"))
@@ -156,6 +194,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-diffusers", dest="diffusers", action="store_false",
+                        help="skip diffusers' disk offload (needs CUDA streams; run by default on cuda)")
     add_json_flag(parser, "bench_disk")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -203,8 +243,19 @@ def main() -> None:
             f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
             f"| {r['budget_gib'] + r['read_buffer_bytes'] / GIB:.2f} | {'bit-identical' if r['equal_to_resident'] else 'DIFFERS'} |"
         )
+    diffusers_row = None
+    if args.diffusers and device.type == "cuda":
+        diffusers_row = run_diffusers_disk(shape, inputs, device, args, reference)
+        print(diffusers_row, flush=True)
+        lines += [
+            "",
+            f"diffusers disk offload (block_level, streams, offload_to_disk_path): {diffusers_row['median_s']:.3f} "
+            f"s/forward, {diffusers_row['files_bytes'] / GB:.2f} GB of group files, RSS + cached "
+            f"{diffusers_row['rss_plus_cached_bytes'] / GIB:.2f} GiB, max abs diff vs resident "
+            f"{diffusers_row['max_abs_diff_vs_resident']:.3g}",
+        ]
     table = "\n".join(lines)
-    write_json(args.json, "bench_disk", rows, table, resident_s=resident, disk_gbps=gbps)
+    write_json(args.json, "bench_disk", rows, table, resident_s=resident, disk_gbps=gbps, diffusers=diffusers_row)
     print(table)
 
 

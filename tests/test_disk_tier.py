@@ -122,7 +122,8 @@ def test_the_disk_tier_leaves_the_page_cache_empty_and_reads_each_use_once(tmp_p
 
         def calls(seeds):
             got = outputs(model, "flux", seeds)
-            reads.wait_idle()  # the read-ahead has filled its buffers for the next call
+            handle.stats()  # every queued load has taken its read (the next call's first block too)
+            reads.wait_idle()  # and the read-ahead has filled its buffers for the next call
             return got, storage_read_bytes(), handle.stats().disk
 
         _, storage0, disk0 = calls((1,))

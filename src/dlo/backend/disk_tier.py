@@ -20,7 +20,7 @@ from dlo.host.checkpoint import Checkpoint
 from dlo.host.direct_reads import DIRECT_ALIGNMENT, BlockReads, DiskReader
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.pinned_buffer import HostBuffer, aligned_empty
-from dlo.host.tensor_source import MappedTensor, QuantizedSource
+from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.host.memory_budget import available_host_bytes
 from dlo.hotpath.executors import Executor
 from dlo.hotpath.interrupts import interrupts_held
@@ -77,8 +77,8 @@ def plan_from_sources(
     before the plan is taken or anything changed. From names alone (the planned tensors are
     still on the meta device): a block is read from its files when the plan maps some of its
     tensors and none is to be quantized at enable(). What a block kept in host memory holds
-    is counted from above: its reads (alignment included) or its tensors, plus ALIGNMENT per
-    tensor (the private copy's layout)."""
+    is counted from above: the larger of its reads (alignment included) and its tensors in
+    their runtime dtypes, plus ALIGNMENT per tensor (the private copy's layout)."""
     if config.host_budget_gib is None:
         return None
     reads: list[BlockReads | None] = []
@@ -91,14 +91,17 @@ def plan_from_sources(
         unplanned = sum(o.tensor.numel() * o.tensor.element_size() for key, o in owned.items() if sources[key] is None)
         padding = ALIGNMENT * len(owned)
         keys = [k for s in sources.values() if s is not None for k in s.keys]
+        # Runtime bytes of the planned tensors (a float8 one is kept as read: its reads count it).
+        planned = sum(
+            math.prod(s.shape) * s.dtype.itemsize for s in sources.values() if isinstance(s, TensorSource)
+        )
         if checkpoint is None or not keys or to_quantize:
             reads.append(None)
-            planned = sum(math.prod(s.shape) * s.dtype.itemsize for s in sources.values() if s is not None)
             host.append(planned + unplanned + padding)
             continue
         block_reads = BlockReads.plan(checkpoint, keys)
         reads.append(block_reads)
-        host.append(block_reads.nbytes + unplanned + padding)
+        host.append(max(block_reads.nbytes, planned) + unplanned + padding)  # a cast may widen what was read
     tier = plan_host_tier([r.name for r in refs], host, [r.nbytes if r else None for r in reads], budget_bytes(config))
     if tier.active:
         logger.info(

@@ -338,9 +338,10 @@ def enable(
         if gather_group is not None:
             runtime = LockstepRuntime(streamed, slots, executor, ledger, BlockGather(gather_group, executor))
         else:
-            reads = disk_tier.read_ahead(streamed, disk, executor, pin)
-            if reads is not None:
-                undo.callback(reads.close)  # after the stager's: its jobs may wait for reads
+            with interrupts_held():  # pinned buffers and a thread are never without their undo
+                reads = disk_tier.read_ahead(streamed, disk, executor, pin)
+                if reads is not None:
+                    undo.callback(reads.close)  # after the stager's: its jobs may wait for reads
             stager = _stager(streamed, executor, bound_plan, config, pin)
             if stager is not None:
                 undo.callback(stager.close)

@@ -16,6 +16,7 @@ That fallback is logged once per file with the code `direct_io_refused`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import os
@@ -120,6 +121,7 @@ class _OpenFile:
 
     def __init__(self, file: SafetensorsFile) -> None:
         self.path = file.path
+        self.size = file.size
         self.direct = True
         fd = None
         try:
@@ -148,7 +150,7 @@ class _OpenFile:
     def read(self, into: np.ndarray, offset: int) -> int:
         """Fill `into` from `offset` (short only at the end of the file); returns the bytes read."""
         done = 0
-        while done < into.size:
+        while done < into.size and offset + done < self.size:  # a short read ends only at the end of the file
             try:
                 count = os.preadv(self.fd, [into[done:]], offset + done)
             except OSError as err:
@@ -176,7 +178,8 @@ class DiskReader:
     @property
     def direct(self) -> bool:
         """Every file opened so far is read with O_DIRECT."""
-        return all(f.direct for f in self._files.values())
+        with self._lock:  # the reading thread opens files as it goes
+            return all(f.direct for f in self._files.values())
 
     def _open(self, file: SafetensorsFile) -> _OpenFile:
         with self._lock:
@@ -195,7 +198,12 @@ class DiskReader:
             for start in range(0, span.nbytes, READ_CHUNK):
                 into = array[span.buffer_start + start : span.buffer_start + min(span.nbytes, start + READ_CHUNK)]
                 requests.append((opened, into, span.file_start + start, max(0, min(into.size, wanted - start))))
-        for opened, got, wanted in self._pool.map(lambda r: (r[0], r[0].read(r[1], r[2]), r[3]), requests):
+        futures = [self._pool.submit(opened.read, into, offset) for opened, into, offset, _ in requests]
+        # Every request ends before any failure is raised: the buffer is reused after it, and a
+        # request still running would write into the next read.
+        concurrent.futures.wait(futures)
+        for future, (opened, _, _, wanted) in zip(futures, requests):
+            got = future.result()
             if got < wanted:
                 raise StreamingError(f"{opened.path} ended early: read {got} of {wanted} bytes (truncated since enable()?)")
             self.bytes_read += got

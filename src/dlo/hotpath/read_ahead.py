@@ -88,7 +88,12 @@ class ReadAhead:
         self.wait_s = 0.0  # time loads waited for reads (the stager's thread)
         self.reads = 0
         self._thread = threading.Thread(target=self._run, name="dlo-read-ahead", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            for buffer in self._buffers:
+                buffer.host.unpin()
+            raise
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -189,7 +194,7 @@ class ReadAhead:
     def _next_read(self) -> tuple[ReadBuffer, int] | None:
         """What to read into which buffer now (under the lock): a wanted block first, into a
         free buffer or over a read nobody wants yet; else the next expected block no buffer
-        holds, into a free buffer."""
+        holds, into a free buffer or over a read neither wanted nor expected."""
         free = next((b for b in self._buffers if b.state is _State.FREE), None)
         for index in self._wanted:
             if self._holding(index) is None:
@@ -197,9 +202,15 @@ class ReadAhead:
                     (b for b in self._buffers if b.state is _State.FILLED and b.block not in self._wanted), None
                 )
                 return (spare, index) if spare is not None else None
+        ahead = self._ahead()
+        if free is None:  # a read nobody expects soon (the order changed) gives way to one expected
+            free = next(
+                (b for b in self._buffers if b.state is _State.FILLED and b.block not in ahead and b.block not in self._wanted),
+                None,
+            )
         if free is None:
             return None
-        for index in self._ahead():
+        for index in ahead:
             if self._holding(index) is None:
                 return free, index
         return None
