@@ -419,3 +419,40 @@ def test_dlo_inspect_shows_which_blocks_a_budget_reads_from_disk(tmp_path, capsy
     assert len(err) == 1 and "--host-budget-gib" in err[0] and "raise it to at least" in err[0]
     assert main(["inspect", "FluxTransformer2DModel", "--host-budget-gib", "1"]) == 0
     assert "not applicable: FluxTransformer2DModel has no checkpoint" in capsys.readouterr().out
+
+
+def test_the_host_weight_cache_entry_is_read_from_disk_under_a_budget(tmp_path):
+    """Blocks beyond the budget are read from the cache entry's files (published by the first
+    load, mapped by the second), as they are from a checkpoint."""
+    files = save(tmp_path / "wan", "wan")
+    expected = outputs(ordinary(tmp_path / "wan", "wan"), "wan")
+    for load in range(2):
+        config = dlo.OffloadConfig(
+            host_weight_cache=True, cache_dir=str(tmp_path / "cache"), host_budget_gib=budget_gib(files, 0.3)
+        )
+        model, plan = dlo.load_transformer(tmp_path / "wan", config)
+        assert plan.backing == "host_weight_cache"
+        with dlo.enable(model, "cpu", config, plan=plan) as handle:
+            got = outputs(model, "wan")
+            disk = handle.stats().disk
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), load
+        assert disk is not None and disk.reads >= 3 * len(disk.blocks) > 0
+
+
+def test_automatic_residency_over_disk_blocks_equals_resident(tmp_path):
+    """resident_layers='auto' measures a call, then keeps blocks on the device: a disk block it
+    promotes is packed from the mapping once, the others keep being read per use."""
+    from dlo.planning.plan_summary import summarize
+
+    files = save(tmp_path / "flux", "flux")
+    expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux", seeds=(1, 2, 3, 4))
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    summary = summarize(model, plan.offload_plan)
+    config = dlo.OffloadConfig(
+        resident_layers="auto", hbm_budget_gib=summary.total_bytes * 0.8 / GIB, host_budget_gib=budget_gib(files, 0.4)
+    )
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        got = outputs(model, "flux", seeds=(1, 2, 3, 4))
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert stats.residency.state == "planned" and stats.residency.resident and stats.disk is not None, stats.residency

@@ -113,6 +113,8 @@ class RankLocalRuntime(StreamingRuntime):
                 self.queues[slot].supersede()
             self.promoted[index] = memory
             self.planner.promote(index)
+            if self.read_ahead is not None:
+                self.read_ahead.forget(index)  # its reads would go to waste
             block.point_at(views)
         return block.layout.nbytes
 
@@ -128,6 +130,8 @@ class RankLocalRuntime(StreamingRuntime):
             block.point_at(block.placeholders)
             self.planner.demote(index)
             memory = self.promoted.pop(index)
+            if self.read_ahead is not None:
+                self.read_ahead.remember(index)
         return memory.numel()
 
     @torch.inference_mode(False)  # See BlockLoads.__init__

@@ -26,6 +26,7 @@ is read again at its next use.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import threading
 import time
@@ -162,11 +163,13 @@ class ReadAhead:
             buffer.state, buffer.block = _State.FREE, None
             self._cond.notify_all()
 
-    def forget(self, index: int) -> None:
-        """Block `index` no longer streams from disk (its source was replaced): no read of it
-        is kept or started. No load of it may be queued."""
+    def forget(self, index: int, for_good: bool = False) -> None:
+        """Block `index` is not read from disk now (kept on the device; `remember` undoes it),
+        or never again (`for_good`: its source was replaced): no read of it is kept or
+        started. No load of it may be queued."""
         with self._cond:
-            self._sources.pop(index, None)
+            if for_good:
+                self._sources.pop(index, None)
             if index in self._order:
                 self._order.remove(index)
             for buffer in self._buffers:
@@ -175,6 +178,13 @@ class ReadAhead:
                 elif buffer.block == index and buffer.state is _State.READING:
                     buffer.stale = True
             self._cond.notify_all()
+
+    def remember(self, index: int) -> None:
+        """Block `index` streams from disk again (demoted from the device)."""
+        with self._cond:
+            if index in self._sources and index not in self._order:
+                bisect.insort(self._order, index)
+                self._cond.notify_all()
 
     def _holding(self, index: int) -> ReadBuffer | None:
         """The buffer holding or reading block `index` for its next use."""
@@ -197,7 +207,7 @@ class ReadAhead:
         holds, into a free buffer or over a read neither wanted nor expected."""
         free = next((b for b in self._buffers if b.state is _State.FREE), None)
         for index in self._wanted:
-            if self._holding(index) is None:
+            if self._holding(index) is None and index in self._sources:
                 spare = free or next(
                     (b for b in self._buffers if b.state is _State.FILLED and b.block not in self._wanted), None
                 )

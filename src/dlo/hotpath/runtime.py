@@ -188,7 +188,7 @@ class StreamingRuntime:
         copy of a block whose weights changed); no slot keeps what it loaded from the old one."""
         self.discard_loaded([index])
         if self.read_ahead is not None:
-            self.read_ahead.forget(index)
+            self.read_ahead.forget(index, for_good=True)  # the new source is a private copy
         block = replace(self.blocks[index], source=source)
         self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
         self.loads.use_block(index, block)
