@@ -230,3 +230,53 @@ def test_streamed_per_step_is_what_inspect_predicts_per_call_and_h2d_is_na_on_cp
     assert _column(printed, "H2D") == "n/a (cpu)"
     assert main([*argv, *flags("flux"), "--steps", "1"]) == 0
     assert _column(capsys.readouterr().out, "streamed/step").endswith(" in all (with the next call's prefetch)")
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_text_encoders_streamed_too_match_the_plain_pipeline(tiny_flux_dir, tiny_wan_dir, name):
+    """components=: the text encoders (CLIP and T5; UMT5) stream block by block beside the
+    transformer, each with its own handle and stats; the output is the plain pipeline's."""
+    directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name]
+    encoders = ["text_encoder", "text_encoder_2"] if name == "flux" else ["text_encoder"]
+    expected = reference_call(plain_pipeline(directory), name)
+    pipe = plain_pipeline(directory)
+    with dlo.enable_pipeline(pipe, "cpu", dlo.OffloadConfig(num_slots=3), components=encoders) as handle:
+        got = reference_call(pipe, name)
+        stats = handle.stats()
+    result = (lambda out: out.images[0]) if name == "flux" else (lambda out: out.frames[0])
+    assert np.array_equal(np.asarray(result(got)), np.asarray(result(expected)))
+    assert set(stats) == {"transformer", *encoders}
+    assert all(stats[e].streamed_blocks > 0 and stats[e].copies > 0 for e in encoders)
+    assert all(handle.placement[e] == "streamed" for e in encoders) and handle.placement["vae"] == "device"
+
+
+@pytest.mark.parametrize(
+    ("components", "message"),
+    [
+        (["text_encoder_3"], r"components names 'text_encoder_3', which is not a module component .* \['text_encoder', 'text_encoder_2', 'vae'\]"),
+        (["transformer"], "components names 'transformer', which is not a module component"),
+        ("text_encoder", "components must be a list of component names or 'auto'"),
+    ],
+)
+def test_components_that_cannot_stream_are_refused_before_anything_is_enabled(tiny_flux_dir, components, message):
+    pipe = plain_pipeline(tiny_flux_dir)
+    before = {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()}
+    with pytest.raises(dlo.ConfigError, match=message):
+        dlo.enable_pipeline(pipe, "cpu", components=components)
+    assert {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()} == before
+    with dlo.enable_pipeline(pipe, "cpu"):  # nothing was left enabled
+        pass
+
+
+def test_a_component_without_repeated_blocks_is_refused_by_name(tiny_flux_dir):
+    pipe = plain_pipeline(tiny_flux_dir)
+    pipe.text_encoder = torch.nn.Linear(2, 2)  # a component with nothing to stream block by block
+    with pytest.raises(dlo.ConfigError, match=r"component 'text_encoder' \(Linear\) has no repeated blocks"):
+        dlo.enable_pipeline(pipe, "cpu", components=["text_encoder"])
+
+
+def test_components_auto_on_the_cpu_places_everything_on_the_device(tiny_flux_dir):
+    """'auto' streams only what does not fit; on the CPU everything fits."""
+    pipe = plain_pipeline(tiny_flux_dir)
+    with dlo.enable_pipeline(pipe, "cpu", components="auto") as handle:
+        assert set(handle.handles) == {"transformer"} and set(handle.placement.values()) == {"device"}

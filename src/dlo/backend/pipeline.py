@@ -1,4 +1,5 @@
-"""`dlo.enable_pipeline`: stream a diffusers pipeline's transformer(s), place the rest."""
+"""`dlo.enable_pipeline`: stream a diffusers pipeline's transformer(s) (and, asked, other
+components with repeated blocks), place the rest."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from dlo.backend.device import resolve_device
 from dlo.backend.enable import enable
 from dlo.backend.handle import OffloadHandle
 from dlo.config import OffloadConfig
-from dlo.errors import ConfigError
+from dlo.errors import ConfigError, DiscoveryError
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
+from dlo.planning.offload_plan import discover
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
 STREAMED_COMPONENTS = ("transformer", "transformer_2")
@@ -23,8 +25,9 @@ STREAMED_COMPONENTS = ("transformer", "transformer_2")
 
 @dataclass
 class PipelineHandle:
-    """handles: one per streamed transformer. placement: where every other module went
-    ("device", or "cpu offload": moved to the device only while it runs)."""
+    """handles: one per streamed component (the transformers, and those named in
+    `components`). placement: where every other module went ("device", "streamed" by dlo, or
+    "cpu offload": moved to the device only while it runs)."""
 
     handles: dict[str, OffloadHandle]
     placement: dict[str, str]
@@ -67,7 +70,7 @@ class PipelineHandle:
         return [n for n in names if n in self.handles], [n for n in names if n not in self.handles]
 
     def disable(self) -> None:
-        """Undo dlo on every transformer; idempotent. Other components stay where they are."""
+        """Undo dlo on every streamed component; idempotent. Other components stay where they are."""
         for hook in self._offload_hooks:
             hook.remove()
         self._offload_hooks.clear()
@@ -91,12 +94,51 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
+AUTO = "auto"  # components: stream the other components that do not fit and have repeated blocks
+
+
+def _streamable(module: nn.Module) -> bool:
+    try:
+        discover(module)
+    except DiscoveryError:
+        return False
+    return True
+
+
+def _named_components(components: Sequence[str] | str, others: Mapping[str, nn.Module]) -> list[str]:
+    """The explicitly named components to stream, each checked before anything is enabled."""
+    if isinstance(components, str):
+        raise ConfigError(f"components must be a list of component names or {AUTO!r}, got {components!r}")
+    named = list(components)
+    for name in named:
+        if name not in others:
+            raise ConfigError(
+                f"components names {name!r}, which is not a module component of this pipeline besides its "
+                f"transformer(s); its other components: {sorted(others)}"
+            )
+        if not _streamable(others[name]):
+            raise ConfigError(
+                f"component {name!r} ({type(others[name]).__name__}) has no repeated blocks for dlo to stream; "
+                "leave it out of components (it is then placed on the device or CPU-offloaded)"
+            )
+    return named
+
+
+def _component_config(config: OffloadConfig | None) -> OffloadConfig:
+    """What a streamed text encoder (or other non-transformer component) streams with: the
+    transport options of `config` (slots, pinning, pack threads), nothing that plans the
+    transformer (fp8, residency, the host budget)."""
+    config = config or OffloadConfig()
+    return OffloadConfig(num_slots=config.num_slots, pin_memory=config.pin_memory, pack_threads=config.pack_threads)
+
+
 def enable_pipeline(
     pipe: object,
     device: str | torch.device,
     config: OffloadConfig | None = None,
     plans: Mapping[str, HostWeightPlan | None] | None = None,
     reserve_gib: float = 4.0,
+    components: Sequence[str] | str = (),
 ) -> PipelineHandle:
     """Stream `pipe.transformer` (and `pipe.transformer_2`) with dlo; move the other modules
     (text encoders, VAE) to `device` while they fit, in component order, else attach
@@ -105,12 +147,18 @@ def enable_pipeline(
     `resident_layers="auto"`, in the same budget as the transformers' (see [Note: residency
     budget]) minus what streaming them needs and `reserve_gib`: the blocks then get what the
     other components leave, since their plan measures the whole process's peak. `plans` maps a
-    component name to the HostWeightPlan `dlo.load_transformer` returned for it."""
+    component name to the HostWeightPlan `dlo.load_transformer` returned for it.
+
+    `components`: other components dlo streams block by block too (text encoders: T5, UMT5,
+    CLIP...; any module with repeated blocks), with `config`'s slots and pinning only; or
+    "auto": those of them that do not fit, instead of accelerate's CPU offload (a component
+    without repeated blocks is still CPU-offloaded). Their handles and stats sit beside the
+    transformers' (placement "streamed")."""
     device = resolve_device(device)
-    components = getattr(pipe, "components", None)
-    if not isinstance(components, dict):
+    found = getattr(pipe, "components", None)
+    if not isinstance(found, dict):
         raise ConfigError(f"{type(pipe).__name__} is not a diffusers pipeline (no .components)")
-    streamed = [name for name in STREAMED_COMPONENTS if isinstance(components.get(name), nn.Module)]
+    streamed = [name for name in STREAMED_COMPONENTS if isinstance(found.get(name), nn.Module)]
     if not streamed:
         raise ConfigError(
             f"{type(pipe).__name__} has no transformer component; dlo streams diffusion transformers (DiT), "
@@ -120,23 +168,31 @@ def enable_pipeline(
     handles: dict[str, OffloadHandle] = {}
     placement: dict[str, str] = {}
     hooks = []
-    others = {name: m for name, m in components.items() if name not in streamed and isinstance(m, nn.Module)}
+    others = {name: m for name, m in found.items() if name not in streamed and isinstance(m, nn.Module)}
+    named = [] if components == AUTO else _named_components(components, others)
     try:
         for name in streamed:
-            handles[name] = enable(components[name], device, config, plan=plans.get(name))
+            handles[name] = enable(found[name], device, config, plan=plans.get(name))
+        for name in named:
+            handles[name] = enable(others[name], device, _component_config(config))
+        rest = {name: m for name, m in others.items() if name not in named}
         if device.type == "cpu":
-            placement = dict.fromkeys(others, "device")
+            placement = dict.fromkeys(rest, "device")
         else:
             room = _room(handles, device) - int(reserve_gib * 2**30)
-            placement = place_within({name: _module_bytes(m) for name, m in others.items()}, room)
+            placement = place_within({name: _module_bytes(m) for name, m in rest.items()}, room)
         for name, where in placement.items():
             if where == "device":
-                others[name].to(device)
+                rest[name].to(device)
+            elif components == AUTO and _streamable(rest[name]):
+                handles[name] = enable(rest[name], device, _component_config(config))
+                placement[name] = "streamed"
             else:
                 from accelerate import cpu_offload_with_hook
 
-                _, hook = cpu_offload_with_hook(others[name], device)
+                _, hook = cpu_offload_with_hook(rest[name], device)
                 hooks.append(hook)
+        placement |= dict.fromkeys(named, "streamed")
     except BaseException:
         for hook in hooks:
             hook.remove()
