@@ -93,7 +93,8 @@ def _options(command: str) -> set[str]:
 
 def test_inspect_takes_only_flags_that_change_what_it_prints():
     assert _options("inspect") == {
-        "-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers", "--resident"
+        "-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers", "--resident",
+        "--host-budget-gib",
     }
 
 
