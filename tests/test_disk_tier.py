@@ -21,6 +21,7 @@ from dlo.host.checkpoint import Checkpoint
 from dlo.host.direct_reads import BlockReads, DiskReader, ReadImage
 from dlo.host.memory_budget import RESERVE_MIN, available_host_bytes
 from dlo.host.tensor_source import TensorSource
+from dlo.hotpath.executors import CpuExecutor
 from dlo.hotpath.read_ahead import ReadAhead
 from dlo.models.tiny import TINY_MODELS
 from dlo.planning.host_tier import GIB, plan_host_tier
@@ -28,6 +29,7 @@ from dlo.planning.host_tier import GIB, plan_host_tier
 diffusers = pytest.importorskip("diffusers")
 
 LIBC = ctypes.CDLL(None, use_errno=True)
+CPU_EVENTS = CpuExecutor(torch.device("cpu")).staging_event  # copies out of a buffer are done when they return
 
 
 def save(directory, name, seed=2):
@@ -251,11 +253,6 @@ def _block_files(tmp_path, count, nbytes):
     return checkpoint, sources
 
 
-class _NoEvent:
-    def synchronize(self):
-        pass
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_read_ahead_under_random_orders_and_forgets_hands_out_only_the_block_asked_for(tmp_path, seed):
     """Random take orders (mostly the predicted one), random holding times, blocks forgotten
@@ -263,7 +260,7 @@ def test_read_ahead_under_random_orders_and_forgets_hands_out_only_the_block_ask
     when given back (no read overwrote it while taken)."""
     rng = random.Random(seed)
     checkpoint, sources = _block_files(tmp_path, 6, 3 * 4096 + 100)
-    reads = ReadAhead(sources, DiskReader(3), rng.choice([1, 2]), max(s.reads.nbytes for s in sources.values()), False, _NoEvent)
+    reads = ReadAhead(sources, DiskReader(3), rng.choice([1, 2]), max(s.reads.nbytes for s in sources.values()), False, CPU_EVENTS)
     live = list(range(6))
     try:
         position = 0
@@ -292,7 +289,7 @@ def test_read_ahead_under_random_orders_and_forgets_hands_out_only_the_block_ask
 
 def test_a_load_waiting_for_a_read_fails_when_the_reads_stop(tmp_path):
     checkpoint, sources = _block_files(tmp_path, 2, 4096)
-    reads = ReadAhead(sources, DiskReader(1), 1, 8192, False, _NoEvent)
+    reads = ReadAhead(sources, DiskReader(1), 1, 8192, False, CPU_EVENTS)
     reads.stop()
     errors = []
     thread = threading.Thread(target=lambda: errors.append(pytest.raises(dlo.StreamingError, reads.take, 1)))

@@ -148,21 +148,28 @@ def test_random_skip_paths_over_every_source_of_one_model_equal_resident(tmp_pat
     with dlo.enable(model, "cpu", config, plan=plan) as handle:
         runtime = handle._runtime
         assert (handle.stats().staging_bytes > 0) != registered
-        for call in range(10):
-            skip = sorted(rng.sample(range(1, 4), rng.randrange(3)))
-            assert torch.equal(sd3_call(model, call, skip), sd3_call(reference, call, skip)), (call, skip)
-            index = rng.randrange(len(runtime.blocks))
-            if index in runtime.promoted:
-                runtime.demote(index)
-            elif rng.random() < 0.3:
-                runtime.promote(index)
+        random_skip_calls(rng, model, reference, runtime)
+
+
+def random_skip_calls(rng, model, reference, runtime, check=lambda: None):
+    """10 calls on random skip_layers paths, each equal to resident; after each a random block
+    promoted or demoted, then `check()`."""
+    for call in range(10):
+        skip = sorted(rng.sample(range(1, 4), rng.randrange(3)))
+        assert torch.equal(sd3_call(model, call, skip), sd3_call(reference, call, skip)), (call, skip)
+        index = rng.randrange(len(runtime.blocks))
+        if index in runtime.promoted:
+            runtime.demote(index)
+        elif rng.random() < 0.3:
+            runtime.promote(index)
+        check()
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_random_skip_paths_over_disk_and_kept_blocks_equal_resident(tmp_path, seed):
-    """SD3 under a host budget of 85 % of its checkpoint: blocks read from disk per use, kept
-    ones (private copies), promoted and demoted between calls (a
-    promoted disk block is packed from the mapping once): random skip_layers paths equal resident."""
+    """SD3 under a host budget of 85 % of its checkpoint: blocks read from disk per use and
+    kept ones (private copies), promoted and demoted between calls (a promoted disk block is
+    packed from the mapping once): random skip_layers paths equal resident."""
     rng = random.Random(seed)
     reference = SD3.build(seed=3)
     reference.save_pretrained(tmp_path / "sd3")
@@ -173,16 +180,12 @@ def test_random_skip_paths_over_disk_and_kept_blocks_equal_resident(tmp_path, se
         runtime = handle._runtime
         on_disk = set(handle.stats().disk.blocks)
         assert 0 < len(on_disk) < len(runtime.blocks)
-        for call in range(10):
-            skip = sorted(rng.sample(range(1, 4), rng.randrange(3)))
-            assert torch.equal(sd3_call(model, call, skip), sd3_call(reference, call, skip)), (call, skip)
-            index = rng.randrange(len(runtime.blocks))
-            if index in runtime.promoted:
-                runtime.demote(index)
-            elif rng.random() < 0.3:
-                runtime.promote(index)
+
+        def promoted_blocks_are_not_read():
             promoted = {runtime.blocks[i].name for i in runtime.promoted}
-            assert set(handle.stats().disk.blocks) == on_disk - promoted  # a block on the device is not read
+            assert set(handle.stats().disk.blocks) == on_disk - promoted
+
+        random_skip_calls(rng, model, reference, runtime, promoted_blocks_are_not_read)
 
 
 def flux_outputs(model, seeds):

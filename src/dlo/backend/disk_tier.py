@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
-
 from torch import nn
 
 from dlo.config import OffloadConfig
@@ -19,9 +18,9 @@ from dlo.host.block_sources import DiskSource, MappedSource, PackedSource
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.direct_reads import DIRECT_ALIGNMENT, BlockReads, DiskReader
 from dlo.host.host_weight_plan import HostWeightPlan
+from dlo.host.memory_budget import available_host_bytes
 from dlo.host.pinned_buffer import HostBuffer, aligned_empty
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
-from dlo.host.memory_budget import available_host_bytes
 from dlo.hotpath.executors import Executor
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.read_ahead import ReadAhead

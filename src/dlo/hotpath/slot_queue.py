@@ -4,12 +4,12 @@
 A slot is written only through its SlotQueue, whatever the kind of load (See
 dlo.hotpath.block_loads): loads run by the caller's thread are enqueued on the device at once;
 staged loads and disk-tier reads are handed to the stager's one thread, which runs them in
-submission order. The
-queue keeps the order of the two: before it runs a load of its own, it supersedes the staged
-loads still queued on the slot (a job not started is cancelled, one running is waited for),
-so no older load can land after a newer one; on the device, each load waits for the slot's
-"free" and "ready" events, recorded by the load before it. A block runs from a slot only after
-`settle()` waited for the slot's staged loads: their "ready" is recorded when they enqueue.
+submission order. The queue keeps the order of the two: before it runs a load of its own, it
+supersedes the staged loads still queued on the slot (a job not started is cancelled, one
+running is waited for), so no older load can land after a newer one; on the device, each load
+waits for the slot's "free" and "ready" events, recorded by the load before it. A block runs
+from a slot only after `settle()` waited for the slot's staged loads: their "ready" is
+recorded when they enqueue.
 
 Who holds what: the planner's record of what a slot holds is committed only once the slot's
 load is queued (See [Note: slot ownership] in dlo.planning.slot_planner), and a hot-path step
