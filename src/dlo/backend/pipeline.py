@@ -3,12 +3,13 @@ components with repeated blocks), place the rest."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from dlo.backend.decode_peak import OutputSize, apply_decode, decode_costs, default_size
 from dlo.backend.device import resolve_device
 from dlo.backend.enable import enable
 from dlo.backend.handle import OffloadHandle
@@ -18,6 +19,8 @@ from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
 from dlo.planning.offload_plan import discover
+from dlo.planning.pipeline_budget import GIB, ComponentCost, PipelinePlan, Placement, plan_pipeline
+from dlo.planning.plan_summary import summarize
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
 STREAMED_COMPONENTS = ("transformer", "transformer_2")
@@ -27,12 +30,15 @@ STREAMED_COMPONENTS = ("transformer", "transformer_2")
 class PipelineHandle:
     """handles: one per streamed component (the transformers, and those named in
     `components`). placement: where every other module went ("device", "streamed" by dlo, or
-    "cpu offload": moved to the device only while it runs)."""
+    "cpu offload": moved to the device only while it runs). plan: under `hbm_budget_gib`, the
+    whole pipeline's plan (See [Note: pipeline budget])."""
 
     handles: dict[str, OffloadHandle]
     placement: dict[str, str]
     _offload_hooks: list = field(default_factory=list, repr=False)
     _pipe: object = field(default=None, repr=False)
+    plan: PipelinePlan | None = None
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def stats(self) -> dict[str, OffloadStats]:
         return {name: handle.stats() for name, handle in self.handles.items()}
@@ -74,6 +80,8 @@ class PipelineHandle:
         for hook in self._offload_hooks:
             hook.remove()
         self._offload_hooks.clear()
+        while self._undo:
+            self._undo.pop()()
         for handle in self.handles.values():
             handle.disable()
 
@@ -139,6 +147,7 @@ def enable_pipeline(
     plans: Mapping[str, HostWeightPlan | None] | None = None,
     reserve_gib: float = 4.0,
     components: Sequence[str] | str = (),
+    size: OutputSize | None = None,
 ) -> PipelineHandle:
     """Stream `pipe.transformer` (and `pipe.transformer_2`) with dlo; move the other modules
     (text encoders, VAE) to `device` while they fit, in component order, else attach
@@ -153,53 +162,143 @@ def enable_pipeline(
     CLIP...; any module with repeated blocks), with `config`'s slots and pinning only; or
     "auto": those of them that do not fit, instead of accelerate's CPU offload (a component
     without repeated blocks is still CPU-offloaded). Their handles and stats sit beside the
-    transformers' (placement "streamed")."""
+    transformers' (placement "streamed").
+
+    With `config.hbm_budget_gib` (and `resident_layers="auto"`), one plan for the whole call
+    within that budget, made before anything moves (See [Note: pipeline budget]): every
+    component on the device when all fit, else the transformers and every other component with
+    repeated blocks streamed, the VAE decoding whole, sliced or tiled as its predicted peak for
+    `size` (default: the pipeline's default output size) allows, and the transformers' residency
+    within what is left. `reserve_gib` then stands for the transformers' and encoders'
+    activations when deciding whether everything fits. `handle.plan` holds the plan."""
     device = resolve_device(device)
     found = getattr(pipe, "components", None)
     if not isinstance(found, dict):
         raise ConfigError(f"{type(pipe).__name__} is not a diffusers pipeline (no .components)")
-    streamed = [name for name in STREAMED_COMPONENTS if isinstance(found.get(name), nn.Module)]
-    if not streamed:
+    transformers = [name for name in STREAMED_COMPONENTS if isinstance(found.get(name), nn.Module)]
+    if not transformers:
         raise ConfigError(
             f"{type(pipe).__name__} has no transformer component; dlo streams diffusion transformers (DiT), "
             "not UNets"
         )
     plans = plans or {}
-    handles: dict[str, OffloadHandle] = {}
-    placement: dict[str, str] = {}
-    hooks = []
-    others = {name: m for name, m in found.items() if name not in streamed and isinstance(m, nn.Module)}
+    others = {name: m for name, m in found.items() if name not in transformers and isinstance(m, nn.Module)}
     named = [] if components == AUTO else _named_components(components, others)
+    handle = PipelineHandle({}, {}, _pipe=pipe)
+    if config is not None and config.hbm_budget_gib is not None:
+        size = size or default_size(pipe)
+        handle.plan = _plan_within_budget(pipe, transformers, others, named, config, plans, reserve_gib, size)
     try:
-        for name in streamed:
-            handles[name] = enable(found[name], device, config, plan=plans.get(name))
-        for name in named:
-            handles[name] = enable(others[name], device, _component_config(config))
-        rest = {name: m for name, m in others.items() if name not in named}
-        if device.type == "cpu":
-            placement = dict.fromkeys(rest, "device")
+        if handle.plan is None:
+            _place_by_room(handle, found, transformers, others, named, device, config, plans, reserve_gib, components)
         else:
-            room = _room(handles, device) - int(reserve_gib * 2**30)
-            placement = place_within({name: _module_bytes(m) for name, m in rest.items()}, room)
-        for name, where in placement.items():
-            if where == "device":
-                rest[name].to(device)
-            elif components == AUTO and _streamable(rest[name]):
-                handles[name] = enable(rest[name], device, _component_config(config))
-                placement[name] = "streamed"
-            else:
-                from accelerate import cpu_offload_with_hook
-
-                _, hook = cpu_offload_with_hook(rest[name], device)
-                hooks.append(hook)
-        placement |= dict.fromkeys(named, "streamed")
+            _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size)
     except BaseException:
-        for hook in hooks:
-            hook.remove()
-        for handle in handles.values():
-            handle.disable()
+        handle.disable()
         raise
-    return PipelineHandle(handles, placement, hooks, pipe)
+    return handle
+
+
+def _place_by_room(
+    handle: PipelineHandle,
+    found: Mapping[str, nn.Module],
+    transformers: list[str],
+    others: Mapping[str, nn.Module],
+    named: list[str],
+    device: torch.device,
+    config: OffloadConfig | None,
+    plans: Mapping[str, HostWeightPlan | None],
+    reserve_gib: float,
+    components: Sequence[str] | str,
+) -> None:
+    """Without a pipeline budget: the transformers (and `named`) streamed, the others on the
+    device while they fit the room left, else streamed ("auto") or CPU-offloaded."""
+    handles = handle.handles
+    for name in transformers:
+        handles[name] = enable(found[name], device, config, plan=plans.get(name))
+    for name in named:
+        handles[name] = enable(others[name], device, _component_config(config))
+    rest = {name: m for name, m in others.items() if name not in named}
+    if device.type == "cpu":
+        placement = dict.fromkeys(rest, "device")
+    else:
+        room = _room(handles, device) - int(reserve_gib * GIB)
+        placement = place_within({name: _module_bytes(m) for name, m in rest.items()}, room)
+    handle.placement = placement
+    for name, where in placement.items():
+        if where == "device":
+            rest[name].to(device)
+        elif components == AUTO and _streamable(rest[name]):
+            handles[name] = enable(rest[name], device, _component_config(config))
+            placement[name] = "streamed"
+        else:
+            from accelerate import cpu_offload_with_hook
+
+            _, hook = cpu_offload_with_hook(rest[name], device)
+            handle._offload_hooks.append(hook)
+    placement |= dict.fromkeys(named, "streamed")
+
+
+def _streamed_bytes(module: nn.Module, config: OffloadConfig) -> int | None:
+    """What streaming `module` keeps on the device (non-block parts + slots), from shapes alone;
+    None without repeated blocks."""
+    try:
+        offload_plan = discover(module)
+    except DiscoveryError:
+        return None
+    return summarize(module, offload_plan, config).device_weight_bytes
+
+
+def _plan_within_budget(
+    pipe: object,
+    transformers: list[str],
+    others: Mapping[str, nn.Module],
+    named: list[str],
+    config: OffloadConfig,
+    plans: Mapping[str, HostWeightPlan | None],
+    reserve_gib: float,
+    size: OutputSize,
+) -> PipelinePlan:
+    """The whole pipeline's plan under config.hbm_budget_gib, before anything moves."""
+    found = pipe.components
+    costs = [
+        ComponentCost(name, _module_bytes(found[name]), _streamed_bytes(found[name], config), every_step=True)
+        for name in transformers
+    ]
+    component_config = _component_config(config)
+    costs += [ComponentCost(name, _module_bytes(m), _streamed_bytes(m, component_config)) for name, m in others.items()]
+    # A transformer mapped from its checkpoint has no private weights to move: it streams.
+    must_stream = frozenset(named) | {name for name in transformers if plans.get(name) is not None}
+    budget = int(config.hbm_budget_gib * GIB)
+    return plan_pipeline(budget, costs, decode_costs(pipe, size), int(reserve_gib * GIB), must_stream)
+
+
+def _place_by_plan(
+    handle: PipelineHandle,
+    plan: PipelinePlan,
+    found: Mapping[str, nn.Module],
+    transformers: list[str],
+    device: torch.device,
+    config: OffloadConfig,
+    plans: Mapping[str, HostWeightPlan | None],
+    size: OutputSize,
+) -> None:
+    # The transformers streamed are reported by their handles, as without a budget.
+    handle.placement = {
+        name: where.value
+        for name, where in plan.placement.items()
+        if not (name in transformers and where is Placement.STREAMED)
+    }
+    for name, where in plan.placement.items():
+        module = found[name]
+        if where is Placement.DEVICE:
+            module.to(device)
+        elif name in transformers:
+            residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
+            handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
+        else:
+            handle.handles[name] = enable(module, device, _component_config(config))
+    handle._undo.append(apply_decode(found.get("vae"), plan.decode.mode, size.batch))
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

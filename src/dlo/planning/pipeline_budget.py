@@ -1,0 +1,157 @@
+"""One device budget for a whole pipeline call: where each component's weights live, how the
+VAE decodes, and what is left for the transformers' residency. Plain numbers in, a plan out.
+
+[Note: pipeline budget]
+A pipeline call has three phases that share the device: the text encoders run once per prompt,
+the transformers every step, the VAE decodes once. Every component's weights stay on the device
+through all three (dlo moves nothing between phases), so each phase's peak is the weights of
+all of them plus that phase's activations. The plan, for a budget B:
+1. Everything on the device (no streaming) when all the weights plus the larger of the
+   decode's activations and `activation_reserve` (the transformer's and encoders' activations,
+   not known before a call) fit in B less `HEADROOM`. A component that must be streamed (asked
+   for, or a transformer loaded as a mapping that has no private weights to move) is streamed
+   with the budget of step 2 and becomes resident through its measured residency.
+2. Otherwise the transformers are streamed, and each other component is streamed when it has
+   repeated blocks and streaming it holds less than its weights (its non-block parts plus
+   slots), else kept on the device. The encoders then cost one pass over their blocks per
+   prompt; the transformers run every step, so they get what is left: `resident_layers='auto'`
+   under a budget of B less the decode's activations. Their residency is measured on the
+   process's own peak, which holds the encoders' phase of the first call, every component's
+   weights and the transformer's activations (See [Note: residency budget]); subtracting the
+   decode's activations keeps the decode after it inside B too.
+3. The decode: whole when its predicted activations fit in what the weights of step 2 leave;
+   else one sample at a time (diffusers' slicing, for a batch), else in tiles (tiling). Below
+   the weights of step 2 plus the cheapest decode, the budget is refused, naming that minimum.
+The transformers' own activations are not predicted: `resident_layers='auto'` measures them
+and keeps only the slots when nothing more fits.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from dlo.errors import ConfigError
+
+GIB = 2**30
+HEADROOM = 0.02  # of the budget: allocator rounding, library workspaces
+
+
+class Placement(enum.Enum):
+    """Where a pipeline component runs."""
+
+    DEVICE = "device"  # its weights on the device
+    STREAMED = "streamed"  # dlo streams its blocks; non-block parts and slots on the device
+    CPU_OFFLOAD = "cpu offload"  # accelerate moves it to the device only while it runs (no budget)
+
+
+@dataclass(frozen=True)
+class ComponentCost:
+    """`weight_bytes`: the component's weights on the device. `streamed_bytes`: what streaming it
+    keeps there (non-block parts + slots of its largest block); None when it has no repeated
+    blocks. `every_step`: a transformer."""
+
+    name: str
+    weight_bytes: int
+    streamed_bytes: int | None
+    every_step: bool = False
+
+
+class DecodeMode(enum.Enum):
+    WHOLE = "whole"
+    SLICED = "sliced"  # one sample of the batch at a time
+    TILED = "tiled"  # spatial tiles (and one sample at a time)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A way to decode and its predicted activation peak (the VAE's weights excluded)."""
+
+    mode: DecodeMode
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    budget_bytes: int
+    placement: dict[str, Placement]
+    decode: DecodeCost
+    weight_bytes: int  # every component's weights on the device under this placement
+    transformer_budget_bytes: int | None  # resident_layers='auto' budget; None: the transformers are on the device
+
+    def describe(self) -> list[str]:
+        """The plan in lines a person reads (dlo inspect, logs)."""
+        lines = [f"{name}: {where.value}" for name, where in self.placement.items()]
+        lines.append(f"VAE decode: {self.decode.mode.value}, predicted activations {_gib(self.decode.peak_bytes)}")
+        lines.append(f"weights on the device: {_gib(self.weight_bytes)} of the {_gib(self.budget_bytes)} budget")
+        if self.transformer_budget_bytes is not None:
+            lines.append(
+                f"transformer residency: resident_layers='auto' within {_gib(self.transformer_budget_bytes)} "
+                "(the process's measured peak)"
+            )
+        return lines
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def plan_pipeline(
+    budget_bytes: int,
+    components: Sequence[ComponentCost],
+    decodes: Sequence[DecodeCost],
+    activation_reserve: int,
+    streamed: frozenset[str] = frozenset(),
+) -> PipelinePlan:
+    """See [Note: pipeline budget]. `decodes`: the ways the VAE can decode, cheapest last;
+    `streamed`: components the caller asked dlo to stream. Refuses a budget below the minimum
+    in one line naming it."""
+    usable = int(budget_bytes * (1 - HEADROOM))
+    whole = decodes[0]
+    everything = sum(c.weight_bytes for c in components)
+    if everything + max(whole.peak_bytes, activation_reserve) <= usable:
+        # Those asked to stream (or loaded as a mapping) become resident through their residency.
+        placement = {c.name: Placement.STREAMED if c.name in streamed else Placement.DEVICE for c in components}
+        return PipelinePlan(budget_bytes, placement, whole, everything, _residency(placement, components, budget_bytes, whole))
+    placement = {c.name: _least(c, c.name in streamed) for c in components}
+    weights = sum(_held(c, placement[c.name]) for c in components)
+    for decode in decodes:
+        if weights + decode.peak_bytes <= usable:
+            return PipelinePlan(budget_bytes, placement, decode, weights, _residency(placement, components, budget_bytes, decode))
+    cheapest = min(decodes, key=lambda d: d.peak_bytes)
+    least = (weights + cheapest.peak_bytes) / (1 - HEADROOM)
+    streamed_names = [name for name, where in placement.items() if where is Placement.STREAMED]
+    raise ConfigError(
+        f"OffloadConfig.hbm_budget_gib={budget_bytes / GIB:.3f} is below the {least / GIB:.3f} GiB this pipeline needs "
+        f"at the least ({_gib(weights)} of weights with {', '.join(streamed_names)} streamed, plus "
+        f"{_gib(cheapest.peak_bytes)} for a {cheapest.mode.value} VAE decode, plus {HEADROOM:.0%} headroom) before the "
+        "transformer's activations; raise hbm_budget_gib, lower num_slots, or decode a smaller output"
+    )
+
+
+def _residency(
+    placement: Mapping[str, Placement], components: Sequence[ComponentCost], budget_bytes: int, decode: DecodeCost
+) -> int | None:
+    """The transformers' residency budget: the whole budget less the decode's activations (None
+    when no transformer is streamed)."""
+    if not any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
+        return None
+    return budget_bytes - decode.peak_bytes
+
+
+def _least(cost: ComponentCost, asked: bool) -> Placement:
+    """Step 2: the transformers and the components asked for are streamed; the others are
+    streamed when that holds less on the device than their weights."""
+    if cost.streamed_bytes is None:
+        return Placement.DEVICE
+    if cost.every_step or asked or cost.streamed_bytes < cost.weight_bytes:
+        return Placement.STREAMED
+    return Placement.DEVICE
+
+
+def _held(cost: ComponentCost, where: Placement) -> int:
+    if where is Placement.STREAMED:
+        assert cost.streamed_bytes is not None
+        return cost.streamed_bytes
+    return cost.weight_bytes

@@ -1,0 +1,208 @@
+"""The whole pipeline under one device budget (hbm_budget_gib): the plan from plain numbers, the
+VAE decode's predicted peak, and tiny real pipelines placed by it, equal to the plain pipeline
+decoding the same way."""
+
+import numpy as np
+import pytest
+import torch
+
+import dlo
+from dlo.backend.decode_peak import OutputSize, _meta_twin, decode_costs, latent_shape, meta_peak
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+from dlo.planning.pipeline_budget import HEADROOM, ComponentCost, DecodeCost, DecodeMode, Placement, plan_pipeline
+
+diffusers = pytest.importorskip("diffusers")
+from plain_pipeline import plain_pipeline  # noqa: E402  (needs diffusers)
+
+MIB = 2**20
+# A Wan-like pipeline in MiB: the transformer streams in 1000 (non-block parts + 2 slots) of its
+# 9000; the encoder in 900 of its 6000; the VAE has no blocks; the scheduler-like 'head' holds
+# less on the device whole (10) than streamed (20).
+COMPONENTS = [
+    ComponentCost("transformer", 9000 * MIB, 1000 * MIB, every_step=True),
+    ComponentCost("text_encoder", 6000 * MIB, 900 * MIB),
+    ComponentCost("vae", 300 * MIB, None),
+    ComponentCost("head", 10 * MIB, 20 * MIB),
+]
+STREAMED_WEIGHTS = (1000 + 900 + 300 + 10) * MIB  # 2210 MiB
+DECODES = [
+    DecodeCost(DecodeMode.WHOLE, 4000 * MIB),
+    DecodeCost(DecodeMode.SLICED, 2500 * MIB),
+    DecodeCost(DecodeMode.TILED, 1000 * MIB),
+]
+
+
+def budget_for(nbytes):
+    """The smallest budget whose usable part (less HEADROOM) holds `nbytes`."""
+    return int(nbytes / (1 - HEADROOM)) + 1
+
+
+def test_a_budget_that_holds_everything_puts_every_component_on_the_device():
+    # 15310 MiB of weights + max(4000 decode, 3000 reserve).
+    plan = plan_pipeline(budget_for((15310 + 4000) * MIB), COMPONENTS, DECODES, 3000 * MIB)
+    assert set(plan.placement.values()) == {Placement.DEVICE}
+    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes is None
+    # The activation reserve counts when it is the larger: 1 MiB short of 15310 + 5000.
+    plan = plan_pipeline(budget_for((15310 + 5000) * MIB) - MIB, COMPONENTS, DECODES, 5000 * MIB)
+    assert plan.placement["transformer"] is Placement.STREAMED
+
+
+def test_a_component_that_must_stream_streams_even_when_everything_fits():
+    budget = budget_for((15310 + 4000) * MIB)
+    plan = plan_pipeline(budget, COMPONENTS, DECODES, 0, streamed=frozenset({"transformer"}))
+    assert plan.placement["transformer"] is Placement.STREAMED and plan.placement["text_encoder"] is Placement.DEVICE
+    assert plan.transformer_budget_bytes == budget - 4000 * MIB
+
+
+def test_otherwise_blocks_stream_where_that_holds_less_and_the_transformer_gets_what_the_decode_leaves():
+    budget = budget_for(STREAMED_WEIGHTS + 4000 * MIB)
+    plan = plan_pipeline(budget, COMPONENTS, DECODES, 10**6 * MIB)
+    assert plan.placement == {
+        "transformer": Placement.STREAMED,
+        "text_encoder": Placement.STREAMED,
+        "vae": Placement.DEVICE,  # no repeated blocks
+        "head": Placement.DEVICE,  # streaming it would hold more
+    }
+    assert plan.weight_bytes == STREAMED_WEIGHTS
+    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes == budget - 4000 * MIB
+
+
+@pytest.mark.parametrize(
+    ("room", "mode"), [(3999, DecodeMode.SLICED), (2500, DecodeMode.SLICED), (2499, DecodeMode.TILED), (1000, DecodeMode.TILED)]
+)
+def test_the_decode_is_sliced_then_tiled_when_whole_does_not_fit(room, mode):
+    budget = budget_for(STREAMED_WEIGHTS + room * MIB)
+    plan = plan_pipeline(budget, COMPONENTS, DECODES, 0)
+    assert plan.decode.mode is mode
+    assert plan.transformer_budget_bytes == budget - plan.decode.peak_bytes
+
+
+def test_a_budget_below_the_minimum_is_refused_naming_it():
+    # (2210 + 1000) MiB / 0.98 = 3.199 GiB; the budget: (2210 + 999) MiB / 0.98 = 3.198 GiB.
+    with pytest.raises(dlo.ConfigError) as refused:
+        plan_pipeline(budget_for(STREAMED_WEIGHTS + 999 * MIB), COMPONENTS, DECODES, 0)
+    message = str(refused.value)
+    assert message.startswith("OffloadConfig.hbm_budget_gib=3.198 is below the 3.199 GiB this pipeline needs at the least")
+    assert "transformer, text_encoder streamed" in message and "tiled VAE decode" in message
+    assert "\n" not in message
+
+
+# The VAE decode's predicted peak (meta device), on the tiny pipelines' real VAE classes.
+
+
+def small_tiles(vae):
+    """Tiles smaller than the tiny pipelines' outputs, so that a tiled decode has several."""
+    if hasattr(vae, "tile_latent_min_size"):  # AutoencoderKL (Flux)
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4
+    else:  # AutoencoderKLWan
+        vae.tile_sample_min_height = vae.tile_sample_min_width = 16
+        vae.tile_sample_stride_height = vae.tile_sample_stride_width = 8
+
+
+def size_of(name, batch=1):
+    d = GENERATE_DEFAULTS[name]
+    return OutputSize(d["height"], d["width"], d.get("num_frames", 1), batch)
+
+
+def exact_peak(pipe, size, tiling, slicing):
+    """The tiled or sliced decode itself counted on meta (slow for real sizes, exact)."""
+    twin = _meta_twin(pipe.vae)
+    small_tiles(twin)
+    if tiling:
+        twin.enable_tiling()
+    if slicing:
+        twin.enable_slicing()
+    shape = latent_shape(pipe, size)
+    return meta_peak(lambda: twin.decode(torch.empty(shape, device="meta")))
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_the_predicted_tiled_and_sliced_peaks_bound_the_decodes_counted_exactly(tiny_flux_dir, tiny_wan_dir, name):
+    pipe = plain_pipeline({"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name])
+    small_tiles(pipe.vae)
+    size = size_of(name, batch=2)
+    costs = {cost.mode: cost.peak_bytes for cost in decode_costs(pipe, size)}
+    assert list(costs) == [DecodeMode.WHOLE, DecodeMode.SLICED, DecodeMode.TILED]
+    assert costs[DecodeMode.WHOLE] >= exact_peak(pipe, size, tiling=False, slicing=False)
+    assert costs[DecodeMode.SLICED] >= exact_peak(pipe, size, tiling=False, slicing=True)
+    assert costs[DecodeMode.TILED] >= exact_peak(pipe, size, tiling=True, slicing=True)
+    assert costs[DecodeMode.TILED] < costs[DecodeMode.SLICED] < costs[DecodeMode.WHOLE]
+
+
+def test_a_tile_as_large_as_the_output_offers_no_tiled_decode(tiny_wan_dir):
+    pipe = plain_pipeline(tiny_wan_dir)  # Wan's tiles are 256 pixels, the output 32
+    assert [cost.mode for cost in decode_costs(pipe, size_of("wan"))] == [DecodeMode.WHOLE]
+
+
+# Tiny pipelines placed by the plan: outputs equal to the plain pipeline decoding the same way.
+
+
+def run(pipe, name):
+    kwargs = dict(GENERATE_DEFAULTS[name])
+    with torch.inference_mode():
+        out = pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(0), **kwargs)
+    return np.asarray(out.images[0] if name == "flux" else out.frames[0])
+
+
+def budget_config(nbytes):
+    return dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=nbytes / 2**30)
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_under_a_budget_the_pipeline_streams_decodes_tiled_and_equals_the_plain_pipeline_tiled(
+    tiny_flux_dir, tiny_wan_dir, name
+):
+    directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name]
+    plain = plain_pipeline(directory)
+    expected_whole = run(plain, name)
+    small_tiles(plain.vae)
+    plain.vae.enable_tiling()
+    expected_tiled = run(plain, name)
+    assert not np.array_equal(expected_tiled, expected_whole)  # tiling changes the output a little
+
+    pipe = plain_pipeline(directory)
+    small_tiles(pipe.vae)
+    size = size_of(name)
+    costs = {cost.mode: cost.peak_bytes for cost in decode_costs(pipe, size)}
+    # A reserve no budget holds: the plan streams. A budget of ample room: a whole decode.
+    with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size, reserve_gib=1e6) as handle:
+        plan = handle.plan
+        assert plan.decode.mode is DecodeMode.WHOLE and not pipe.vae.use_tiling
+        assert handle.handles["transformer"].residency_budget == 2**30 - costs[DecodeMode.WHOLE]
+        assert np.array_equal(run(pipe, name), expected_whole)
+    streamed = {n for n, where in plan.placement.items() if where is Placement.STREAMED}
+    assert "transformer" in streamed and set(handle.handles) == streamed
+    # Room for the tiled decode but not the whole one.
+    between = (costs[DecodeMode.WHOLE] + costs[DecodeMode.TILED]) // 2
+    with dlo.enable_pipeline(pipe, "cpu", budget_config(budget_for(plan.weight_bytes + between)), size=size, reserve_gib=1e6) as handle:
+        assert handle.plan.decode.mode is DecodeMode.TILED and pipe.vae.use_tiling
+        assert np.array_equal(run(pipe, name), expected_tiled)
+    assert not pipe.vae.use_tiling  # disable() gives the VAE back as it was
+
+
+def test_a_budget_that_holds_everything_runs_the_plain_pipeline_on_the_device(tiny_flux_dir):
+    pipe = plain_pipeline(tiny_flux_dir)
+    expected = run(plain_pipeline(tiny_flux_dir), "flux")
+    with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size_of("flux"), reserve_gib=0.1) as handle:
+        assert handle.handles == {} and set(handle.placement.values()) == {"device"}
+        assert "transformer" in handle.placement
+        assert np.array_equal(run(pipe, "flux"), expected)
+
+
+def test_a_budget_below_the_minimum_is_refused_before_anything_moves(tiny_flux_dir):
+    pipe = plain_pipeline(tiny_flux_dir)
+    before = {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()}
+    with pytest.raises(dlo.ConfigError, match=r"^OffloadConfig.hbm_budget_gib=0.000 is below the .* this pipeline needs"):
+        dlo.enable_pipeline(pipe, "cpu", budget_config(2**30 / 1e5))
+    assert {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()} == before
+    with dlo.enable_pipeline(pipe, "cpu"):  # nothing was left enabled
+        pass
+
+
+def test_a_pipeline_without_a_default_size_needs_one(tiny_flux_dir):
+    pipe = plain_pipeline(tiny_flux_dir)
+    pipe.default_sample_size = None
+    with pytest.raises(dlo.ConfigError, match=r"FluxPipeline has no default output size: give enable_pipeline size="):
+        dlo.enable_pipeline(pipe, "cpu", budget_config(2**30))
+    with pytest.raises(dlo.ConfigError, match=r"OutputSize.frames must be an int >= 1, got 0"):
+        OutputSize(64, 64, frames=0)
