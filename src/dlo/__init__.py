@@ -16,6 +16,7 @@ _EXPORTS = {
     "DiscoveryError": "dlo.errors",
     "DloError": "dlo.errors",
     "EnableError": "dlo.errors",
+    "GGUFKernelHandle": "dlo.backend.gguf_kernel_linears",
     "HandleState": "dlo.backend.handle",
     "HostMemory": "dlo.host.memory_accounting",
     "HostWeightPlan": "dlo.host.host_weight_plan",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "process_tree_memory": "dlo.host.memory_accounting",
     "quantize_resident": "dlo.backend.fp8_reference",
     "read_smaps_rollup": "dlo.host.memory_accounting",
+    "use_gguf_kernels": "dlo.backend.gguf_kernel_linears",
 }
 __all__ = sorted(_EXPORTS)
 
