@@ -19,21 +19,28 @@ Variants, one at a time, each on a fresh load and freed before the next:
                and the forward dequantizes them exactly as the resident model does.
   diffusers    enable_group_offload(block_level, 1 block a group, use_stream, record_stream) on the
                GGUF model (needs CUDA; skipped on the CPU).
+  resident + kernels   the resident GGUF model with dlo.use_gguf_kernels: each Linear's weight
+               dequantized by one dlo Triton kernel launch, then diffusers' F.linear (needs CUDA
+               and Triton; skipped on the CPU).
+  dlo + kernels        dlo.use_gguf_kernels, then dlo.enable, on the CPU GGUF model.
 
-floor = max(resident median, packed block bytes / --link-gbps); the "dlo bf16" row has no resident
-run beside it, so its floor is its block bytes / --link-gbps alone. dlo's output must equal the
-resident GGUF model's bit for bit (torch.equal); for diffusers the max abs difference is shown.
+floor = max(the compute reference's median, packed block bytes / --link-gbps), the compute
+reference being "resident + kernels" for the kernel rows and "resident" for the others; the "dlo
+bf16" row has no resident run beside it, so its floor is its block bytes / --link-gbps alone.
+Outputs are compared (torch.equal) with "resident + kernels" for "dlo + kernels", with "resident"
+for the others: dlo's must be bit-identical; for the rest the max abs difference is shown.
 
 On the GPU machine, from the repository root (diffusers and gguf from the wheels in .whl/):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
   python3 benchmarks/bench_gguf.py --shapes flux,wan --quants Q8_0,Q4_0,Q4_K --tmp /tmp/bench_gguf
+  (--variants resident,dlo,... measures only those)
 
 CPU smoke test: python benchmarks/bench_gguf.py --device cpu --shapes wide --quants Q8_0,Q4_K --warmup 0 --iters 1
 
 The markdown table comes last; it and the raw numbers go as JSON to --json (results_json.py),
-rewritten after each shape.
+rewritten after each quant type.
 """
 
 from __future__ import annotations
@@ -56,7 +63,39 @@ from bench_streaming import (
 )
 from results_json import add_json_flag, write_json
 
-VARIANTS = {"resident": Resident, "dlo": DloStreaming, "diffusers": DiffusersGroupOffload}
+
+
+class ResidentKernels(Resident):
+    """The resident GGUF model, its GGUF Linears run through dlo's kernels."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__(model, device)
+        self.kernels = dlo.use_gguf_kernels(self.model)
+
+    def close(self) -> None:
+        self.kernels.restore()
+
+
+class DloKernels(DloStreaming):
+    """dlo streaming the GGUF model whose GGUF Linears run through dlo's kernels."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.kernels = dlo.use_gguf_kernels(model)  # before enable(): the same parameters stream
+        super().__init__(model, device)
+
+    def close(self) -> None:
+        super().close()
+        self.kernels.restore()
+
+
+VARIANTS = {
+    "resident": Resident, "dlo": DloStreaming, "diffusers": DiffusersGroupOffload,
+    "resident + kernels": ResidentKernels, "dlo + kernels": DloKernels,
+}
+# What each variant's output is compared with, and its compute reference for the floor.
+REFERENCE = {"dlo": "resident", "diffusers": "resident", "resident + kernels": "resident",
+             "dlo + kernels": "resident + kernels"}
+CUDA_ONLY = {"diffusers", "resident + kernels", "dlo + kernels"}
 # A Wan transformer wide enough for the K-quants' 256-value blocks: the CPU smoke test's shape.
 WIDE = Shape(
     "wide", "WanTransformer3DModel",
@@ -78,7 +117,7 @@ class Row:
     block_bytes: int  # the blocks' bytes in this variant's weights (packed for GGUF)
     h2d_gbps: float | None
     exposed_copy_s_per_forward: float | None
-    equal_to_resident: bool | None
+    equal_to_resident: bool | None  # to REFERENCE[variant]'s output ("resident + kernels" for dlo + kernels)
     max_abs_diff_vs_resident: float | None
 
 
@@ -136,7 +175,7 @@ def measure(model: nn.Module, variant: str, inputs: dict, device: torch.device, 
 
 def row(shape: str, quant: str, variant: str, measured: tuple[Measured, int], reference: torch.Tensor | None) -> Row:
     run, nbytes = measured
-    compared = reference is not None and variant != "resident"
+    compared = reference is not None
     return Row(
         shape, quant, variant, statistics.median(run.forward_s), run.forward_s, run.peak_hbm_bytes, nbytes,
         run.streaming.h2d_gbps, run.streaming.exposed_copy_s,
@@ -160,14 +199,15 @@ def run_shape(shape: Shape, device: torch.device, args: argparse.Namespace) -> l
     rows = [row(shape.name, "bf16", "dlo bf16", measure(model, "dlo", inputs, device, args), None)]
     del model
     for quant, path in files.items():
-        reference = None
+        outputs: dict[str, torch.Tensor] = {}
         for variant in args.variants:
             measured = measure(load_gguf(path, directory, shape.class_name), variant, inputs, device, args)
-            if variant == "resident":
-                reference = measured[0].output
-            rows.append(row(shape.name, quant, variant, measured, reference))
+            outputs[variant] = measured[0].output
+            rows.append(row(shape.name, quant, variant, measured, outputs.get(REFERENCE.get(variant, ""))))
             print(f"{shape.name}/{quant}/{variant}: median {rows[-1].median_s:.4f} s", flush=True)
         path.unlink()
+        if args.progress is not None:
+            args.progress(rows)
     shutil.rmtree(directory)
     return rows
 
@@ -178,11 +218,14 @@ def markdown_table(rows: list[Row], link_gbps: float) -> str:
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
         same = [o for o in rows if o.shape == r.shape and o.quant == r.quant]
-        resident = next((o for o in same if o.variant == "resident"), None)
+        compute = "resident + kernels" if "kernels" in r.variant else "resident"
+        resident = next((o for o in same if o.variant == compute), None)
         bf16 = next(o for o in rows if o.shape == r.shape and o.variant == "dlo bf16")
         floor = max(resident.median_s if resident else 0.0, r.block_bytes / (link_gbps * GB))
+        versus = "" if REFERENCE.get(r.variant, "resident") == "resident" else f" to {REFERENCE[r.variant]}"
         verdict = ("reference" if r.variant == "resident" else "" if r.equal_to_resident is None
-                   else "bit-identical" if r.equal_to_resident else f"max abs diff {r.max_abs_diff_vs_resident:.3g}")
+                   else f"bit-identical{versus}" if r.equal_to_resident
+                   else f"max abs diff {r.max_abs_diff_vs_resident:.3g}{versus}")
         cells = [
             r.shape, r.quant, r.variant, f"{r.median_s:.4f}", f"{floor:.4f}", f"{r.median_s / floor:.3f}",
             f"{r.median_s / bf16.median_s:.3f}", f"{r.block_bytes / GB:.2f}",
@@ -206,25 +249,34 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link-gbps", type=float, default=55.3, help="host->device rate for the floor (default: 55.3)")
     parser.add_argument("--tmp", default=None, help="where the GGUF files are written (default: the system's temp dir)")
+    parser.add_argument("--variants", type=lambda t: t.split(","), default=list(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all that run on --device)")
     add_json_flag(parser, "bench_gguf")
     args = parser.parse_args()
     import gguf
 
     unknown = [s for s in args.shapes if s not in ALL_SHAPES] + [
         q for q in args.quants if q not in gguf.GGMLQuantizationType.__members__
-    ]
+    ] + [v for v in args.variants if v not in VARIANTS]
     if unknown:
-        parser.error(f"unknown --shapes or --quants {unknown}")
+        parser.error(f"unknown --shapes, --quants or --variants {unknown}")
     device = torch.device(args.device)
-    args.variants = [v for v in VARIANTS if device.type == "cuda" or v != "diffusers"]
+    args.variants = [v for v in VARIANTS if v in args.variants and (device.type == "cuda" or v not in CUDA_ONLY)]
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
     rows: list[Row] = []
+
+    def progress(shape_rows: list[Row]) -> None:  # the record so far, rewritten after each quant type
+        done = rows + shape_rows
+        write_json(args.json, "bench_gguf", [asdict(r) for r in done], markdown_table(done, args.link_gbps),
+                   environment=environment(device), settings=settings)
+
+    args.progress = progress
     for name in args.shapes:
         rows += run_shape(ALL_SHAPES[name], device, args)
-        write_json(args.json, "bench_gguf", [asdict(r) for r in rows], markdown_table(rows, args.link_gbps),
-                   environment=environment(device), settings={k: v for k, v in vars(args).items() if k != "json"})
+        progress([])
     print()
     print(markdown_table(rows, args.link_gbps))
-    return 0 if all(r.equal_to_resident is not False for r in rows if r.variant == "dlo") else 1
+    return 0 if all(r.equal_to_resident is not False for r in rows if r.variant.startswith("dlo")) else 1
 
 
 if __name__ == "__main__":
