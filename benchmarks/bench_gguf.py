@@ -35,7 +35,7 @@ On the GPU machine, from the repository root (diffusers and gguf from the wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
   python3 benchmarks/bench_gguf.py --shapes flux,wan --quants Q8_0,Q4_0,Q4_K --tmp /tmp/bench_gguf
-  (--variants resident,dlo,... measures only those)
+  (--variants resident,dlo,... measures only those; --num-slots N for every dlo row)
 
 CPU smoke test: python benchmarks/bench_gguf.py --device cpu --shapes wide --quants Q8_0,Q4_K --warmup 0 --iters 1
 
@@ -76,7 +76,18 @@ class ResidentKernels(Resident):
         self.kernels.restore()
 
 
-class DloKernels(DloStreaming):
+class Dlo(DloStreaming):
+    """bench_streaming's dlo session, with the config of --num-slots (set by main)."""
+
+    config = dlo.OffloadConfig()
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.handle = dlo.enable(model, device, self.config)
+        self._window_start = self.handle.stats()
+
+
+class DloKernels(Dlo):
     """dlo streaming the GGUF model whose GGUF Linears run through dlo's kernels."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -89,7 +100,7 @@ class DloKernels(DloStreaming):
 
 
 VARIANTS = {
-    "resident": Resident, "dlo": DloStreaming, "diffusers": DiffusersGroupOffload,
+    "resident": Resident, "dlo": Dlo, "diffusers": DiffusersGroupOffload,
     "resident + kernels": ResidentKernels, "dlo + kernels": DloKernels,
 }
 # What each variant's output is compared with, and its compute reference for the floor.
@@ -249,6 +260,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--link-gbps", type=float, default=55.3, help="host->device rate for the floor (default: 55.3)")
     parser.add_argument("--tmp", default=None, help="where the GGUF files are written (default: the system's temp dir)")
+    parser.add_argument("--num-slots", type=int, default=2, help="dlo's OffloadConfig.num_slots (default: 2)")
     parser.add_argument("--variants", type=lambda t: t.split(","), default=list(VARIANTS),
                         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all that run on --device)")
     add_json_flag(parser, "bench_gguf")
@@ -261,6 +273,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown --shapes, --quants or --variants {unknown}")
     device = torch.device(args.device)
+    Dlo.config = dlo.OffloadConfig(num_slots=args.num_slots)
     args.variants = [v for v in VARIANTS if v in args.variants and (device.type == "cuda" or v not in CUDA_ONLY)]
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     rows: list[Row] = []
