@@ -172,6 +172,7 @@ def test_under_a_budget_the_pipeline_streams_decodes_tiled_and_equals_the_plain_
         assert np.array_equal(run(pipe, name), expected_whole)
     streamed = {n for n, where in plan.placement.items() if where is Placement.STREAMED}
     assert "transformer" in streamed and set(handle.handles) == streamed
+    assert plan.placement["vae"] is Placement.DEVICE  # its decoder runs its blocks per frame and tile
     # Room for the tiled decode but not the whole one.
     between = (costs[DecodeMode.WHOLE] + costs[DecodeMode.TILED]) // 2
     with dlo.enable_pipeline(pipe, "cpu", budget_config(budget_for(plan.weight_bytes + between)), size=size, reserve_gib=1e6) as handle:

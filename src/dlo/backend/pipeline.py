@@ -266,7 +266,12 @@ def _plan_within_budget(
         for name in transformers
     ]
     component_config = _component_config(config)
-    costs += [ComponentCost(name, _module_bytes(m), _streamed_bytes(m, component_config)) for name, m in others.items()]
+    # The VAE's decoder runs its blocks once per latent frame and per tile: streamed, it would copy
+    # them that many times per decode. Its weights are small next to the decode's activations.
+    costs += [
+        ComponentCost(name, _module_bytes(m), None if name == "vae" else _streamed_bytes(m, component_config))
+        for name, m in others.items()
+    ]
     # A transformer mapped from its checkpoint has no private weights to move: it streams.
     must_stream = frozenset(named) | {name for name in transformers if plans.get(name) is not None}
     budget = int(config.hbm_budget_gib * GIB)

@@ -13,7 +13,8 @@ all of them plus that phase's activations. The plan, for a budget B:
    with the budget of step 2 and becomes resident through its measured residency.
 2. Otherwise the transformers are streamed, and each other component is streamed when it has
    repeated blocks and streaming it holds less than its weights (its non-block parts plus
-   slots), else kept on the device. The encoders then cost one pass over their blocks per
+   slots), else kept on the device; the VAE stays on the device (its decoder runs its blocks
+   once per latent frame and tile: streaming would copy them that often). The encoders then cost one pass over their blocks per
    prompt; the transformers run every step, so they get what is left: `resident_layers='auto'`
    under a budget of B less the decode's activations. Their residency is measured on the
    process's own peak, which holds the encoders' phase of the first call, every component's

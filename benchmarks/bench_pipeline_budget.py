@@ -1,0 +1,276 @@
+"""A whole text-to-image/video pipeline under one device budget (enable_pipeline with
+hbm_budget_gib), beside the pipeline resident, dlo streaming the transformer alone, and diffusers'
+three offloads, one variant at a time in one process.
+
+Pipelines, random weights at real shapes (nothing downloaded), bf16 (the VAE too):
+  wan   WanPipeline: Wan-14B-shaped transformer (12 of 40 layers), UMT5-XXL-shaped text encoder
+        (24 layers, 256384-token vocabulary), the Wan 2.1 VAE; 480x832, 81 frames, guidance 5.
+  flux  FluxPipeline: Flux-shaped transformer (6+12 layers), T5-XXL-shaped and CLIP-L-shaped
+        text encoders, the Flux VAE; 1024x1024, guidance 0.
+  tiny  the tiny Wan pipeline of dlo.models.tiny_pipelines (a CPU smoke test of this script).
+The tokenizers are dlo's tiny ones (random weights make the words irrelevant); the prompts are
+padded to 512 tokens as the real ones are.
+
+Variants (each: one untimed call, then --iters timed calls; peak = torch.cuda.max_memory_allocated
+over setup and every call):
+  resident         every component on the device (the reference output)
+  dlo transformer  enable_pipeline without a budget: the transformer streamed, the rest resident
+  dlo budget       enable_pipeline(OffloadConfig(resident_layers="auto", hbm_budget_gib=B))
+  dlo ample        the same with a budget that holds everything
+  model offload    diffusers' enable_model_cpu_offload
+  group offload    diffusers' pipe.enable_group_offload(block_level, 1 block per group, streams)
+  sequential       diffusers' enable_sequential_cpu_offload
+dlo's outputs are compared with the resident pipeline decoding the same way (a tiled plan with a
+tiled resident decode). The budget target: time <= 1.05x "dlo transformer", peak <= B.
+
+Also: the VAE decode's peak predicted by dlo (on the meta device) beside the one measured on
+the device (max_memory_allocated less what was allocated before), whole and tiled.
+
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+  cd benchmarks && python3 bench_pipeline_budget.py --pipelines wan,flux
+CPU smoke test: python bench_pipeline_budget.py --pipelines tiny --device cpu --variants resident,dlo-budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from diffusers.models.modeling_utils import no_init_weights
+
+import bench_streaming as bench
+import dlo
+from dlo.backend.decode_peak import OutputSize, decode_costs, latent_shape
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, _clip_tokenizer, _seeded, _t5_tokenizer
+from dlo.planning.pipeline_budget import DecodeMode
+from results_json import add_json_flag, write_json
+
+GIB = 2**30
+VARIANTS = ("resident", "dlo-transformer", "dlo-budget", "dlo-ample", "model-offload", "group-offload", "sequential")
+
+
+def _random(module: torch.nn.Module, seed: int, device: torch.device) -> torch.nn.Module:
+    """Every parameter drawn on `device` (fast), then kept on the CPU in bf16."""
+    generator = torch.Generator(device).manual_seed(seed)
+    for param in module.parameters():
+        param.data = torch.randn(param.shape, generator=generator, device=device).mul_(0.02).to(torch.bfloat16).cpu()
+    return module.eval()
+
+
+def _t5_xxl(config_cls, vocab: int):
+    return config_cls(
+        vocab_size=vocab, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
+    )
+
+
+def build(name: str, device: torch.device):
+    """The pipeline and its call arguments."""
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    if name == "tiny":
+        from dlo.models.tiny_pipelines import save_tiny_wan_pipeline
+        import tempfile
+
+        directory = save_tiny_wan_pipeline(tempfile.mkdtemp())
+        pipe = diffusers.WanPipeline.from_pretrained(directory)
+        return pipe, {**GENERATE_DEFAULTS["wan"], "num_inference_steps": 2}
+    if name == "wan":
+        with no_init_weights():
+            encoder = UMT5EncoderModel(_t5_xxl(UMT5Config, 256384))
+            vae = diffusers.AutoencoderKLWan()
+        pipe = diffusers.WanPipeline(
+            tokenizer=_t5_tokenizer(),
+            text_encoder=_random(encoder, 1, device),
+            vae=_random(vae, 2, device),
+            scheduler=diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+            transformer=bench.build_model(bench.SHAPES["wan"], seed=0, device=device),
+        )
+        call = dict(height=480, width=832, num_frames=81, guidance_scale=5.0, num_inference_steps=2, max_sequence_length=512)
+        return pipe, call
+    with no_init_weights():
+        clip = CLIPTextModel(CLIPTextConfig(
+            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+            max_position_embeddings=77, projection_dim=768,
+        ))
+        t5 = T5EncoderModel(_t5_xxl(T5Config, 32128))
+        vae = diffusers.AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, sample_size=1024,
+            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+        )
+    pipe = diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=_random(vae, 2, device), text_encoder=_random(clip, 3, device), tokenizer=_clip_tokenizer(),
+        text_encoder_2=_random(t5, 1, device), tokenizer_2=_t5_tokenizer(),
+        transformer=bench.build_model(bench.SHAPES["flux"], seed=0, device=device),
+    )
+    return pipe, dict(height=1024, width=1024, guidance_scale=0.0, num_inference_steps=4, max_sequence_length=512)
+
+
+def call(pipe, kwargs: dict, device: torch.device) -> tuple[np.ndarray, float]:
+    bench.synchronize(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = pipe("a red cube", generator=torch.Generator().manual_seed(0), output_type="np", **kwargs)
+    bench.synchronize(device)
+    media = out.frames[0] if hasattr(out, "frames") else out.images[0]
+    return np.asarray(media), time.perf_counter() - start
+
+
+@dataclass
+class Row:
+    pipeline: str
+    variant: str
+    call_s: float
+    peak_gib: float | None
+    decode: str
+    equal: str
+    note: str = ""
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def run_variant(name, variant, pipe, kwargs, size, device, args, reference) -> tuple[Row, np.ndarray]:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    handle, decode, note = None, "whole", ""
+    if variant == "resident":
+        pipe.to(device)
+    elif variant == "dlo-transformer":
+        handle = dlo.enable_pipeline(pipe, device, dlo.OffloadConfig())
+    elif variant in ("dlo-budget", "dlo-ample"):
+        budget = args.budget[name] if variant == "dlo-budget" else 1000.0
+        config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget)
+        handle = dlo.enable_pipeline(pipe, device, config, size=size)
+        decode = handle.plan.decode.mode.value
+        note = f"budget {budget} GiB; " + "; ".join(handle.plan.describe())
+    elif variant == "model-offload":
+        pipe.enable_model_cpu_offload(device=device)
+    elif variant == "group-offload":
+        pipe.enable_group_offload(device, offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True)
+    elif variant == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    call(pipe, kwargs, device)  # untimed: compiles nothing, but plans dlo's residency and warms the kernels
+    times = []
+    for _ in range(args.iters):
+        media, seconds = call(pipe, kwargs, device)
+        times.append(seconds)
+    peak = peak_gib(device)
+    if handle is not None:
+        stats = handle.stats()
+        transformer = stats.get("transformer")
+        if transformer is not None and transformer.residency is not None:
+            note += f"; residency {transformer.residency.state}, {len(transformer.residency.resident)} blocks resident"
+        handle.disable()
+    return Row(name, variant, statistics.median(times), peak, decode, "", note), media
+
+
+def decode_rows(name, pipe, size, device) -> list[dict]:
+    """The VAE decode's predicted peak beside the measured one, whole and tiled."""
+    if device.type != "cuda":
+        return []
+    vae = pipe.vae.to(device)
+    shape = latent_shape(pipe, size)
+    rows = []
+    for cost in decode_costs(pipe, size):
+        if cost.mode is DecodeMode.SLICED:
+            continue
+        if cost.mode is DecodeMode.TILED:
+            vae.enable_tiling()
+        latents = torch.randn(shape, device=device, dtype=vae.dtype)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            video = vae.decode(latents).sample
+            video.float().mul(0.5).add(0.5).clamp(0, 1)  # the post-processing's float32 copies
+        measured = torch.cuda.max_memory_allocated(device) - before
+        rows.append({"pipeline": name, "decode": cost.mode.value, "predicted_gib": cost.peak_bytes / GIB,
+                     "measured_gib": measured / GIB, "predicted_over_measured": cost.peak_bytes / max(measured, 1)})
+        del latents, video
+    vae.disable_tiling()
+    pipe.vae.to("cpu")
+    bench.release(device)
+    return rows
+
+
+def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list[dict]]:
+    pipe, kwargs = build(name, device)
+    size = OutputSize(kwargs["height"], kwargs["width"], kwargs.get("num_frames", 1))
+    decodes = decode_rows(name, pipe, size, device)
+    rows, outputs = [], {}
+    for variant in args.variants:
+        if variant in ("model-offload", "group-offload", "sequential"):
+            pipe, kwargs = build(name, device)  # diffusers' hooks move and wrap the weights: a fresh pipeline
+        try:
+            row, media = run_variant(name, variant, pipe, kwargs, size, device, args, outputs.get("resident"))
+        except torch.OutOfMemoryError as err:
+            row, media = Row(name, variant, float("nan"), peak_gib(device), "-", "-", f"out of memory: {err}"[:200]), None
+        if variant == "resident":
+            pipe.to("cpu")
+        outputs[variant] = (media, row.decode)
+        rows.append(row)
+        bench.release(device)
+        print(f"{name}/{variant}: {row.call_s:.3f} s per call, peak {row.peak_gib} GiB, {row.decode} decode {row.note}", flush=True)
+    if "resident" in outputs and any(decode == "tiled" for _, decode in outputs.values()):
+        pipe, kwargs = build(name, device)
+        pipe.vae.enable_tiling()
+        pipe.to(device)
+        outputs["resident-tiled"] = (call(pipe, kwargs, device)[0], "tiled")
+        pipe.to("cpu")
+        bench.release(device)
+    for row in rows:
+        media, decode = outputs[row.variant]
+        reference = outputs.get("resident-tiled" if decode == "tiled" else "resident", (None,))[0]
+        if media is None or reference is None or row.variant == "resident":
+            continue
+        row.equal = "bit-identical" if np.array_equal(media, reference, equal_nan=True) else f"max abs diff {np.abs(media - reference).max():.3g}"
+    return rows, decodes
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| pipeline | variant | s per call | peak GiB | decode | output vs resident |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = "-" if r.peak_gib is None else f"{r.peak_gib:.2f}"
+        lines.append(f"| {r.pipeline} | {r.variant} | {r.call_s:.3f} | {peak} | {r.decode} | {r.equal or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", default="wan,flux")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--iters", type=int, default=1)
+    parser.add_argument("--wan-budget", type=float, default=8.0)
+    parser.add_argument("--flux-budget", type=float, default=6.0)
+    add_json_flag(parser, "bench_pipeline_budget")
+    args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    args.budget = {"wan": args.wan_budget, "flux": args.flux_budget, "tiny": 0.01}
+    device = torch.device(args.device)
+    rows, decodes = [], []
+    for name in args.pipelines.split(","):
+        got, predicted = run_pipeline(name, device, args)
+        rows += got
+        decodes += predicted
+        print(table(rows), flush=True)
+        write_json(args.json, "bench_pipeline_budget", [asdict(r) for r in rows], table(rows),
+                   decode_prediction=decodes, settings={"iters": args.iters, "budgets": args.budget})
+    for d in decodes:
+        print(f"{d['pipeline']} {d['decode']} decode: predicted {d['predicted_gib']:.2f} GiB, measured {d['measured_gib']:.2f} GiB")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

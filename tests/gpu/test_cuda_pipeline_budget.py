@@ -1,0 +1,59 @@
+"""enable_pipeline under hbm_budget_gib on CUDA: the tiny pipelines streamed and decoded as
+planned equal the resident pipeline decoding the same way, and the process's peak over the
+whole call stays within the budget."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dlo
+from dlo.backend.decode_peak import OutputSize, decode_costs
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, save_tiny_flux_pipeline, save_tiny_wan_pipeline
+from dlo.planning.pipeline_budget import HEADROOM, DecodeMode
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+diffusers = pytest.importorskip("diffusers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plain_pipeline import plain_pipeline  # noqa: E402
+from test_pipeline_budget import run, small_tiles  # noqa: E402
+
+SAVE = {"flux": save_tiny_flux_pipeline, "wan": save_tiny_wan_pipeline}
+
+
+# Wan's tiled decode is left out: with tiles smaller than the tiny pipeline's 32-pixel output, its
+# VAE's attention got a query CUDA's attention kernel refused ("query is not correctly aligned").
+@pytest.mark.parametrize(("name", "tiled"), [("flux", False), ("wan", False), ("flux", True)])
+def test_a_budgeted_pipeline_equals_the_resident_one_and_stays_within_its_budget(tmp_path, name, tiled):
+    SAVE[name](tmp_path / name)
+    d = GENERATE_DEFAULTS[name]
+    size = OutputSize(d["height"], d["width"], d.get("num_frames", 1))
+    resident = plain_pipeline(tmp_path / name)
+    if tiled:
+        small_tiles(resident.vae)
+        resident.vae.enable_tiling()
+    expected = run(resident.to("cuda"), name)
+    del resident
+    torch.cuda.empty_cache()
+
+    pipe = plain_pipeline(tmp_path / name)
+    small_tiles(pipe.vae)
+    budget = 64 * 2**20  # far above these pipelines' needs: the placement and the whole call's peak are checked
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget / 2**30)
+    if tiled:  # room for the tiled decode, not the whole one (cuBLAS' workspaces then exceed such a budget)
+        costs = {cost.mode: cost.peak_bytes for cost in decode_costs(pipe, size)}
+        weights = dlo.enable_pipeline(pipe, "cuda", config, size=size, reserve_gib=1e6)
+        weights.disable()
+        between = weights.plan.weight_bytes + (costs[DecodeMode.WHOLE] + costs[DecodeMode.TILED]) // 2
+        config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=between / (1 - HEADROOM) / 2**30)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with dlo.enable_pipeline(pipe, "cuda", config, size=size, reserve_gib=1e6) as handle:
+        assert handle.plan.decode.mode is (DecodeMode.TILED if tiled else DecodeMode.WHOLE)
+        got = [run(pipe, name) for _ in range(3)]  # the residency is measured in the first, applied after
+        assert handle.handles["transformer"].stats().residency.state in ("planned", "kept")
+    assert all(np.array_equal(g, expected) for g in got)
+    if not tiled:
+        assert torch.cuda.max_memory_allocated() - before <= budget
