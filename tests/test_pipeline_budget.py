@@ -207,3 +207,55 @@ def test_a_pipeline_without_a_default_size_needs_one(tiny_flux_dir):
         dlo.enable_pipeline(pipe, "cpu", budget_config(2**30))
     with pytest.raises(dlo.ConfigError, match=r"OutputSize.frames must be an int >= 1, got 0"):
         OutputSize(64, 64, frames=0)
+
+
+# The command line: dlo generate and dlo inspect with --hbm-budget-gib.
+
+
+def generate_argv(directory, out, budget_gib):
+    d = GENERATE_DEFAULTS["flux"]
+    return [
+        "generate", str(directory), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), "--steps", "2",
+        "--height", str(d["height"]), "--width", str(d["width"]), "--max-sequence-length", str(d["max_sequence_length"]),
+        "--guidance", str(d["guidance_scale"]), "--resident", "auto", "--hbm-budget-gib", str(budget_gib),
+    ]
+
+
+def test_generate_under_a_budget_prints_its_plan_and_writes_the_plain_pipelines_image(tiny_flux_dir, tmp_path, capsys):
+    from PIL import Image
+
+    from dlo.cli.main import main
+
+    out = tmp_path / "cube.png"
+    assert main(generate_argv(tiny_flux_dir, out, 0.01)) == 0
+    printed = capsys.readouterr().out
+    assert "pipeline plan (--hbm-budget-gib):\n  transformer: streamed\n" in printed
+    assert "VAE decode: whole" in printed
+    expected = run(plain_pipeline(tiny_flux_dir), "flux")
+    assert np.array_equal(np.asarray(Image.open(out)), expected)
+
+
+def test_generate_refuses_a_budget_below_the_pipelines_minimum_before_loading(tiny_flux_dir, tmp_path, capsys, monkeypatch):
+    import dlo.cli.generate_job as generate_job
+    from dlo.cli.main import main
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a weight was loaded before the budget was checked")
+
+    monkeypatch.setattr(generate_job, "load_pipeline", loaded)
+    # Above what the transformer alone needs to stream, below the pipeline's weights plus its decode.
+    assert main(generate_argv(tiny_flux_dir, tmp_path / "x.png", 0.0015)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("dlo: error: --hbm-budget-gib 0.001 is below the ") and "raise --hbm-budget-gib" in err
+
+
+def test_inspect_shows_the_pipeline_plan_for_a_budget(tiny_wan_dir, capsys):
+    from dlo.cli.main import main
+
+    assert main(["inspect", str(tiny_wan_dir), "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "pipeline budget:      4.00 GiB for a 480x832, 81 frames call\n  transformer: streamed" in printed
+    assert "VAE decode: whole" in printed
+    assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
+    assert "pipeline budget:      not applicable: flux is not a pipeline directory" in capsys.readouterr().out

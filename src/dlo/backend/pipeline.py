@@ -187,7 +187,7 @@ def enable_pipeline(
     handle = PipelineHandle({}, {}, _pipe=pipe)
     if config is not None and config.hbm_budget_gib is not None:
         size = size or default_size(pipe)
-        handle.plan = _plan_within_budget(pipe, transformers, others, named, config, plans, reserve_gib, size)
+        handle.plan = pipeline_plan(pipe, config, size, plans, reserve_gib, named)
     try:
         if handle.plan is None:
             _place_by_room(handle, found, transformers, others, named, device, config, plans, reserve_gib, components)
@@ -249,18 +249,21 @@ def _streamed_bytes(module: nn.Module, config: OffloadConfig) -> int | None:
     return summarize(module, offload_plan, config).device_weight_bytes
 
 
-def _plan_within_budget(
+def pipeline_plan(
     pipe: object,
-    transformers: list[str],
-    others: Mapping[str, nn.Module],
-    named: list[str],
     config: OffloadConfig,
-    plans: Mapping[str, HostWeightPlan | None],
-    reserve_gib: float,
-    size: OutputSize,
+    size: OutputSize | None = None,
+    plans: Mapping[str, HostWeightPlan | None] | None = None,
+    reserve_gib: float = 4.0,
+    named: Sequence[str] = (),
 ) -> PipelinePlan:
-    """The whole pipeline's plan under config.hbm_budget_gib, before anything moves."""
+    """The whole pipeline's plan under config.hbm_budget_gib (See [Note: pipeline budget]), from
+    shapes alone: `pipe` may hold meta modules (dlo inspect, dlo generate before loading).
+    `named`: components to stream whatever the plan would choose."""
     found = pipe.components
+    transformers = [name for name in STREAMED_COMPONENTS if isinstance(found.get(name), nn.Module)]
+    others = {name: m for name, m in found.items() if name not in transformers and isinstance(m, nn.Module)}
+    plans = plans or {}
     costs = [
         ComponentCost(name, _module_bytes(found[name]), _streamed_bytes(found[name], config), every_step=True)
         for name in transformers
@@ -275,7 +278,7 @@ def _plan_within_budget(
     # A transformer mapped from its checkpoint has no private weights to move: it streams.
     must_stream = frozenset(named) | {name for name in transformers if plans.get(name) is not None}
     budget = int(config.hbm_budget_gib * GIB)
-    return plan_pipeline(budget, costs, decode_costs(pipe, size), int(reserve_gib * GIB), must_stream)
+    return plan_pipeline(budget, costs, decode_costs(pipe, size or default_size(pipe)), int(reserve_gib * GIB), must_stream)
 
 
 def _place_by_plan(

@@ -71,6 +71,7 @@ class Generated:
     placement: dict[str, str]
     sequence_ranks: int  # ranks the transformer's sequence was split across (diffusers' SP group)
     before_last_step: dict[str, int]  # bytes streamed by each component when the step before the last ended
+    plan: tuple[str, ...] = ()  # under --hbm-budget-gib: the whole pipeline's plan, in lines
 
 
 def generate(
@@ -90,7 +91,8 @@ def generate(
     sp_group = diffusers_sp_group(pipe.transformer)
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
-    with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}) as handle:
+    size = call_size(job.call)  # the plan under --hbm-budget-gib is made for it
+    with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}, size=size) as handle:
         load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
         def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
@@ -107,7 +109,15 @@ def generate(
         stats = handle.stats()
     media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
-    return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last)
+    plan_lines = tuple(handle.plan.describe()) if handle.plan is not None else ()
+    return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last, plan_lines)
+
+
+def call_size(call: dict) -> dlo.OutputSize | None:
+    """The output size the call asks for (None: the pipeline's default)."""
+    if not {"height", "width"} <= call.keys():
+        return None
+    return dlo.OutputSize(call["height"], call["width"], call.get("num_frames", 1))
 
 
 def components_text(job: GenerateJob, placement: dict[str, str]) -> str:

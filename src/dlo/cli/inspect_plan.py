@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from dlo.backend.decode_peak import default_size
 from dlo.backend.disk_tier import plan_from_sources
+from dlo.backend.pipeline import pipeline_plan
 from dlo.cli.config_flags import config_from_flags, in_flag_terms, torch_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
@@ -18,8 +21,12 @@ from dlo.host.tensor_source import count_adapters
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
+from dlo.pipelines.loading import check_components, pipeline_class, pipeline_on_meta
 from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.plan_summary import PlanSummary, summarize
+
+if TYPE_CHECKING:
+    import torch
 
 def render(summary: PlanSummary, weight_bytes: int) -> str:
     """`weight_bytes`: the model's payload; the summary's sizes are aligned layouts."""
@@ -100,12 +107,14 @@ def run(args: argparse.Namespace) -> int:
         print(_plan_text(build_on_meta(target), args))
         if args.host_budget_gib is not None:
             print(f"host budget:          not applicable: {target} has no checkpoint, so no block can be read from disk")
+        if args.hbm_budget_gib is not None:
+            print(f"pipeline budget:      not applicable: {target} is not a pipeline directory")
         return 0
+    config = config_from_flags(args)
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
     try:
         print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
         print(render_preflight(result))
-        config = config_from_flags(args)
         if config.host_budget_gib is not None:
             print(
                 render_host_tier(result, config) if isinstance(result, MappedLoad)
@@ -115,4 +124,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if isinstance(result, MappedLoad):
             result.checkpoint.close()
+    if config.hbm_budget_gib is not None:
+        print(render_pipeline_plan(Path(target).expanduser(), config, torch_dtype(args.dtype or "bfloat16")))
     return 0
+
+
+def render_pipeline_plan(directory: Path, config: OffloadConfig, dtype: torch.dtype) -> str:
+    """Under config.hbm_budget_gib: the whole pipeline's plan for its default output size, or why
+    there is none (See [Note: pipeline budget])."""
+    if not (directory / "model_index.json").is_file():
+        return f"pipeline budget:      not applicable: {directory} is not a pipeline directory (no model_index.json)"
+    cls, index = pipeline_class(directory)
+    check_components(directory, index)
+    pipe = pipeline_on_meta(directory, cls, index, dtype)
+    size = default_size(pipe)
+    try:
+        lines = pipeline_plan(pipe, config, size).describe()
+    except ConfigError as err:
+        raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None
+    shape = f"{size.height}x{size.width}" + (f", {size.frames} frames" if size.frames > 1 else "")
+    return f"pipeline budget:      {human_bytes(int(config.hbm_budget_gib * 2**30))} for a {shape} call\n  " + "\n  ".join(lines)

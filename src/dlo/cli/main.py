@@ -283,7 +283,7 @@ def _add_serve(commands) -> None:
 
 
 # The OffloadConfig fields that change what inspect prints (its only config flags).
-INSPECT_CONFIG_FIELDS = ("num_slots", "resident_layers", "host_budget_gib")
+INSPECT_CONFIG_FIELDS = ("num_slots", "resident_layers", "hbm_budget_gib", "host_budget_gib")
 
 
 def _add_inspect(commands) -> None:

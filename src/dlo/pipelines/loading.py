@@ -94,3 +94,30 @@ def load_pipeline(model_dir: Path, cls: type, dtype: torch.dtype, **components: 
         return cls.from_pretrained(model_dir, **{_dtype_argument(): dtype}, **components)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
         raise ConfigError(f"{model_dir}: diffusers could not load the {cls.__name__}: {first_line(err)}") from None
+
+
+def pipeline_on_meta(model_dir: Path, cls: type, index: dict, dtype: torch.dtype):
+    """The pipeline with every model component built from its config on the meta device (shapes
+    and dtypes, no memory) and no tokenizer or scheduler: what a plan needs before any weight
+    loads. check_components ran first."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    components: dict[str, object] = {}
+    for name, (library, class_name) in _listed_components(index).items():
+        if not _is_model(library, class_name):
+            components[name] = None
+            continue
+        module_cls = getattr(importlib.import_module(library), class_name)
+        directory = model_dir / name
+        try:
+            with torch.device("meta"):
+                if library == "diffusers":
+                    module = module_cls.from_config(module_cls.load_config(directory))
+                else:
+                    module = module_cls._from_config(AutoConfig.from_pretrained(directory))
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"{name}: {directory / 'config.json'}: {first_line(err)}") from None
+        components[name] = module.to(dtype)
+    return cls(**components)
