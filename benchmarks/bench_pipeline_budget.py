@@ -47,6 +47,7 @@ from diffusers.models.modeling_utils import no_init_weights
 import bench_streaming as bench
 import dlo
 from dlo.backend.decode_peak import OutputSize, decode_costs, latent_shape
+from dlo.backend.pipeline import pipeline_plan
 from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, _clip_tokenizer, _seeded, _t5_tokenizer
 from dlo.planning.pipeline_budget import DecodeMode
 from results_json import add_json_flag, write_json
@@ -197,6 +198,8 @@ def decode_rows(name, pipe, size, device) -> list[dict]:
         measured = torch.cuda.max_memory_allocated(device) - before
         rows.append({"pipeline": name, "decode": cost.mode.value, "predicted_gib": cost.peak_bytes / GIB,
                      "measured_gib": measured / GIB, "predicted_over_measured": cost.peak_bytes / max(measured, 1)})
+        print(f"{name} {cost.mode.value} decode: predicted {cost.peak_bytes / GIB:.2f} GiB, measured "
+              f"{measured / GIB:.2f} GiB", flush=True)
         del latents, video
     vae.disable_tiling()
     pipe.vae.to("cpu")
@@ -208,6 +211,8 @@ def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list
     pipe, kwargs = build(name, device)
     size = OutputSize(kwargs["height"], kwargs["width"], kwargs.get("num_frames", 1))
     decodes = decode_rows(name, pipe, size, device)
+    budget = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=args.budget[name])
+    tiled = pipeline_plan(pipe, budget, size).decode.mode is DecodeMode.TILED  # from shapes: nothing moves
     rows, outputs = [], {}
     for variant in args.variants:
         if variant in ("model-offload", "group-offload", "sequential"):
@@ -216,19 +221,17 @@ def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list
             row, media = run_variant(name, variant, pipe, kwargs, size, device, args, outputs.get("resident"))
         except torch.OutOfMemoryError as err:
             row, media = Row(name, variant, float("nan"), peak_gib(device), "-", "-", f"out of memory: {err}"[:200]), None
+        if variant == "resident" and tiled:  # the reference of a tiled plan, on the same resident pipeline
+            pipe.vae.enable_tiling()
+            outputs["resident-tiled"] = (call(pipe, kwargs, device)[0], "tiled")
+            pipe.vae.disable_tiling()
         if variant == "resident":
             pipe.to("cpu")
         outputs[variant] = (media, row.decode)
         rows.append(row)
         bench.release(device)
+        args.save(rows, decodes)  # a run cut short keeps the variants it finished
         print(f"{name}/{variant}: {row.call_s:.3f} s per call, peak {row.peak_gib} GiB, {row.decode} decode {row.note}", flush=True)
-    if "resident" in outputs and any(decode == "tiled" for _, decode in outputs.values()):
-        pipe, kwargs = build(name, device)
-        pipe.vae.enable_tiling()
-        pipe.to(device)
-        outputs["resident-tiled"] = (call(pipe, kwargs, device)[0], "tiled")
-        pipe.to("cpu")
-        bench.release(device)
     for row in rows:
         media, decode = outputs[row.variant]
         reference = outputs.get("resident-tiled" if decode == "tiled" else "resident", (None,))[0]
@@ -260,15 +263,18 @@ def main() -> None:
     args.budget = {"wan": args.wan_budget, "flux": args.flux_budget, "tiny": 0.01}
     device = torch.device(args.device)
     rows, decodes = [], []
+
+    def save(more_rows: list[Row], more_decodes: list[dict]) -> None:
+        done = rows + more_rows
+        write_json(args.json, "bench_pipeline_budget", [asdict(r) for r in done], table(done),
+                   decode_prediction=decodes + more_decodes, settings={"iters": args.iters, "budgets": args.budget})
+
+    args.save = save
     for name in args.pipelines.split(","):
         got, predicted = run_pipeline(name, device, args)
         rows += got
         decodes += predicted
-        print(table(rows), flush=True)
-        write_json(args.json, "bench_pipeline_budget", [asdict(r) for r in rows], table(rows),
-                   decode_prediction=decodes, settings={"iters": args.iters, "budgets": args.budget})
-    for d in decodes:
-        print(f"{d['pipeline']} {d['decode']} decode: predicted {d['predicted_gib']:.2f} GiB, measured {d['measured_gib']:.2f} GiB")
+        save([], [])
     print(table(rows))
 
 
