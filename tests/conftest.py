@@ -1,4 +1,5 @@
 import copy
+import gc
 import os
 
 import pytest
@@ -38,6 +39,27 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module in ONE_WORKER_MODULES else nodeid
 
     return OneWorkerModules(config, log)
+
+
+# [Note: frozen heap] A full collection (gc.collect(), and those Python runs by itself) walks
+# every object the collector tracks: in a worker that has imported torch, diffusers and
+# transformers and collected the suite, ~360k objects, 0.15-0.25 s a walk. The host weight cache
+# collects on every load (dlo.host.cache.consume._release_private_memory), tests collect to
+# prove what is freed: ~1/4 of a worker's CPU in the cache and hot-path modules went to walking
+# objects that live as long as the worker. So at the start of each module's tests the objects
+# alive then (libraries, collected tests, session fixtures) are moved to the permanent
+# generation, which collections skip: after a full collection (garbage is collected, not
+# frozen), and only between modules, where no module or function fixture is alive. Everything a
+# module's tests and fixtures create is collected exactly as before.
+_frozen_for = [None]  # the module whose tests run since the last freeze
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.module is not _frozen_for[0]:
+        _frozen_for[0] = item.module
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture
