@@ -56,8 +56,9 @@ _frozen_for = [None]  # the module whose tests run since the last freeze
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    if item.module is not _frozen_for[0]:
-        _frozen_for[0] = item.module
+    module = getattr(item, "module", None)
+    if module is not _frozen_for[0]:
+        _frozen_for[0] = module
         gc.collect()
         gc.freeze()
 
