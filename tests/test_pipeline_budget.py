@@ -259,3 +259,18 @@ def test_inspect_shows_the_pipeline_plan_for_a_budget(tiny_wan_dir, capsys):
     assert "VAE decode: whole" in printed
     assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
     assert "pipeline budget:      not applicable: flux is not a pipeline directory" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_budget_below_the_pipelines_minimum_before_any_replica_starts(tiny_flux_dir, capsys, monkeypatch):
+    import dlo.serve.server as server
+    from dlo.cli.main import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("the server started before the budget was checked")
+
+    monkeypatch.setattr(server, "serve", started)
+    # Planned for FluxPipeline's default 1024x1024: the tiny VAE's whole decode alone needs more.
+    argv = ["serve", str(tiny_flux_dir), "--device", "cpu", "--resident", "auto", "--hbm-budget-gib", "0.01"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dlo: error: --hbm-budget-gib 0.010 is below the ")

@@ -8,19 +8,17 @@ from pathlib import Path
 
 import torch
 
-from dlo.backend.pipeline import pipeline_plan
-from dlo.cli.config_flags import device_and_dtype, in_flag_terms
+from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.flag_checks import generate_config
 from dlo.cli.generate_job import GenerateJob, call_size, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
 from dlo.cli.model_source import checked_weight_files, resolve_model
-from dlo.cli.model_target import build_on_meta, check_config_for_model
+from dlo.cli.model_target import build_on_meta, check_config_for_model, check_pipeline_budget
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
-from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
 from dlo.pipelines.call_rules import CallRequest, CallRuleError, CallRules, read_call_rules, validate_call
-from dlo.pipelines.loading import check_components, pipeline_class, pipeline_on_meta
+from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.pipelines.media_output import check_output_kind
 
 # The pipeline's argument names (and call_rules' fields) -> this command's flags.
@@ -66,17 +64,6 @@ def call_kwargs(cls: type, args: argparse.Namespace, request: CallRequest) -> di
     return given
 
 
-def check_pipeline_budget(
-    model_dir: Path, cls: type, index: dict, dtype: torch.dtype, config: OffloadConfig, call: dict
-) -> None:
-    """--hbm-budget-gib: the whole pipeline's plan from its configs (See [Note: pipeline budget]),
-    refused in one line before any weight loads."""
-    try:
-        pipeline_plan(pipeline_on_meta(model_dir, cls, index, dtype), config, call_size(call))
-    except ConfigError as err:
-        raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None
-
-
 def run(args: argparse.Namespace) -> int:
     """After flag_checks.check_generate (main runs it): every further check reads configs and
     headers only; weights load after the last one."""
@@ -97,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
     if config.hbm_budget_gib is not None:
-        check_pipeline_budget(model_dir, cls, index, dtype, config, kwargs)
+        check_pipeline_budget(model_dir, cls, index, dtype, config, call_size(kwargs))
     transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
     job = GenerateJob(
         model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file

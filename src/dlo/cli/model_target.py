@@ -9,13 +9,17 @@ import torch
 from torch import nn
 
 from dlo.backend.auto_residency import residency_budget
+from dlo.backend.decode_peak import OutputSize
 from dlo.backend.fp8_compute import check_fp8_gemms
+from dlo.backend.pipeline import pipeline_plan
+from dlo.cli.config_flags import in_flag_terms
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
 from dlo.host.checkpoint import find_transformer_dir, read_model_config
 from dlo.host.loader import model_class
 from dlo.models.tiny import TINY_MODELS
+from dlo.pipelines.loading import pipeline_on_meta
 from dlo.planning.fp8_selection import gemm_linears
 from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.plan_summary import summarize
@@ -72,3 +76,14 @@ def check_config_for_model(
     if config.resident_layers > eligible:
         where = f"{len(refs)} blocks" + (f", the first {eligible} may stay resident" if eligible < len(refs) else "")
         raise ConfigError(f"--resident-layers {config.resident_layers}: {name} has {where}; give 0 to {eligible}")
+
+
+def check_pipeline_budget(
+    model_dir: Path, cls: type, index: dict, dtype: torch.dtype, config: OffloadConfig, size: OutputSize | None
+) -> None:
+    """--hbm-budget-gib: the whole pipeline's plan for `size` (None: the pipeline's default) from
+    its configs (See [Note: pipeline budget]), refused in one line before any weight loads."""
+    try:
+        pipeline_plan(pipeline_on_meta(model_dir, cls, index, dtype), config, size)
+    except ConfigError as err:
+        raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None
