@@ -44,12 +44,27 @@ def _flags(max_queue: int, timeout_s: float) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def server_log_dir(tmp_path_factory):
+    """Where the module's server writes its log (serve.log)."""
+    return tmp_path_factory.mktemp("serve-log")
+
+
 @pytest.fixture(scope="module")  # one server: under xdist the module runs on one worker (conftest.py)
-def server(tiny_flux_dir, tiny_flux_loras, tmp_path_factory):
-    """Its replica holds two LoRAs; a request without a `lora` field runs the base model."""
+def server(tiny_flux_dir, tiny_flux_loras, server_log_dir, tmp_path_factory):
+    """Its replica holds three LoRAs: "style" and "speed", and "damaged", a copy of "style"
+    with 8 bytes of NaN (test_an_image_from_non_finite_values_...); a request without a `lora`
+    field runs the base model. --log-level warning: no line per request."""
     cache = tmp_path_factory.mktemp("serve-cache")
-    loras = ["--lora", f"style={tiny_flux_loras['a']}:0.7", "--lora", f"speed={tiny_flux_loras['b'].parent}"]
-    with running_server(tiny_flux_dir, cache, tmp_path_factory.mktemp("serve-log"), _flags(0, TIMEOUT_S) + loras) as running:
+    damaged = tmp_path_factory.mktemp("damaged-lora") / "pytorch_lora_weights.safetensors"
+    shutil.copyfile(tiny_flux_loras["a"], damaged)
+    poison(damaged, "transformer.proj_out.lora_B.weight")  # the output projection's first channel: NaN
+    loras = [
+        "--lora", f"style={tiny_flux_loras['a']}:0.7", "--lora", f"speed={tiny_flux_loras['b'].parent}",
+        "--lora", f"damaged={damaged}",
+    ]
+    flags = _flags(0, TIMEOUT_S) + loras + ["--log-level", "warning"]
+    with running_server(tiny_flux_dir, cache, server_log_dir, flags) as running:
         yield running.base, cache
 
 
@@ -110,7 +125,7 @@ def test_each_request_runs_the_loras_it_names_at_their_scales_and_unknown_ones_a
     assert not np.array_equal(expected[0], expected[1]) and not np.array_equal(expected[2], expected[1])
     assert [np.array_equal(a, b) for a, b in zip(got, expected)] == [True] * 4
     for lora, says in [
-        ([{"name": "sharp"}], "lora: no LoRA named 'sharp' on this server; it has style, speed"),
+        ([{"name": "sharp"}], "lora: no LoRA named 'sharp' on this server; it has style, speed, damaged"),
         ([{"name": "style"}, {"name": "style", "scale": 0.1}], "lora: 'style' is given twice"),
         ([{"name": "style", "scale": 101.0}], "scale: Input should be less than or equal to 100"),
     ]:
@@ -506,20 +521,19 @@ def test_devices_that_cannot_be_honoured_are_refused_before_anything_loads(
 
 
 def test_an_image_from_non_finite_values_fails_its_request_naming_it_and_log_level_quiets_the_log(
-    tiny_flux_dir, tmp_path_factory
+    server, server_log_dir
 ):
-    """A transformer file with 8 bytes of NaN: the request gets 500 naming the non-finite
-    values (not a black PNG). With --log-level warning the log has no line per request."""
-    directory = tmp_path_factory.mktemp("pipelines") / "flux-nan"
-    shutil.copytree(tiny_flux_dir, directory)
-    poison(directory / "transformer" / "diffusion_pytorch_model.safetensors", "proj_out.weight")
-    cache, log_dir = tmp_path_factory.mktemp("serve-nan-cache"), tmp_path_factory.mktemp("serve-nan-log")
-    with running_server(directory, cache, log_dir, ["--log-level", "warning"]) as running:
-        status, answer, _ = _call(f"{running.base}/v1/images/generations", REQUEST)
-        assert status == 500
-        assert "NonFiniteOutput: the generated image has 12288 non-finite values (NaN or infinity) of 12288" in (
-            answer["error"]["message"]
-        )
-        assert _call(f"{running.base}/health")[0] == 200  # the replica serves on
-    text = running.log.read_text()
+    """A request with the module server's "damaged" LoRA (8 bytes of NaN in its weights, as a
+    bad disk or copy leaves them; formerly a server of its own on a transformer file so
+    damaged): the request gets 500 naming the non-finite values (not a black PNG), and the
+    replica serves on. With --log-level warning the log has no line per request."""
+    base, _ = server
+    status, answer, _ = _call(f"{base}/v1/images/generations", {**REQUEST, "lora": [{"name": "damaged"}]})
+    assert status == 500
+    assert "NonFiniteOutput: the generated image has 12288 non-finite values (NaN or infinity) of 12288" in (
+        answer["error"]["message"]
+    )
+    assert _call(f"{base}/health")[0] == 200  # the replica serves on
+    assert _call(f"{base}/v1/images/generations", REQUEST)[0] == 200
+    text = (server_log_dir / "serve.log").read_text()
     assert "POST /v1/images/generations" not in text and "dlo serve: replica 0 ready" not in text
