@@ -37,6 +37,10 @@ def budget_for(nbytes):
     return int(nbytes / (1 - HEADROOM)) + 1
 
 
+def usable(budget):
+    return int(budget * (1 - HEADROOM))
+
+
 def test_a_budget_that_holds_everything_puts_every_component_on_the_device():
     # 15310 MiB of weights + max(4000 decode, 3000 reserve).
     plan = plan_pipeline(budget_for((15310 + 4000) * MIB), COMPONENTS, DECODES, 3000 * MIB)
@@ -51,7 +55,13 @@ def test_a_component_that_must_stream_streams_even_when_everything_fits():
     budget = budget_for((15310 + 4000) * MIB)
     plan = plan_pipeline(budget, COMPONENTS, DECODES, 0, streamed=frozenset({"transformer"}))
     assert plan.placement["transformer"] is Placement.STREAMED and plan.placement["text_encoder"] is Placement.DEVICE
-    assert plan.transformer_budget_bytes == budget - 4000 * MIB
+    assert plan.transformer_budget_bytes == usable(budget) - 4000 * MIB
+
+
+def test_everything_stays_on_the_device_with_a_sliced_or_tiled_decode_before_anything_streams():
+    # 15310 MiB of weights + max(2500 sliced, 2000 reserve): the whole decode (4000) does not fit.
+    plan = plan_pipeline(budget_for((15310 + 2500) * MIB), COMPONENTS, DECODES, 2000 * MIB)
+    assert set(plan.placement.values()) == {Placement.DEVICE} and plan.decode.mode is DecodeMode.SLICED
 
 
 def test_otherwise_blocks_stream_where_that_holds_less_and_the_transformer_gets_what_the_decode_leaves():
@@ -64,7 +74,7 @@ def test_otherwise_blocks_stream_where_that_holds_less_and_the_transformer_gets_
         "head": Placement.DEVICE,  # streaming it would hold more
     }
     assert plan.weight_bytes == STREAMED_WEIGHTS
-    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes == budget - 4000 * MIB
+    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes == usable(budget) - 4000 * MIB
 
 
 @pytest.mark.parametrize(
@@ -74,7 +84,7 @@ def test_the_decode_is_sliced_then_tiled_when_whole_does_not_fit(room, mode):
     budget = budget_for(STREAMED_WEIGHTS + room * MIB)
     plan = plan_pipeline(budget, COMPONENTS, DECODES, 0)
     assert plan.decode.mode is mode
-    assert plan.transformer_budget_bytes == budget - plan.decode.peak_bytes
+    assert plan.transformer_budget_bytes == usable(budget) - plan.decode.peak_bytes
 
 
 def test_a_budget_below_the_minimum_is_refused_naming_it():
@@ -95,8 +105,8 @@ def small_tiles(vae):
     if hasattr(vae, "tile_latent_min_size"):  # AutoencoderKL (Flux)
         vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4
     else:  # AutoencoderKLWan
-        vae.tile_sample_min_height = vae.tile_sample_min_width = 16
-        vae.tile_sample_stride_height = vae.tile_sample_stride_width = 8
+        vae.tile_sample_min_height = vae.tile_sample_min_width = 24
+        vae.tile_sample_stride_height = vae.tile_sample_stride_width = 16
 
 
 def size_of(name, batch=1):
@@ -134,6 +144,58 @@ def test_a_tile_as_large_as_the_output_offers_no_tiled_decode(tiny_wan_dir):
     assert [cost.mode for cost in decode_costs(pipe, size_of("wan"))] == [DecodeMode.WHOLE]
 
 
+def test_attention_is_counted_as_a_fused_kernel_allocates_it_and_weights_are_not_counted():
+    import torch.nn.functional as F
+
+    q = k = v = torch.empty(1, 1, 4096, 64, device="meta")
+    # The output (1 MiB) and the float32 log-sum-exp (16 KiB), not the 64 MiB of a 4096² score matrix.
+    assert meta_peak(lambda: F.scaled_dot_product_attention(q, k, v)) == 4096 * 64 * 4 + 4096 * 4
+    weight = torch.empty(256, 256, device="meta")
+    assert meta_peak(lambda: (weight.t(), weight.detach()), [weight]) == 0
+    assert meta_peak(lambda: weight.t(), []) == 256 * 256 * 4  # a view counts its base when not excluded
+
+
+def test_a_call_fills_the_sizes_it_leaves_out_from_the_pipelines_defaults(tiny_wan_dir, tiny_flux_dir):
+    from dlo.backend.decode_peak import call_size
+
+    assert call_size(plain_pipeline(tiny_wan_dir), 64, 96, None) == OutputSize(64, 96, 81)
+    assert call_size(plain_pipeline(tiny_flux_dir), None, 512, None) == OutputSize(1024, 512, 1)
+
+
+def test_an_image_pipeline_with_a_video_vae_decodes_five_dimensional_latents():
+    """Qwen-Image's VAE is Wan's kind (latents with a frame axis) in an image pipeline."""
+    from types import SimpleNamespace
+
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False])
+    pipe = SimpleNamespace(vae=vae, vae_scale_factor=2)
+    assert latent_shape(pipe, OutputSize(32, 48)) == (1, 4, 1, 16, 24)
+    assert decode_costs(pipe, OutputSize(32, 48))[0].mode is DecodeMode.WHOLE
+
+
+def test_a_size_the_vae_cannot_decode_is_one_line_naming_it(tiny_flux_dir):
+    with pytest.raises(dlo.ConfigError) as refused:
+        decode_costs(plain_pipeline(tiny_flux_dir), OutputSize(4, 4))
+    assert str(refused.value).startswith("OffloadConfig.hbm_budget_gib: AutoencoderKL cannot decode latents of shape")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_failure_while_the_decode_is_set_up_gives_the_vae_back_as_it_was(tiny_flux_dir):
+    from dlo.backend.decode_peak import apply_decode
+
+    vae = plain_pipeline(tiny_flux_dir).vae
+    undo = []
+
+    def refused():
+        raise KeyboardInterrupt
+
+    vae.enable_slicing = refused
+    with pytest.raises(KeyboardInterrupt):
+        apply_decode(vae, DecodeMode.TILED, 2, undo)
+    assert vae.use_tiling
+    undo.pop()()
+    assert not vae.use_tiling and not vae.use_slicing
+
+
 # Tiny pipelines placed by the plan: outputs equal to the plain pipeline decoding the same way.
 
 
@@ -168,7 +230,7 @@ def test_under_a_budget_the_pipeline_streams_decodes_tiled_and_equals_the_plain_
     with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size, reserve_gib=1e6) as handle:
         plan = handle.plan
         assert plan.decode.mode is DecodeMode.WHOLE and not pipe.vae.use_tiling
-        assert handle.handles["transformer"].residency_budget == 2**30 - costs[DecodeMode.WHOLE]
+        assert handle.handles["transformer"].residency_budget == usable(2**30) - costs[DecodeMode.WHOLE]
         assert np.array_equal(run(pipe, name), expected_whole)
     streamed = {n for n, where in plan.placement.items() if where is Placement.STREAMED}
     assert "transformer" in streamed and set(handle.handles) == streamed
@@ -203,7 +265,7 @@ def test_a_budget_below_the_minimum_is_refused_before_anything_moves(tiny_flux_d
 def test_a_pipeline_without_a_default_size_needs_one(tiny_flux_dir):
     pipe = plain_pipeline(tiny_flux_dir)
     pipe.default_sample_size = None
-    with pytest.raises(dlo.ConfigError, match=r"FluxPipeline has no default output size: give enable_pipeline size="):
+    with pytest.raises(dlo.ConfigError, match=r"^FluxPipeline has no default output size to plan the VAE decode for: give the call.s size \(enable_pipeline.s size=OutputSize"):
         dlo.enable_pipeline(pipe, "cpu", budget_config(2**30))
     with pytest.raises(dlo.ConfigError, match=r"OutputSize.frames must be an int >= 1, got 0"):
         OutputSize(64, 64, frames=0)
@@ -250,12 +312,12 @@ def test_generate_refuses_a_budget_below_the_pipelines_minimum_before_loading(ti
     assert err.startswith("dlo: error: --hbm-budget-gib 0.001 is below the ") and "raise --hbm-budget-gib" in err
 
 
-def test_inspect_shows_the_pipeline_plan_for_a_budget(tiny_wan_dir, capsys):
+def test_inspect_shows_the_pipeline_plan_for_a_budget(tiny_flux_dir, capsys):
     from dlo.cli.main import main
 
-    assert main(["inspect", str(tiny_wan_dir), "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
+    assert main(["inspect", str(tiny_flux_dir), "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
     printed = capsys.readouterr().out
-    assert "pipeline budget:      4.00 GiB for a 480x832, 81 frames call\n  transformer: streamed" in printed
+    assert "pipeline budget:      4.00 GiB for a 1024x1024 call\n  transformer: streamed" in printed
     assert "VAE decode: whole" in printed
     assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "4"]) == 0
     assert "pipeline budget:      not applicable: flux is not a pipeline directory" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -188,13 +189,16 @@ def enable_pipeline(
     if config is not None and config.hbm_budget_gib is not None:
         size = size or default_size(pipe)
         handle.plan = pipeline_plan(pipe, config, size, plans, reserve_gib, named)
+    moved: list[Callable[[], object]] = []  # under a plan: what moves the components placed on the device back
     try:
         if handle.plan is None:
             _place_by_room(handle, found, transformers, others, named, device, config, plans, reserve_gib, components)
         else:
-            _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size)
+            _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size, moved)
     except BaseException:
         handle.disable()
+        while moved:
+            moved.pop()()
         raise
     return handle
 
@@ -259,7 +263,7 @@ def pipeline_plan(
 ) -> PipelinePlan:
     """The whole pipeline's plan under config.hbm_budget_gib (See [Note: pipeline budget]), from
     shapes alone: `pipe` may hold meta modules (dlo inspect, dlo generate before loading).
-    `named`: components to stream whatever the plan would choose."""
+    `named`: components (or transformers) to stream whatever the plan would choose."""
     found = pipe.components
     transformers = [name for name in STREAMED_COMPONENTS if isinstance(found.get(name), nn.Module)]
     others = {name: m for name, m in found.items() if name not in transformers and isinstance(m, nn.Module)}
@@ -270,9 +274,12 @@ def pipeline_plan(
     ]
     component_config = _component_config(config)
     # The VAE's decoder runs its blocks once per latent frame and per tile: streamed, it would copy
-    # them that many times per decode. Its weights are small next to the decode's activations.
+    # them that many times per decode. Its weights are small next to the decode's activations. It
+    # streams when `components` names it.
     costs += [
-        ComponentCost(name, _module_bytes(m), None if name == "vae" else _streamed_bytes(m, component_config))
+        ComponentCost(
+            name, _module_bytes(m), None if name == "vae" and name not in named else _streamed_bytes(m, component_config)
+        )
         for name, m in others.items()
     ]
     # A transformer mapped from its checkpoint has no private weights to move: it streams.
@@ -290,6 +297,7 @@ def _place_by_plan(
     config: OffloadConfig,
     plans: Mapping[str, HostWeightPlan | None],
     size: OutputSize,
+    moved: list[Callable[[], object]],
 ) -> None:
     # The transformers streamed are reported by their handles, as without a budget.
     handle.placement = {
@@ -300,13 +308,16 @@ def _place_by_plan(
     for name, where in plan.placement.items():
         module = found[name]
         if where is Placement.DEVICE:
+            parameter = next(module.parameters(), None)
+            if parameter is not None:  # back where it was if a later component fails
+                moved.append(partial(module.to, parameter.device))
             module.to(device)
         elif name in transformers:
             residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
             handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
         else:
             handle.handles[name] = enable(module, device, _component_config(config))
-    handle._undo.append(apply_decode(found.get("vae"), plan.decode.mode, size.batch))
+    apply_decode(found.get("vae"), plan.decode.mode, size.batch, handle._undo)
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

@@ -12,6 +12,7 @@ import torch
 
 import dlo
 from dlo.backend.gather_group import diffusers_sp_group
+from dlo.backend.decode_peak import call_size
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
 from dlo.cli.parallel_run import Parallel, ParallelRun
@@ -91,7 +92,9 @@ def generate(
     sp_group = diffusers_sp_group(pipe.transformer)
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
-    size = call_size(job.call)  # the plan under --hbm-budget-gib is made for it
+    size = None
+    if job.config.hbm_budget_gib is not None:  # the plan is made for the size of the call
+        size = call_size(pipe, job.call.get("height"), job.call.get("width"), job.call.get("num_frames"))
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}, size=size) as handle:
         load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
@@ -111,13 +114,6 @@ def generate(
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     plan_lines = tuple(handle.plan.describe()) if handle.plan is not None else ()
     return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last, plan_lines)
-
-
-def call_size(call: dict) -> dlo.OutputSize | None:
-    """The output size the call asks for (None: the pipeline's default)."""
-    if not {"height", "width"} <= call.keys():
-        return None
-    return dlo.OutputSize(call["height"], call["width"], call.get("num_frames", 1))
 
 
 def components_text(job: GenerateJob, placement: dict[str, str]) -> str:

@@ -28,6 +28,7 @@ from dlo.planning.plan_summary import PlanSummary, summarize
 if TYPE_CHECKING:
     import torch
 
+
 def render(summary: PlanSummary, weight_bytes: int) -> str:
     """`weight_bytes`: the model's payload; the summary's sizes are aligned layouts."""
     rows = []
@@ -125,21 +126,23 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(result, MappedLoad):
             result.checkpoint.close()
     if config.hbm_budget_gib is not None:
-        print(render_pipeline_plan(Path(target).expanduser(), config, torch_dtype(args.dtype or "bfloat16")))
+        dtype = torch_dtype(args.dtype or "bfloat16")
+        print(render_pipeline_plan(Path(target).expanduser(), config, dtype, mapped=isinstance(result, MappedLoad)))
     return 0
 
 
-def render_pipeline_plan(directory: Path, config: OffloadConfig, dtype: torch.dtype) -> str:
+def render_pipeline_plan(directory: Path, config: OffloadConfig, dtype: torch.dtype, mapped: bool) -> str:
     """Under config.hbm_budget_gib: the whole pipeline's plan for its default output size, or why
-    there is none (See [Note: pipeline budget])."""
+    there is none (See [Note: pipeline budget]). `mapped`: the transformer loads as a checkpoint
+    mapping, so it streams (and becomes resident through its residency) as under dlo generate."""
     if not (directory / "model_index.json").is_file():
         return f"pipeline budget:      not applicable: {directory} is not a pipeline directory (no model_index.json)"
     cls, index = pipeline_class(directory)
     check_components(directory, index)
     pipe = pipeline_on_meta(directory, cls, index, dtype)
-    size = default_size(pipe)
     try:
-        lines = pipeline_plan(pipe, config, size).describe()
+        size = default_size(pipe)
+        lines = pipeline_plan(pipe, config, size, named=("transformer",) if mapped else ()).describe()
     except ConfigError as err:
         raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None
     shape = f"{size.height}x{size.width}" + (f", {size.frames} frames" if size.frames > 1 else "")

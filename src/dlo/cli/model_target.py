@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dlo.backend.auto_residency import residency_budget
-from dlo.backend.decode_peak import OutputSize
+from dlo.backend.decode_peak import call_size
 from dlo.backend.fp8_compute import check_fp8_gemms
 from dlo.backend.pipeline import pipeline_plan
 from dlo.cli.config_flags import in_flag_terms
@@ -79,11 +79,18 @@ def check_config_for_model(
 
 
 def check_pipeline_budget(
-    model_dir: Path, cls: type, index: dict, dtype: torch.dtype, config: OffloadConfig, size: OutputSize | None
+    model_dir: Path,
+    cls: type,
+    index: dict,
+    dtype: torch.dtype,
+    config: OffloadConfig,
+    size: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> None:
-    """--hbm-budget-gib: the whole pipeline's plan for `size` (None: the pipeline's default) from
-    its configs (See [Note: pipeline budget]), refused in one line before any weight loads."""
+    """--hbm-budget-gib: the whole pipeline's plan for `size` (height, width, frames; what is None
+    the pipeline's default) from its configs (See [Note: pipeline budget]), refused in one line
+    before any weight loads."""
     try:
-        pipeline_plan(pipeline_on_meta(model_dir, cls, index, dtype), config, size)
+        pipe = pipeline_on_meta(model_dir, cls, index, dtype)
+        pipeline_plan(pipe, config, call_size(pipe, *size))
     except ConfigError as err:
         raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None

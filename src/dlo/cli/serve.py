@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
     if config.hbm_budget_gib is not None:  # each replica plans for the pipeline's default size
-        check_pipeline_budget(model_dir, cls, index, dtype, config, None)
+        check_pipeline_budget(model_dir, cls, index, dtype, config)
     transformer_file, loras = checked_weight_files(
         args.transformer, args.lora, cls, transformer, "dlo serve does not download"
     )

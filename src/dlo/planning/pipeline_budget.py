@@ -6,23 +6,25 @@ A pipeline call has three phases that share the device: the text encoders run on
 the transformers every step, the VAE decodes once. Every component's weights stay on the device
 through all three (dlo moves nothing between phases), so each phase's peak is the weights of
 all of them plus that phase's activations. The plan, for a budget B:
-1. Everything on the device (no streaming) when all the weights plus the larger of the
-   decode's activations and `activation_reserve` (the transformer's and encoders' activations,
-   not known before a call) fit in B less `HEADROOM`. A component that must be streamed (asked
-   for, or a transformer loaded as a mapping that has no private weights to move) is streamed
-   with the budget of step 2 and becomes resident through its measured residency.
+1. Everything on the device (no streaming) when all the weights plus the larger of a decode's
+   activations (the most faithful that fits, see 3.) and `activation_reserve` (the
+   transformer's and encoders' activations, not known before a call) fit in B less `HEADROOM`.
+   A component that must be streamed (asked for, or a transformer loaded as a mapping, which
+   has no private weights to move) is streamed with the residency budget of step 2, and becomes
+   resident through its measured residency.
 2. Otherwise the transformers are streamed, and each other component is streamed when it has
    repeated blocks and streaming it holds less than its weights (its non-block parts plus
-   slots), else kept on the device; the VAE stays on the device (its decoder runs its blocks
-   once per latent frame and tile: streaming would copy them that often). The encoders then cost one pass over their blocks per
-   prompt; the transformers run every step, so they get what is left: `resident_layers='auto'`
-   under a budget of B less the decode's activations. Their residency is measured on the
-   process's own peak, which holds the encoders' phase of the first call, every component's
-   weights and the transformer's activations (See [Note: residency budget]); subtracting the
-   decode's activations keeps the decode after it inside B too.
-3. The decode: whole when its predicted activations fit in what the weights of step 2 leave;
-   else one sample at a time (diffusers' slicing, for a batch), else in tiles (tiling). Below
-   the weights of step 2 plus the cheapest decode, the budget is refused, naming that minimum.
+   slots), else kept on the device. The VAE stays on the device unless it is asked for: its
+   decoder runs its blocks once per latent frame and tile, and streaming would copy them that
+   often. The encoders then cost one pass over their blocks per prompt; the transformers run
+   every step, so they get what is left: `resident_layers='auto'` under a budget of B less
+   `HEADROOM` and the decode's activations. Their residency is measured on the process's own
+   peak, which holds the encoders' phase of the first call, every component's weights and the
+   transformer's activations (See [Note: residency budget]); subtracting the decode's
+   activations keeps the decode after it inside B too.
+3. The decode: whole when its predicted activations fit in what the weights leave; else one
+   sample at a time (diffusers' slicing, for a batch), else in tiles (tiling). Below the
+   weights of step 2 plus the cheapest decode, the budget is refused, naming that minimum.
 The transformers' own activations are not predicted: `resident_layers='auto'` measures them
 and keeps only the slots when nothing more fits.
 """
@@ -44,7 +46,6 @@ class Placement(enum.Enum):
 
     DEVICE = "device"  # its weights on the device
     STREAMED = "streamed"  # dlo streams its blocks; non-block parts and slots on the device
-    CPU_OFFLOAD = "cpu offload"  # accelerate moves it to the device only while it runs (no budget)
 
 
 @dataclass(frozen=True)
@@ -109,17 +110,17 @@ def plan_pipeline(
     `streamed`: components the caller asked dlo to stream. Refuses a budget below the minimum
     in one line naming it."""
     usable = int(budget_bytes * (1 - HEADROOM))
-    whole = decodes[0]
     everything = sum(c.weight_bytes for c in components)
-    if everything + max(whole.peak_bytes, activation_reserve) <= usable:
-        # Those asked to stream (or loaded as a mapping) become resident through their residency.
-        placement = {c.name: Placement.STREAMED if c.name in streamed else Placement.DEVICE for c in components}
-        return PipelinePlan(budget_bytes, placement, whole, everything, _residency(placement, components, budget_bytes, whole))
+    for decode in decodes:
+        if everything + max(decode.peak_bytes, activation_reserve) <= usable:
+            # Those asked to stream (or loaded as a mapping) become resident through their residency.
+            placement = {c.name: Placement.STREAMED if c.name in streamed else Placement.DEVICE for c in components}
+            return PipelinePlan(budget_bytes, placement, decode, everything, _residency(placement, components, usable, decode))
     placement = {c.name: _least(c, c.name in streamed) for c in components}
     weights = sum(_held(c, placement[c.name]) for c in components)
     for decode in decodes:
         if weights + decode.peak_bytes <= usable:
-            return PipelinePlan(budget_bytes, placement, decode, weights, _residency(placement, components, budget_bytes, decode))
+            return PipelinePlan(budget_bytes, placement, decode, weights, _residency(placement, components, usable, decode))
     cheapest = min(decodes, key=lambda d: d.peak_bytes)
     least = (weights + cheapest.peak_bytes) / (1 - HEADROOM)
     streamed_names = [name for name, where in placement.items() if where is Placement.STREAMED]
@@ -132,13 +133,13 @@ def plan_pipeline(
 
 
 def _residency(
-    placement: Mapping[str, Placement], components: Sequence[ComponentCost], budget_bytes: int, decode: DecodeCost
+    placement: Mapping[str, Placement], components: Sequence[ComponentCost], usable: int, decode: DecodeCost
 ) -> int | None:
-    """The transformers' residency budget: the whole budget less the decode's activations (None
-    when no transformer is streamed)."""
+    """The transformers' residency budget: the budget less its headroom (what the meta device
+    does not see) and the decode's activations; None when no transformer is streamed."""
     if not any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
         return None
-    return budget_bytes - decode.peak_bytes
+    return usable - decode.peak_bytes
 
 
 def _least(cost: ComponentCost, asked: bool) -> Placement:
