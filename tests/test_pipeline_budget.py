@@ -123,7 +123,7 @@ def exact_peak(pipe, size, tiling, slicing):
     if slicing:
         twin.enable_slicing()
     shape = latent_shape(pipe, size)
-    return meta_peak(lambda: twin.decode(torch.empty(shape, device="meta")))
+    return meta_peak(lambda: twin.decode(torch.empty(shape, device="meta")), twin.state_dict().values())
 
 
 @pytest.mark.parametrize("name", ["flux", "wan"])
@@ -133,9 +133,12 @@ def test_the_predicted_tiled_and_sliced_peaks_bound_the_decodes_counted_exactly(
     size = size_of(name, batch=2)
     costs = {cost.mode: cost.peak_bytes for cost in decode_costs(pipe, size)}
     assert list(costs) == [DecodeMode.WHOLE, DecodeMode.SLICED, DecodeMode.TILED]
-    assert costs[DecodeMode.WHOLE] >= exact_peak(pipe, size, tiling=False, slicing=False)
-    assert costs[DecodeMode.SLICED] >= exact_peak(pipe, size, tiling=False, slicing=True)
-    assert costs[DecodeMode.TILED] >= exact_peak(pipe, size, tiling=True, slicing=True)
+    # Each prediction adds the post-processing's two float32 copies of the output, which come
+    # after the decode: the decode's own part must bound the decode counted exactly.
+    post = 2 * size.batch * 3 * size.frames * size.height * size.width * 4
+    assert costs[DecodeMode.WHOLE] - post >= exact_peak(pipe, size, tiling=False, slicing=False)
+    assert costs[DecodeMode.SLICED] - post >= exact_peak(pipe, size, tiling=False, slicing=True)
+    assert costs[DecodeMode.TILED] - post >= exact_peak(pipe, size, tiling=True, slicing=True)
     assert costs[DecodeMode.TILED] < costs[DecodeMode.SLICED] < costs[DecodeMode.WHOLE]
 
 
