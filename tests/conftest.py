@@ -41,6 +41,21 @@ def pytest_xdist_make_scheduler(config, log):
     return OneWorkerModules(config, log)
 
 
+# Modules with tests of seconds to tens of seconds each (processes they start, servers, inductor
+# compiles), most costly first: they are collected, so handed out, before every other module
+# (after ONE_WORKER_MODULES), and the run ends on tests of a fraction of a second instead of
+# one worker finishing a 15 s test while the other waits. Each module's tests keep their order.
+SLOW_MODULES_FIRST = [
+    "tests/test_compile.py", "tests/test_cli_process.py", "tests/test_gguf_kernels.py", "tests/test_serve_stall.py",
+    "tests/test_lora.py", "tests/test_fp8_compute.py", "tests/test_serve_startup.py", "tests/test_cli_refusals.py",
+    "tests/test_allgather.py", "tests/test_cli.py", "tests/test_pipeline_budget.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {module: rank for rank, module in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable
+
 # [Note: frozen heap] A full collection (gc.collect(), and those Python runs by itself) walks
 # every object the collector tracks: in a worker that has imported torch, diffusers and
 # transformers and collected the suite, ~360k objects, 0.15-0.25 s a walk. The host weight cache
