@@ -56,6 +56,7 @@ def pytest_collection_modifyitems(config, items):
     first = {module: rank for rank, module in enumerate(SLOW_MODULES_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable
 
+
 # [Note: frozen heap] A full collection (gc.collect(), and those Python runs by itself) walks
 # every object the collector tracks: in a worker that has imported torch, diffusers and
 # transformers and collected the suite, ~360k objects, 0.15-0.25 s a walk. The host weight cache
