@@ -35,7 +35,6 @@ CPU smoke test: python bench_pipeline_budget.py --pipelines tiny --device cpu --
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -48,7 +47,7 @@ import bench_streaming as bench
 import dlo
 from dlo.backend.decode_peak import OutputSize, decode_costs, latent_shape
 from dlo.backend.pipeline import pipeline_plan
-from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, _clip_tokenizer, _seeded, _t5_tokenizer
+from dlo.models.tiny_pipelines import GENERATE_DEFAULTS, _clip_tokenizer, _t5_tokenizer
 from dlo.planning.pipeline_budget import DecodeMode
 from results_json import add_json_flag, write_json
 
@@ -141,7 +140,7 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
 
 
-def run_variant(name, variant, pipe, kwargs, size, device, args, reference) -> tuple[Row, np.ndarray]:
+def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, np.ndarray]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     handle, decode, note = None, "whole", ""
@@ -218,7 +217,7 @@ def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list
         if variant in ("model-offload", "group-offload", "sequential"):
             pipe, kwargs = build(name, device)  # diffusers' hooks move and wrap the weights: a fresh pipeline
         try:
-            row, media = run_variant(name, variant, pipe, kwargs, size, device, args, outputs.get("resident"))
+            row, media = run_variant(name, variant, pipe, kwargs, size, device, args)
         except torch.OutOfMemoryError as err:
             row, media = Row(name, variant, float("nan"), peak_gib(device), "-", "-", f"out of memory: {err}"[:200]), None
         if variant == "resident" and tiled:  # the reference of a tiled plan, on the same resident pipeline

@@ -90,7 +90,7 @@ class _LiveBytes(TorchDispatchMode):
 class _FusedAttention(TorchFunctionMode):
     """`F.scaled_dot_product_attention` as a fused kernel allocates it: the output and one
     float32 log-sum-exp per query row. On meta it would run the math path, which materializes
-    the whole query x key score matrix (a 1024² Flux decode: 48 % more than the device)."""
+    the whole query x key score matrix (a 1024² Flux VAE decode counted 48 % more that way)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not F.scaled_dot_product_attention:

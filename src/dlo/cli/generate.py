@@ -10,10 +10,10 @@ import torch
 
 from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.flag_checks import generate_config
-from dlo.cli.generate_job import GenerateJob, components_text, generate, render_stats, write_output
+from dlo.cli.generate_job import GenerateJob, call_dims, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
 from dlo.cli.model_source import checked_weight_files, resolve_model
-from dlo.cli.model_target import build_on_meta, check_config_for_model, check_pipeline_budget
+from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
 from dlo.errors import ConfigError
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
     if config.hbm_budget_gib is not None:
-        check_pipeline_budget(model_dir, cls, index, dtype, config, (kwargs.get("height"), kwargs.get("width"), kwargs.get("num_frames")))
+        plan_from_configs(model_dir, cls, index, dtype, config, call_dims(kwargs))  # refuses before any load
     transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
     job = GenerateJob(
         model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import dlo
-from dlo.backend.gather_group import diffusers_sp_group
 from dlo.backend.decode_peak import call_size
+from dlo.backend.gather_group import diffusers_sp_group
 from dlo.cli.compile_flag import compile_model
 from dlo.cli.format import human_bytes, table
 from dlo.cli.parallel_run import Parallel, ParallelRun
@@ -92,9 +92,7 @@ def generate(
     sp_group = diffusers_sp_group(pipe.transformer)
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
-    size = None
-    if job.config.hbm_budget_gib is not None:  # the plan is made for the size of the call
-        size = call_size(pipe, job.call.get("height"), job.call.get("width"), job.call.get("num_frames"))
+    size = call_size(pipe, *call_dims(job.call)) if job.config.hbm_budget_gib is not None else None
     with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}, size=size) as handle:
         load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
@@ -114,6 +112,12 @@ def generate(
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     plan_lines = tuple(handle.plan.describe()) if handle.plan is not None else ()
     return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last, plan_lines)
+
+
+def call_dims(call: dict) -> tuple[int | None, int | None, int | None]:
+    """The call's height, width and frames, None where the pipeline's default applies: what the
+    plan under --hbm-budget-gib is made for."""
+    return call.get("height"), call.get("width"), call.get("num_frames")
 
 
 def components_text(job: GenerateJob, placement: dict[str, str]) -> str:

@@ -6,14 +6,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dlo.backend.decode_peak import default_size
 from dlo.backend.disk_tier import plan_from_sources
-from dlo.backend.pipeline import pipeline_plan
 from dlo.cli.config_flags import config_from_flags, in_flag_terms, torch_dtype
 from dlo.cli.format import human_bytes, table
 from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
 from dlo.cli.model_source import is_hub_id, resolve_model
-from dlo.cli.model_target import build_on_meta
+from dlo.cli.model_target import build_on_meta, plan_from_configs
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
@@ -21,7 +19,7 @@ from dlo.host.tensor_source import count_adapters
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
-from dlo.pipelines.loading import check_components, pipeline_class, pipeline_on_meta
+from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.planning.offload_plan import discover, resolve_blocks
 from dlo.planning.plan_summary import PlanSummary, summarize
 
@@ -139,11 +137,6 @@ def render_pipeline_plan(directory: Path, config: OffloadConfig, dtype: torch.dt
         return f"pipeline budget:      not applicable: {directory} is not a pipeline directory (no model_index.json)"
     cls, index = pipeline_class(directory)
     check_components(directory, index)
-    pipe = pipeline_on_meta(directory, cls, index, dtype)
-    try:
-        size = default_size(pipe)
-        lines = pipeline_plan(pipe, config, size, named=("transformer",) if mapped else ()).describe()
-    except ConfigError as err:
-        raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None
+    plan, size = plan_from_configs(directory, cls, index, dtype, config, streamed=("transformer",) if mapped else ())
     shape = f"{size.height}x{size.width}" + (f", {size.frames} frames" if size.frames > 1 else "")
-    return f"pipeline budget:      {human_bytes(int(config.hbm_budget_gib * 2**30))} for a {shape} call\n  " + "\n  ".join(lines)
+    return f"pipeline budget:      {human_bytes(plan.budget_bytes)} for a {shape} call\n  " + "\n  ".join(plan.describe())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dlo.backend.auto_residency import residency_budget
-from dlo.backend.decode_peak import call_size
+from dlo.backend.decode_peak import OutputSize, call_size
 from dlo.backend.fp8_compute import check_fp8_gemms
 from dlo.backend.pipeline import pipeline_plan
 from dlo.cli.config_flags import in_flag_terms
@@ -22,6 +22,7 @@ from dlo.models.tiny import TINY_MODELS
 from dlo.pipelines.loading import pipeline_on_meta
 from dlo.planning.fp8_selection import gemm_linears
 from dlo.planning.offload_plan import discover, resolve_blocks
+from dlo.planning.pipeline_budget import PipelinePlan
 from dlo.planning.plan_summary import summarize
 
 
@@ -78,19 +79,22 @@ def check_config_for_model(
         raise ConfigError(f"--resident-layers {config.resident_layers}: {name} has {where}; give 0 to {eligible}")
 
 
-def check_pipeline_budget(
+def plan_from_configs(
     model_dir: Path,
     cls: type,
     index: dict,
     dtype: torch.dtype,
     config: OffloadConfig,
     size: tuple[int | None, int | None, int | None] = (None, None, None),
-) -> None:
-    """--hbm-budget-gib: the whole pipeline's plan for `size` (height, width, frames; what is None
-    the pipeline's default) from its configs (See [Note: pipeline budget]), refused in one line
-    before any weight loads."""
+    streamed: tuple[str, ...] = (),
+) -> tuple[PipelinePlan, OutputSize]:
+    """--hbm-budget-gib: the whole pipeline's plan (See [Note: pipeline budget]) from its configs
+    alone, before any weight loads, for `size` (height, width, frames; what is None the
+    pipeline's default), and that size; a budget below the minimum is one line in flag terms.
+    `streamed`: components that stream whatever the plan would choose (a mapped transformer)."""
     try:
         pipe = pipeline_on_meta(model_dir, cls, index, dtype)
-        pipeline_plan(pipe, config, call_size(pipe, *size))
+        output = call_size(pipe, *size)
+        return pipeline_plan(pipe, config, output, named=streamed), output
     except ConfigError as err:
         raise ConfigError(in_flag_terms(str(err), {"hbm_budget_gib", "num_slots"})) from None

@@ -17,7 +17,7 @@ import torch
 
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.model_source import checked_weight_files, is_hub_id, resolve_model
-from dlo.cli.model_target import build_on_meta, check_config_for_model, check_pipeline_budget
+from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.serve.devices import replica_devices
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
     if config.hbm_budget_gib is not None:  # each replica plans for the pipeline's default size
-        check_pipeline_budget(model_dir, cls, index, dtype, config)
+        plan_from_configs(model_dir, cls, index, dtype, config)
     transformer_file, loras = checked_weight_files(
         args.transformer, args.lora, cls, transformer, "dlo serve does not download"
     )
