@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -126,6 +128,17 @@ def test_plan_naming_a_missing_list_is_an_error():
         dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("missing",)))
 
 
-def test_plan_naming_a_non_list_is_an_error():
-    with pytest.raises(dlo.DiscoveryError, match="has Linear there"):
-        dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("embed",)))
+def test_plan_naming_a_module_without_parameters_is_an_error():
+    with pytest.raises(dlo.DiscoveryError, match="has ReLU there; block_lists must name nn.ModuleList attributes, or single"):
+        dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("norms.0", "stages")))
+
+
+def test_a_plan_naming_a_single_module_streams_it_as_one_block():
+    reference = _Custom()
+    streamed = copy.deepcopy(reference)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    plan = dlo.OffloadPlan(block_lists=("embed", "stages"))
+    with dlo.enable(streamed, "cpu", plan=plan) as handle, torch.inference_mode():
+        assert handle.stats().streamed_blocks == 4  # embed + 3 stages
+        assert streamed.embed.weight.stride() == (0, 0)  # a stand-in between calls
+        assert torch.equal(streamed.stages[0](streamed.embed(x)), reference.stages[0](reference.embed(x)))

@@ -65,18 +65,31 @@ from dlo.planning.tensor_walk import unique_tensors
 from dlo.planning.wire_layout import Fp8Format
 
 
-def _rest_tensors(module: nn.Module, streamed_refs: list[BlockRef], blocks: list[BlockTensors]) -> list[torch.Tensor]:
+def _rest_tensors(
+    module: nn.Module, streamed_refs: list[BlockRef], blocks: list[BlockTensors]
+) -> tuple[list[torch.Tensor], dict[str, tuple[nn.Module, int]]]:
     """The tensors that stay on the device: non-block parts, resident blocks, and the
-    adapters inside streamed blocks (See [Note: adapters stay resident])."""
+    adapters inside streamed blocks (See [Note: adapters stay resident]); and the aliases:
+    modules outside the streamed blocks whose own tensors are all one streamed block's (a
+    weight tied to it), by name -> (module, block index)."""
     skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
     rest = unique_tensors(module, skip)
+    block_of = {id(tensor): index for index, block in enumerate(blocks) for tensor in block.tensors}
+    aliases = {}
+    for name, sub in module.named_modules():
+        own = [t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None]
+        indices = {block_of.get(id(t)) for t in own}
+        if id(sub) not in skip and own and len(indices) == 1 and None not in indices:
+            aliases[name] = (sub, indices.pop())
+    alias_ids = {id(sub) for sub, _ in aliases.values()}
+    rest = {key: owned for key, owned in rest.items() if id(owned.owner) not in alias_ids}
     for ref in streamed_refs:
         for owned in adapter_tensors(ref.module):
             rest.setdefault(id(owned.tensor), replace(owned, name=f"{ref.name}.{owned.name}"))
     for owned in rest.values():
         check_streamable(owned.name, owned.tensor)
     refuse_shared(blocks, {key: owned.name for key, owned in rest.items()})
-    return [owned.tensor for owned in rest.values()]
+    return [owned.tensor for owned in rest.values()], aliases
 
 
 def _place_rest(
@@ -309,7 +322,7 @@ def enable(
             bound_plan.registration = registration_refused(disk_tier.UNREGISTERED, quiet=True)
         elif bound_plan is not None and not shards_copied and not private_only:
             bound_plan.register(config, device)
-        rest = _rest_tensors(module, streamed_refs, blocks)
+        rest, aliases = _rest_tensors(module, streamed_refs, blocks)
         with torch.no_grad():
             streamed = _bind_blocks(
                 blocks,
@@ -360,7 +373,7 @@ def enable(
         undo.callback(lambda: [call.remove() for call in reversed(calls)])
         for call in calls:
             call.install()
-        probe = OutsideUseProbe(runtime, streamed_refs)  # See [Note: blocks used outside their call]
+        probe = OutsideUseProbe(runtime, streamed_refs, aliases)  # See [Note: blocks used outside their call]
         undo.callback(probe.remove)
         probe.install()
         if device.type == "cuda":

@@ -26,6 +26,7 @@ from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
 from dlo.hotpath.compiled_call import CompileWatch, StreamedCallHandle
+from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.executors import Executor
@@ -211,6 +212,19 @@ class OffloadHandle:
                 f"handle.{operation}: the handle is disabled and {type(self.module).__name__} is a plain module "
                 "again; change its weights directly"
             )
+
+    def release_slots(self) -> int:
+        """Between calls: the slots' device memory goes back to the caching allocator, for the
+        rest of the process to use; the next call takes it again as its blocks load (a
+        component that runs once per pipeline call: See [Note: pipeline budget]). Resident
+        blocks stay. Returns the bytes given back."""
+        self._enabled("release_slots()")
+        if not isinstance(self._runtime, RankLocalRuntime):
+            raise StreamingError(
+                "handle.release_slots(): in all-gather mode every load is a collective in plan order, so the slots "
+                "are kept; stream in rank-local mode (no gather group) to give them back between calls"
+            )
+        return self._runtime.release_slots()
 
     def editing(self, *modules: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Between calls, `with handle.editing(block):` gives the streamed blocks holding

@@ -6,17 +6,19 @@ block's submodule elsewhere: DiT computes `self.transformer_blocks[0].norm1.emb(
 its loop, and a parent may unpack a list of pairs (`for attn, ff in self.layers`) so that the
 listed items never run as modules at all. Discovery refuses the second shape by construction
 (`dlo.planning.offload_plan`: items without a forward of their own are not blocks); for the
-first, every submodule of a streamed block carries one pre-hook. When a submodule runs while
-its block is not running, the block is promoted on the spot (its own device memory, filled
-from its host copy) and stays resident: that call and every later one compute exactly what
-the resident model computes. The hook is one bound method for every submodule, checking two
-planner lookups (about a microsecond a call); under torch.compile it returns at once while
-dynamo traces, so a compiled block's graph is the resident one's, and the hooks stay for the
-handle's life: removing them would make dynamo recompile. Not served: under whole-model
-compilation (`torch.compile(model)`) an outside use is traced, not run, so the probe cannot
-promote the block there and the graph reads its NaN stand-ins (See [Note: stand-ins]); one
-eager call first promotes it (then the compiled calls are exact). In all-gather mode a block cannot be promoted
-(every load is a collective), so the probe raises StreamingError naming the module.
+first, every submodule of a streamed block carries one pre-hook, and so does every module
+outside the blocks whose tensors are all one block's (a tied weight: T5's `shared` beside its
+streamed `encoder.embed_tokens`). When such a module runs while its block is not running, the
+block is promoted on the spot (its own device memory, filled from its host copy) and stays
+resident: that call and every later one compute exactly what the resident model computes. The
+hook is one bound method for every submodule, checking two planner lookups (about a microsecond
+a call); under torch.compile it returns at once while dynamo traces, so a compiled block's
+graph is the resident one's, and the hooks stay for the handle's life: removing them would make
+dynamo recompile. Not served: under whole-model compilation (`torch.compile(model)`) an outside
+use is traced, not run, so the probe cannot promote the block there and the graph reads its NaN
+stand-ins (See [Note: stand-ins]); one eager call first promotes it (then the compiled calls
+are exact). In all-gather mode a block cannot be promoted (every load is a collective), so the
+probe raises StreamingError naming the module.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class OutsideUseProbe:
-    def __init__(self, runtime: StreamingRuntime, refs: list[BlockRef]) -> None:
-        """`refs`: the streamed blocks, in the runtime's block order."""
+    def __init__(
+        self, runtime: StreamingRuntime, refs: list[BlockRef], aliases: dict[str, tuple[nn.Module, int]] | None = None
+    ) -> None:
+        """`refs`: the streamed blocks, in the runtime's block order; `aliases`: modules outside
+        them whose tensors are one block's (a tied weight), name -> (module, block index)."""
         self._runtime = runtime
         self._hooks: list[RemovableHandle] = []
         # One hook function for every submodule, its block looked up by the module's id: under
@@ -55,16 +60,18 @@ class OutsideUseProbe:
                 self._owner.setdefault(id(sub), (index, f"{ref.name}.{name}"))
         for key in shared:
             del self._owner[key]
+        self._aliases = [module for module, _ in (aliases or {}).values()]
+        for name, (module, index) in (aliases or {}).items():
+            self._owner[id(module)] = (index, name)
         self._refs = refs
 
     def install(self) -> None:
         """Hook the blocks' submodules; `remove()` undoes it, also after a partial install."""
         hooked: set[int] = set()  # one hook per module, however many names reach it
-        for ref in self._refs:
-            for sub in ref.module.modules():
-                if id(sub) in self._owner and id(sub) not in hooked:
-                    hooked.add(id(sub))
-                    self._hooks.append(sub.register_forward_pre_hook(self._check))
+        for sub in [*(s for ref in self._refs for s in ref.module.modules()), *self._aliases]:
+            if id(sub) in self._owner and id(sub) not in hooked:
+                hooked.add(id(sub))
+                self._hooks.append(sub.register_forward_pre_hook(self._check))
 
     def _check(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():

@@ -19,12 +19,15 @@ from dlo.errors import ConfigError, DiscoveryError
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
-from dlo.planning.offload_plan import discover
+from dlo.planning.offload_plan import OffloadPlan, discover, with_single_blocks
 from dlo.planning.pipeline_budget import GIB, ComponentCost, PipelinePlan, Placement, plan_pipeline
 from dlo.planning.plan_summary import summarize
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
 STREAMED_COMPONENTS = ("transformer", "transformer_2")
+# Under a pipeline budget, a streamed encoder's non-block modules of this size or more (token
+# embeddings: UMT5-XXL's is 2.1 GB) stream as blocks of their own. See [Note: pipeline budget]
+SINGLE_BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -243,11 +246,17 @@ def _place_by_room(
     placement |= dict.fromkeys(named, "streamed")
 
 
-def _streamed_bytes(module: nn.Module, config: OffloadConfig) -> int | None:
+def _encoder_plan(module: nn.Module) -> OffloadPlan:
+    """How a component that runs once per call streams under a pipeline budget: its blocks, and
+    its large non-block modules as blocks of their own. See [Note: pipeline budget]"""
+    return with_single_blocks(module, discover(module), SINGLE_BLOCK_BYTES)
+
+
+def _streamed_bytes(module: nn.Module, config: OffloadConfig, once_per_call: bool = False) -> int | None:
     """What streaming `module` keeps on the device (non-block parts + slots), from shapes alone;
     None without repeated blocks."""
     try:
-        offload_plan = discover(module)
+        offload_plan = _encoder_plan(module) if once_per_call else discover(module)
     except DiscoveryError:
         return None
     return summarize(module, offload_plan, config).device_weight_bytes
@@ -278,7 +287,9 @@ def pipeline_plan(
     # streams when `components` names it.
     costs += [
         ComponentCost(
-            name, _module_bytes(m), None if name == "vae" and name not in named else _streamed_bytes(m, component_config)
+            name,
+            _module_bytes(m),
+            None if name == "vae" and name not in named else _streamed_bytes(m, component_config, once_per_call=True),
         )
         for name, m in others.items()
     ]
@@ -316,8 +327,18 @@ def _place_by_plan(
             residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
             handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
         else:
-            handle.handles[name] = enable(module, device, _component_config(config))
+            handle.handles[name] = enable(module, device, _component_config(config), plan=_encoder_plan(module))
+    released = [handle.handles[name] for name in plan.released]
+    if released:  # their slots go back when a transformer starts: See [Note: pipeline budget]
+        give_back = torch.compiler.disable(partial(_release_slots, released))
+        for name in transformers:
+            handle._offload_hooks.append(found[name].register_forward_pre_hook(give_back))
     apply_decode(found.get("vae"), plan.decode.mode, size.batch, handle._undo)
+
+
+def _release_slots(handles: list[OffloadHandle], module: nn.Module, args: tuple) -> None:
+    for released in handles:
+        released.release_slots()
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

@@ -134,6 +134,23 @@ class RankLocalRuntime(StreamingRuntime):
                 self.read_ahead.remember(index)
         return memory.numel()
 
+    def release_slots(self) -> int:
+        """Between calls: every slot's buffer goes back to the caching allocator once the device
+        finished what is queued on it, and each slot takes a buffer again at its next load (See
+        [Note: slots per size class]). Promoted blocks keep their memory. For a component that
+        runs once per pipeline call (See [Note: pipeline budget]). Returns the bytes released."""
+        held = sum(queue.state.size for queue in self.queues)
+        if not held:
+            return 0
+        with self._step():
+            self.release_running()
+            self.drain()
+            self.executor.synchronize()
+            self.planner.forget(*range(len(self.queues)))
+            for queue in self.queues:
+                queue.release()
+        return held
+
     @torch.inference_mode(False)  # See BlockLoads.__init__
     def replace_slots(self, count: int, nbytes: int) -> None:
         """Stream through `count` new slots of `nbytes` each (0: every block is to be

@@ -141,6 +141,13 @@ class SlotQueue:
         self._jobs = []
 
     @torch.inference_mode(False)  # See BlockLoads.__init__
+    def release(self) -> None:
+        """The slot's buffer goes back to the caching allocator; its next load takes one again
+        (as a refit does). The device must be idle: See RankLocalRuntime.release_slots."""
+        self.supersede()
+        self.state = self._loads.state_of(self._executor.retire_slot(self.state.slot))
+
+    @torch.inference_mode(False)  # See BlockLoads.__init__
     def _fit(self, index: int) -> None:
         """Give the slot a buffer of block `index`'s size class. See [Note: slots per size class]"""
         block = self._loads.blocks[index]

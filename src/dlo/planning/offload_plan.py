@@ -4,7 +4,7 @@ auto-discovery of repeated blocks for any other module."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -38,7 +38,8 @@ DECLARED_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """The blocks to stream, as dotted paths of `nn.ModuleList`s in execution order.
+    """The blocks to stream, as dotted paths of `nn.ModuleList`s in execution order; a path
+    naming a single module (with parameters and a forward of its own) streams it as one block.
 
     resident_eligible: the lists whose blocks `resident_layers` may keep on the device
         (None: all of them). source: "declared", "auto" or "user", for reports.
@@ -139,18 +140,50 @@ def _get(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def _is_single_block(candidate: nn.Module) -> bool:
+    """A module streamed as one block of its own (a text encoder's token embedding): it runs
+    as a module and holds parameters."""
+    return _runs_as_a_module(type(candidate)) and any(True for _ in candidate.parameters())
+
+
 def resolve_blocks(module: nn.Module, plan: OffloadPlan) -> list[BlockRef]:
-    """The plan's blocks in execution order (list by list, index by index)."""
+    """The plan's blocks in execution order (list by list, index by index). A path naming a
+    module that is not a list is one block of its own."""
     blocks: list[BlockRef] = []
     for path in plan.block_lists:
         block_list = _get(module, path)
+        if block_list is not None and not isinstance(block_list, nn.ModuleList) and _is_single_block(block_list):
+            blocks.append(BlockRef(path, path, block_list))
+            continue
         if not isinstance(block_list, nn.ModuleList):
             found = "nothing" if block_list is None else type(block_list).__name__
             raise DiscoveryError(
                 f"OffloadPlan names block list {path!r} but {type(module).__name__} has {found} there; "
-                "block_lists must name nn.ModuleList attributes (see `dlo inspect`)"
+                "block_lists must name nn.ModuleList attributes, or single modules with parameters and a forward "
+                "of their own (see `dlo inspect`)"
             )
         blocks.extend(BlockRef(f"{path}.{i}", path, block) for i, block in enumerate(block_list))
     if not blocks:
         raise DiscoveryError(f"the block lists {plan.block_lists!r} of {type(module).__name__} are all empty")
     return blocks
+
+
+def with_single_blocks(module: nn.Module, plan: OffloadPlan, min_bytes: int) -> OffloadPlan:
+    """`plan` with every module outside its blocks that holds at least `min_bytes` of parameters
+    of its own (a text encoder's token embedding) streamed as one block of its own, first. For a
+    component that runs once per call: between its calls it then holds nothing on the device
+    but its small parts (See [Note: pipeline budget]). Of modules tied to one weight (T5's
+    `shared` and `encoder.embed_tokens`), the last streams: the one inside the stack that runs
+    it; the others are its aliases (See [Note: blocks used outside their call])."""
+    taken = {id(sub) for ref in resolve_blocks(module, plan) for sub in ref.module.modules()}
+    singles: dict[str, frozenset[int]] = {}  # path -> ids of its own parameters
+    for name, sub in module.named_modules():  # parents first: a single block's parts are taken with it
+        own = list(sub.parameters(recurse=False))
+        if not name or id(sub) in taken or not _runs_as_a_module(type(sub)):
+            continue
+        if sum(p.numel() * p.element_size() for p in own) >= min_bytes:
+            tensors = frozenset(id(p) for p in own)
+            singles = {path: ids for path, ids in singles.items() if not ids & tensors}  # the later alias wins
+            singles[name] = tensors
+            taken |= {id(part) for part in sub.modules()}
+    return replace(plan, block_lists=(*singles, *plan.block_lists)) if singles else plan

@@ -3,9 +3,13 @@ VAE decodes, and what is left for the transformers' residency. Plain numbers in,
 
 [Note: pipeline budget]
 A pipeline call has three phases that share the device: the text encoders run once per prompt,
-the transformers every step, the VAE decodes once. Every component's weights stay on the device
-through all three (dlo moves nothing between phases), so each phase's peak is the weights of
-all of them plus that phase's activations. The plan, for a budget B:
+the transformers every step, the VAE decodes once. A component on the device keeps its weights
+there through all three; a streamed transformer keeps its non-block parts and slots. A text
+encoder (any component but the transformers) that dlo streams holds device memory in its own
+phase only: its token embedding and other large non-block parts stream as blocks of their own
+(`with_single_blocks`), and its slots go back to the caching allocator when a transformer call
+starts (`OffloadHandle.release_slots`), to be taken again at its next call. Its phase costs
+one pass over its bytes per prompt, embedding included. The plan, for a budget B:
 1. Everything on the device (no streaming) when all the weights plus the larger of a decode's
    activations (the most faithful that fits, see 3.) and `activation_reserve` (the
    transformer's and encoders' activations, not known before a call) fit in B less `HEADROOM`.
@@ -16,17 +20,21 @@ all of them plus that phase's activations. The plan, for a budget B:
    repeated blocks and streaming it holds less than its weights (its non-block parts plus
    slots), else kept on the device. The VAE stays on the device unless it is asked for: its
    decoder runs its blocks once per latent frame and tile, and streaming would copy them that
-   often. The encoders then cost one pass over their blocks per prompt; the transformers run
+   often. The held weights H are those of the components on the device and the streamed
+   transformers; a streamed encoder's phase holds H plus its own part. The transformers run
    every step, so they get what is left: `resident_layers='auto'` under a budget of B less
-   `HEADROOM` and the decode's activations. Their residency is measured on the process's own
-   peak, which holds the encoders' phase of the first call, every component's weights and the
-   transformer's activations (See [Note: residency budget]); subtracting the decode's
-   activations keeps the decode after it inside B too.
-3. The decode: whole when its predicted activations fit in what the weights leave; else one
-   sample at a time (diffusers' slicing, for a batch), else in tiles (tiling). Below the
-   weights of step 2 plus the cheapest decode, the budget is refused, naming that minimum.
+   `HEADROOM` and the larger of the decode's activations and the largest encoder phase. Their
+   residency is measured on the process's own peak, which holds the encoders' phase of the
+   first call, the held weights and the transformer's activations (See [Note: residency
+   budget]); subtracting the decode's activations and the encoder's part keeps the other
+   phases inside B too, resident blocks included.
+3. The decode: whole when its predicted activations fit in what H leaves; else one sample at a
+   time (diffusers' slicing, for a batch), else in tiles (tiling). Below H plus the larger of
+   the cheapest decode and the largest encoder phase, the budget is refused, naming that
+   minimum.
 The transformers' own activations are not predicted: `resident_layers='auto'` measures them
-and keeps only the slots when nothing more fits.
+and keeps only the slots when nothing more fits. Nor are the encoders' (512 tokens of a T5-XXL
+take tens of MiB).
 """
 
 from __future__ import annotations
@@ -79,14 +87,17 @@ class PipelinePlan:
     budget_bytes: int
     placement: dict[str, Placement]
     decode: DecodeCost
-    weight_bytes: int  # every component's weights on the device under this placement
+    weight_bytes: int  # the weights held through the steps and the decode (H)
     transformer_budget_bytes: int | None  # resident_layers='auto' budget; None: the transformers are on the device
+    released: dict[str, int]  # streamed encoders -> what their own phase adds to H (their slots go back)
 
     def describe(self) -> list[str]:
         """The plan in lines a person reads (dlo inspect, logs)."""
         lines = [f"{name}: {where.value}" for name, where in self.placement.items()]
         lines.append(f"VAE decode: {self.decode.mode.value}, predicted activations {_gib(self.decode.peak_bytes)}")
         lines.append(f"weights on the device: {_gib(self.weight_bytes)} of the {_gib(self.budget_bytes)} budget")
+        for name, nbytes in self.released.items():
+            lines.append(f"{name}: {_gib(nbytes)} more while it runs, given back when the transformer starts")
         if self.transformer_budget_bytes is not None:
             lines.append(
                 f"transformer residency: resident_layers='auto' within {_gib(self.transformer_budget_bytes)} "
@@ -115,31 +126,54 @@ def plan_pipeline(
         if everything + max(decode.peak_bytes, activation_reserve) <= usable:
             # Those asked to stream (or loaded as a mapping) become resident through their residency.
             placement = {c.name: Placement.STREAMED if c.name in streamed else Placement.DEVICE for c in components}
-            return PipelinePlan(budget_bytes, placement, decode, everything, _residency(placement, components, usable, decode))
+            return _plan(budget_bytes, usable, placement, components, decode)
     placement = {c.name: _least(c, c.name in streamed) for c in components}
-    weights = sum(_held(c, placement[c.name]) for c in components)
+    held, released = _phases(placement, components)
+    encoders = max(released.values(), default=0)
     for decode in decodes:
-        if weights + decode.peak_bytes <= usable:
-            return PipelinePlan(budget_bytes, placement, decode, weights, _residency(placement, components, usable, decode))
+        if held + max(decode.peak_bytes, encoders) <= usable:
+            return _plan(budget_bytes, usable, placement, components, decode)
     cheapest = min(decodes, key=lambda d: d.peak_bytes)
-    least = (weights + cheapest.peak_bytes) / (1 - HEADROOM)
+    least = (held + max(cheapest.peak_bytes, encoders)) / (1 - HEADROOM)
     streamed_names = [name for name, where in placement.items() if where is Placement.STREAMED]
+    largest = max(released, key=released.__getitem__, default=None)
+    encoder_phase = f", or {_gib(encoders)} while {largest} runs" if largest is not None else ""
     raise ConfigError(
         f"OffloadConfig.hbm_budget_gib={budget_bytes / GIB:.3f} is below the {least / GIB:.3f} GiB this pipeline needs "
-        f"at the least ({_gib(weights)} of weights with {', '.join(streamed_names)} streamed, plus "
-        f"{_gib(cheapest.peak_bytes)} for a {cheapest.mode.value} VAE decode, plus {HEADROOM:.0%} headroom) before the "
-        "transformer's activations; raise hbm_budget_gib, lower num_slots, or decode a smaller output"
+        f"at the least ({_gib(held)} of weights with {', '.join(streamed_names)} streamed, plus the larger of "
+        f"{_gib(cheapest.peak_bytes)} for a {cheapest.mode.value} VAE decode{encoder_phase}, plus {HEADROOM:.0%} "
+        "headroom) before the transformer's activations; raise hbm_budget_gib, lower num_slots, or decode a smaller "
+        "output"
     )
 
 
-def _residency(
-    placement: Mapping[str, Placement], components: Sequence[ComponentCost], usable: int, decode: DecodeCost
-) -> int | None:
-    """The transformers' residency budget: the budget less its headroom (what the meta device
-    does not see) and the decode's activations; None when no transformer is streamed."""
-    if not any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
-        return None
-    return usable - decode.peak_bytes
+def _plan(
+    budget_bytes: int,
+    usable: int,
+    placement: dict[str, Placement],
+    components: Sequence[ComponentCost],
+    decode: DecodeCost,
+) -> PipelinePlan:
+    held, released = _phases(placement, components)
+    transformer_budget = None
+    if any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
+        # The transformers' residency budget: what the headroom (what the meta device does not
+        # see), the decode's activations and the largest encoder phase leave.
+        transformer_budget = usable - max(decode.peak_bytes, max(released.values(), default=0))
+    return PipelinePlan(budget_bytes, placement, decode, held, transformer_budget, released)
+
+
+def _phases(placement: Mapping[str, Placement], components: Sequence[ComponentCost]) -> tuple[int, dict[str, int]]:
+    """The bytes held through every phase, and each streamed encoder's own part (held in its
+    phase only)."""
+    held, released = 0, {}
+    for c in components:
+        if placement[c.name] is Placement.STREAMED and not c.every_step:
+            assert c.streamed_bytes is not None
+            released[c.name] = c.streamed_bytes
+        else:
+            held += _held(c, placement[c.name])
+    return held, released
 
 
 def _least(cost: ComponentCost, asked: bool) -> Placement:
