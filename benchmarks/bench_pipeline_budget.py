@@ -11,8 +11,10 @@ Pipelines, random weights at real shapes (nothing downloaded), bf16 (the VAE too
 The tokenizers are dlo's tiny ones (random weights make the words irrelevant); the prompts are
 padded to 512 tokens as the real ones are.
 
-Variants (each: one untimed call, then --iters timed calls; peak = torch.cuda.max_memory_allocated
-over setup and every call):
+Variants (each: one untimed call, then --iters timed calls, the median reported; peak =
+torch.cuda.max_memory_allocated over setup and every call, reserved = the caching allocator's
+max_memory_reserved; encode / decode = the median call's seconds in the text encoders and in the
+VAE decode, each between synchronizations at its edges):
   resident         every component on the device (the reference output)
   dlo transformer  enable_pipeline without a budget: the transformer streamed, the rest resident
   dlo budget       enable_pipeline(OffloadConfig(resident_layers="auto", hbm_budget_gib=B))
@@ -35,7 +37,6 @@ CPU smoke test: python bench_pipeline_budget.py --pipelines tiny --device cpu --
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -125,6 +126,49 @@ def call(pipe, kwargs: dict, device: torch.device) -> tuple[np.ndarray, float]:
     return np.asarray(media), time.perf_counter() - start
 
 
+class Phases:
+    """Seconds a call spends in its text encoders and in its VAE decode, each timed between
+    device synchronizations at its edges (the denoising steps are the rest of the call)."""
+
+    ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def __init__(self, pipe, device: torch.device) -> None:
+        self.seconds = {"encode": 0.0, "decode": 0.0}
+        self._device = device
+        self._hooks = []
+        for name in self.ENCODERS:
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                self._hooks.append(module.register_forward_pre_hook(lambda *_: self._start()))
+                self._hooks.append(module.register_forward_hook(lambda *_: self._stop("encode")))
+        self._vae, self._decode = pipe.vae, pipe.vae.decode
+
+        def timed_decode(*args, **kwargs):
+            self._start()
+            try:
+                return self._decode(*args, **kwargs)
+            finally:
+                self._stop("decode")
+
+        pipe.vae.decode = timed_decode
+
+    def _start(self) -> None:
+        bench.synchronize(self._device)
+        self._started = time.perf_counter()
+
+    def _stop(self, phase: str) -> None:
+        bench.synchronize(self._device)
+        self.seconds[phase] += time.perf_counter() - self._started
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        del self._vae.decode  # the class's method again
+
+
 @dataclass
 class Row:
     pipeline: str
@@ -134,10 +178,17 @@ class Row:
     decode: str
     equal: str
     note: str = ""
+    encode_s: float | None = None  # of the median call
+    decode_s: float | None = None
+    reserved_gib: float | None = None  # the caching allocator's peak: what the process held
 
 
 def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def reserved_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
 
 
 def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, np.ndarray]:
@@ -160,11 +211,15 @@ def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, n
         pipe.enable_group_offload(device, offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True)
     elif variant == "sequential":
         pipe.enable_sequential_cpu_offload(device=device)
+    phases = Phases(pipe, device)
     call(pipe, kwargs, device)  # untimed: compiles nothing, but plans dlo's residency and warms the kernels
-    times = []
+    calls = []
     for _ in range(args.iters):
+        phases.reset()
         media, seconds = call(pipe, kwargs, device)
-        times.append(seconds)
+        calls.append((seconds, phases.seconds))
+    phases.remove()
+    seconds, spent = sorted(calls, key=lambda c: c[0])[len(calls) // 2]
     peak = peak_gib(device)
     if handle is not None:
         stats = handle.stats()
@@ -172,7 +227,7 @@ def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, n
         if transformer is not None and transformer.residency is not None:
             note += f"; residency {transformer.residency.state}, {len(transformer.residency.resident)} blocks resident"
         handle.disable()
-    return Row(name, variant, statistics.median(times), peak, decode, "", note), media
+    return Row(name, variant, seconds, peak, decode, "", note, spent["encode"], spent["decode"], reserved_gib(device)), media
 
 
 def decode_rows(name, pipe, size, device) -> list[dict]:
@@ -230,7 +285,10 @@ def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list
         rows.append(row)
         bench.release(device)
         args.save(rows, decodes)  # a run cut short keeps the variants it finished
-        print(f"{name}/{variant}: {row.call_s:.3f} s per call, peak {row.peak_gib} GiB, {row.decode} decode {row.note}", flush=True)
+        print(
+            f"{name}/{variant}: {row.call_s:.3f} s per call (encode {row.encode_s}, decode {row.decode_s}), peak "
+            f"{row.peak_gib} GiB, reserved {row.reserved_gib} GiB, {row.decode} decode {row.note}", flush=True,
+        )
     for row in rows:
         media, decode = outputs[row.variant]
         reference = outputs.get("resident-tiled" if decode == "tiled" else "resident", (None,))[0]
@@ -241,10 +299,19 @@ def run_pipeline(name: str, device: torch.device, args) -> tuple[list[Row], list
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| pipeline | variant | s per call | peak GiB | decode | output vs resident |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| pipeline | variant | s per call | encode s | decode s | peak GiB | reserved GiB | decode | output vs resident |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def number(value: float | None, digits: int) -> str:
+        return "-" if value is None or value != value else f"{value:.{digits}f}"
+
     for r in rows:
-        peak = "-" if r.peak_gib is None else f"{r.peak_gib:.2f}"
-        lines.append(f"| {r.pipeline} | {r.variant} | {r.call_s:.3f} | {peak} | {r.decode} | {r.equal or '-'} |")
+        lines.append(
+            f"| {r.pipeline} | {r.variant} | {number(r.call_s, 3)} | {number(r.encode_s, 3)} | {number(r.decode_s, 3)} | "
+            f"{number(r.peak_gib, 2)} | {number(r.reserved_gib, 2)} | {r.decode} | {r.equal or '-'} |"
+        )
     return "\n".join(lines)
 
 

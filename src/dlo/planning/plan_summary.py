@@ -74,8 +74,13 @@ def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None
     config = config or OffloadConfig()
     refs = resolve_blocks(module, plan)
     in_blocks = frozenset(id(sub) for ref in refs for sub in ref.module.modules())
-    # The non-block parts, and the adapters inside the blocks: See [Note: adapters stay resident]
-    rest = [*unique_tensors(module, in_blocks).values(), *(o for r in refs for o in adapter_tensors(r.module))]
+    # The non-block parts (less those tied to a block's tensor: they stream with it), and the
+    # adapters inside the blocks: See [Note: adapters stay resident]
+    block_tensors = {id(t) for ref in refs for t in (*ref.module.parameters(), *ref.module.buffers())}
+    rest = [
+        *(o for o in unique_tensors(module, in_blocks).values() if id(o.tensor) not in block_tensors),
+        *(o for r in refs for o in adapter_tensors(r.module)),
+    ]
     resident = 0 if config.resident_layers == AUTO else min(config.resident_layers, len(refs))
     gemms = {id(linear.weight): linear for _, linear in gemm_linears(module, refs[resident:], config)}
     return PlanSummary(
