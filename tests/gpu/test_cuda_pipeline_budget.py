@@ -70,8 +70,10 @@ def test_a_streamed_encoder_gives_its_device_memory_back_when_the_transformer_st
     expected = run(plain_pipeline(tmp_path / "wan").to("cuda"), "wan")
     torch.cuda.empty_cache()
     pipe = plain_pipeline(tmp_path / "wan")
+    d = GENERATE_DEFAULTS["wan"]
+    size = OutputSize(d["height"], d["width"], d["num_frames"])
     config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=0.0625)
-    with dlo.enable_pipeline(pipe, "cuda", config, reserve_gib=1e6, components=["text_encoder"]) as handle:
+    with dlo.enable_pipeline(pipe, "cuda", config, size=size, reserve_gib=1e6, components=["text_encoder"]) as handle:
         encoder = handle.handles["text_encoder"]
         marks = []  # (where, device memory allocated, the encoder's slot bytes)
 
