@@ -128,6 +128,13 @@ def test_plan_naming_a_missing_list_is_an_error():
         dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("missing",)))
 
 
+def test_plan_naming_a_stack_of_layers_instead_of_its_list_is_an_error():
+    model = nn.Module()
+    model.stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # one slot of its whole size, were it a block
+    with pytest.raises(dlo.DiscoveryError, match="has Sequential there; block_lists must name nn.ModuleList"):
+        dlo.enable(model, "cpu", plan=dlo.OffloadPlan(block_lists=("stack",)))
+
+
 def test_plan_naming_a_module_without_parameters_is_an_error():
     with pytest.raises(dlo.DiscoveryError, match="has ReLU there; block_lists must name nn.ModuleList attributes, or single"):
         dlo.enable(_Custom(), "cpu", plan=dlo.OffloadPlan(block_lists=("norms.0", "stages")))

@@ -20,9 +20,9 @@ MIB = 2**20
 # scheduler-like 'head' holds less on the device whole (10) than streamed (20).
 COMPONENTS = [
     ComponentCost("transformer", 9000 * MIB, 1000 * MIB, every_step=True),
-    ComponentCost("text_encoder", 6000 * MIB, 900 * MIB),
+    ComponentCost("text_encoder", 6000 * MIB, 900 * MIB, before_steps=True),
     ComponentCost("vae", 300 * MIB, None),
-    ComponentCost("head", 10 * MIB, 20 * MIB),
+    ComponentCost("head", 10 * MIB, 20 * MIB, before_steps=True),
 ]
 HELD_WEIGHTS = (1000 + 300 + 10) * MIB  # through the steps and the decode; the encoder's 900 only in its phase
 DECODES = [
@@ -88,15 +88,24 @@ def test_the_decode_is_sliced_then_tiled_when_whole_does_not_fit(room, mode):
     assert plan.transformer_budget_bytes == usable(budget) - plan.decode.peak_bytes  # each decode > the encoder's 900
 
 
-def test_an_encoder_phase_larger_than_the_decode_sets_the_minimum_and_the_residency_budget():
-    components = [*COMPONENTS[:1], ComponentCost("text_encoder", 6000 * MIB, 1800 * MIB), *COMPONENTS[2:]]
+def test_the_encoders_phase_adds_up_their_parts_and_may_set_the_minimum_and_the_residency_budget():
+    # Two encoders of 900 each: the first keeps its slots while the second runs (until the steps).
+    components = [*COMPONENTS, ComponentCost("text_encoder_2", 6000 * MIB, 900 * MIB, before_steps=True)]
     budget = budget_for(HELD_WEIGHTS + 1800 * MIB)
     plan = plan_pipeline(budget, components, DECODES, 0)
-    assert plan.decode.mode is DecodeMode.TILED  # 1000 < 1800: the encoder's phase is the larger
+    assert plan.released == {"text_encoder": 900 * MIB, "text_encoder_2": 900 * MIB}
+    assert plan.decode.mode is DecodeMode.TILED  # 1000 < 1800: the encoders' phase is the larger
     assert plan.transformer_budget_bytes == usable(budget) - 1800 * MIB
     with pytest.raises(dlo.ConfigError) as refused:
         plan_pipeline(budget_for(HELD_WEIGHTS + 1799 * MIB), components, DECODES, 0)
-    assert "or 1.76 GiB while text_encoder runs" in str(refused.value)
+    assert "or 1.76 GiB while text_encoder and text_encoder_2 run" in str(refused.value)
+
+
+def test_a_streamed_vae_is_held_through_the_decode_not_released():
+    components = [*COMPONENTS[:2], ComponentCost("vae", 300 * MIB, 100 * MIB), COMPONENTS[3]]
+    plan = plan_pipeline(budget_for(HELD_WEIGHTS + 4000 * MIB), components, DECODES, 10**6 * MIB, frozenset({"vae"}))
+    assert plan.placement["vae"] is Placement.STREAMED and "vae" not in plan.released
+    assert plan.weight_bytes == HELD_WEIGHTS - 200 * MIB  # its 100 streamed, not its 300
 
 
 def test_a_budget_below_the_minimum_is_refused_naming_it():
@@ -316,15 +325,21 @@ def test_a_streamed_encoder_streams_its_embedding_and_gives_its_slots_back_when_
         # UMT5's embedding is tied under two names: the one its stack runs streams.
         single = "embeddings.token_embedding" if name == "flux" else "encoder.embed_tokens"
         assert handle.handles["text_encoder"].plan.block_lists[0] == single
+        held_at_end = {encoder: [] for encoder in encoders}  # the slot bytes as each encoder call ends
         for encoder in encoders:
-            assert all(slot_bytes(handle.handles[encoder]))  # enable() allocated them
+            assert not any(slot_bytes(handle.handles[encoder]))  # given back right after enable()
+            pipe.components[encoder].register_forward_hook(
+                lambda *_, e=encoder: held_at_end[e].append(sum(slot_bytes(handle.handles[e])))
+            )
         tokens = {encoder: pipe.components[encoder].get_input_embeddings().weight for encoder in encoders}
         assert all(weight.stride() == (0, 0) for weight in tokens.values())  # stand-ins: the embeddings stream
-        for _ in range(2):  # the second call takes the slots again
+        for call in range(2):
             before = {encoder: s.bytes_streamed for encoder, s in handle.stats().items()}
             assert np.array_equal(run(pipe, name), expected)
             for encoder, weight in tokens.items():
-                assert not any(slot_bytes(handle.handles[encoder]))
+                assert held_at_end[encoder] and all(held_at_end[encoder])  # taken again while it ran
+                held_at_end[encoder].clear()
+                assert not any(slot_bytes(handle.handles[encoder]))  # and given back
                 streamed = handle.stats()[encoder].bytes_streamed - before[encoder]
                 assert streamed >= weight.numel() * weight.element_size()
         assert all(slot_bytes(handle.handles["transformer"]))  # the transformer keeps its slots
@@ -342,6 +357,59 @@ def test_a_module_tied_to_a_streamed_single_block_that_runs_promotes_it_and_comp
         assert torch.equal(encoder(ids).last_hidden_state, expected)
         assert handle.stats().resident_blocks == 1
     assert "encoder.embed_tokens ran outside the call of its block 'shared'" in caplog.text
+
+
+def test_a_tensor_tied_to_a_streamed_block_and_held_by_a_module_of_other_tensors_is_refused():
+    """An alias holds only the block's tensor; `head` holds it beside a bias of its own: it gets
+    no probe, so enable() refuses the tie, whatever module holds the tensor first."""
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alias = nn.Linear(4, 4, bias=False)
+            self.layers = nn.ModuleList([nn.Linear(4, 4, bias=False) for _ in range(2)])
+            self.head = nn.Linear(4, 4)
+            self.alias.weight = self.head.weight = self.layers[0].weight
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    with pytest.raises(dlo.EnableError, match=r"^layers.0.weight is the same tensor as 'head.weight'"):
+        dlo.enable(Tied(), "cpu")
+
+
+def test_an_embedding_tied_to_a_head_of_another_class_stays_on_the_device():
+    """A causal LM's `embed_tokens` and `lm_head` may both run: neither streams alone."""
+    from torch import nn
+
+    from dlo.planning.offload_plan import with_single_blocks
+
+    class CausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(64, 8)
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            self.lm_head = nn.Linear(8, 64, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+    model = CausalLM()
+    plan = dlo.OffloadPlan(block_lists=("layers",))
+    assert with_single_blocks(model, plan, 1).block_lists == ("layers",)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied: both stream
+    assert with_single_blocks(model, plan, 1).block_lists == ("embed_tokens", "lm_head", "layers")
+
+
+def test_an_encoder_disabled_by_hand_leaves_the_pipeline_running(tiny_flux_dir):
+    expected = run(plain_pipeline(tiny_flux_dir), "flux")
+    pipe = plain_pipeline(tiny_flux_dir)
+    config = budget_config(2**30)
+    with dlo.enable_pipeline(pipe, "cpu", config, size=size_of("flux"), reserve_gib=1e6, components=["text_encoder"]) as handle:
+        assert "text_encoder" in handle.plan.released
+        handle.handles["text_encoder"].disable()  # a plain module on the CPU again
+        assert np.array_equal(run(pipe, "flux"), expected)
 
 
 def test_release_slots_gives_the_slot_memory_back_and_the_next_call_takes_it_again():

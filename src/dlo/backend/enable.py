@@ -61,7 +61,7 @@ from dlo.planning.adapters import adapter_tensors
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
 from dlo.planning.offload_plan import BlockRef, OffloadPlan, discover, resolve_blocks
 from dlo.planning.plan_summary import summarize
-from dlo.planning.tensor_walk import unique_tensors
+from dlo.planning.tensor_walk import OwnedTensor, owned_tensors
 from dlo.planning.wire_layout import Fp8Format
 
 
@@ -73,7 +73,6 @@ def _rest_tensors(
     modules outside the streamed blocks whose own tensors are all one streamed block's (a
     weight tied to it), by name -> (module, block index)."""
     skip = frozenset(id(sub) for ref in streamed_refs for sub in ref.module.modules())
-    rest = unique_tensors(module, skip)
     block_of = {id(tensor): index for index, block in enumerate(blocks) for tensor in block.tensors}
     aliases = {}
     for name, sub in module.named_modules():
@@ -81,8 +80,12 @@ def _rest_tensors(
         indices = {block_of.get(id(t)) for t in own}
         if id(sub) not in skip and own and len(indices) == 1 and None not in indices:
             aliases[name] = (sub, indices.pop())
+    # Every other holder of a tensor keeps it here: one tied to a block is then refused below.
     alias_ids = {id(sub) for sub, _ in aliases.values()}
-    rest = {key: owned for key, owned in rest.items() if id(owned.owner) not in alias_ids}
+    rest: dict[int, OwnedTensor] = {}
+    for owned in owned_tensors(module, skip):
+        if id(owned.owner) not in alias_ids:
+            rest.setdefault(id(owned.tensor), owned)
     for ref in streamed_refs:
         for owned in adapter_tensors(ref.module):
             rest.setdefault(id(owned.tensor), replace(owned, name=f"{ref.name}.{owned.name}"))

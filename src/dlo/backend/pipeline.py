@@ -13,7 +13,7 @@ from torch import nn
 from dlo.backend.decode_peak import OutputSize, apply_decode, decode_costs, default_size
 from dlo.backend.device import resolve_device
 from dlo.backend.enable import enable
-from dlo.backend.handle import OffloadHandle
+from dlo.backend.handle import HandleState, OffloadHandle
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, DiscoveryError
 from dlo.host.host_weight_plan import HostWeightPlan
@@ -259,7 +259,13 @@ def _streamed_bytes(module: nn.Module, config: OffloadConfig, once_per_call: boo
         offload_plan = _encoder_plan(module) if once_per_call else discover(module)
     except DiscoveryError:
         return None
-    return summarize(module, offload_plan, config).device_weight_bytes
+    summary = summarize(module, offload_plan, config)
+    if not once_per_call:
+        return summary.device_weight_bytes
+    # Its slots are given back after enable() and taken per block size (See [Note: slots per
+    # size class]): at once they hold at most its `num_slots` largest blocks.
+    largest = sorted((block.nbytes for block in summary.streamed), reverse=True)[: summary.num_slots]
+    return summary.non_block_bytes + sum(largest)
 
 
 def pipeline_plan(
@@ -289,7 +295,8 @@ def pipeline_plan(
         ComponentCost(
             name,
             _module_bytes(m),
-            None if name == "vae" and name not in named else _streamed_bytes(m, component_config, once_per_call=True),
+            None if name == "vae" and name not in named else _streamed_bytes(m, component_config, once_per_call=name != "vae"),
+            before_steps=name != "vae",
         )
         for name, m in others.items()
     ]
@@ -327,18 +334,21 @@ def _place_by_plan(
             residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
             handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
         else:
-            handle.handles[name] = enable(module, device, _component_config(config), plan=_encoder_plan(module))
+            encoder_plan = _encoder_plan(module) if name in plan.released else None
+            handle.handles[name] = enable(module, device, _component_config(config), plan=encoder_plan)
     released = [handle.handles[name] for name in plan.released]
-    if released:  # their slots go back when a transformer starts: See [Note: pipeline budget]
+    if released:  # their slots go back now and when a transformer starts: See [Note: pipeline budget]
         give_back = torch.compiler.disable(partial(_release_slots, released))
         for name in transformers:
             handle._offload_hooks.append(found[name].register_forward_pre_hook(give_back))
+        give_back(None, ())
     apply_decode(found.get("vae"), plan.decode.mode, size.batch, handle._undo)
 
 
-def _release_slots(handles: list[OffloadHandle], module: nn.Module, args: tuple) -> None:
+def _release_slots(handles: list[OffloadHandle], module: nn.Module | None, args: tuple) -> None:
     for released in handles:
-        released.release_slots()
+        if released.state is HandleState.ENABLED:  # one disabled by hand stays as it is
+            released.release_slots()
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

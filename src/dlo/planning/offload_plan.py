@@ -39,7 +39,8 @@ DECLARED_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class OffloadPlan:
     """The blocks to stream, as dotted paths of `nn.ModuleList`s in execution order; a path
-    naming a single module (with parameters and a forward of its own) streams it as one block.
+    naming a single module (with a forward and parameters of its own, none in submodules)
+    streams it as one block.
 
     resident_eligible: the lists whose blocks `resident_layers` may keep on the device
         (None: all of them). source: "declared", "auto" or "user", for reports.
@@ -142,8 +143,13 @@ def _get(module: nn.Module, path: str) -> nn.Module | None:
 
 def _is_single_block(candidate: nn.Module) -> bool:
     """A module streamed as one block of its own (a text encoder's token embedding): it runs
-    as a module and holds parameters."""
-    return _runs_as_a_module(type(candidate)) and any(True for _ in candidate.parameters())
+    as a module and holds parameters, none of them in a submodule (a stack of layers named by
+    mistake would take a slot of its whole size)."""
+    return (
+        _runs_as_a_module(type(candidate))
+        and any(True for _ in candidate.parameters(recurse=False))
+        and not any(True for child in candidate.children() for _ in child.parameters())
+    )
 
 
 def resolve_blocks(module: nn.Module, plan: OffloadPlan) -> list[BlockRef]:
@@ -159,8 +165,8 @@ def resolve_blocks(module: nn.Module, plan: OffloadPlan) -> list[BlockRef]:
             found = "nothing" if block_list is None else type(block_list).__name__
             raise DiscoveryError(
                 f"OffloadPlan names block list {path!r} but {type(module).__name__} has {found} there; "
-                "block_lists must name nn.ModuleList attributes, or single modules with parameters and a forward "
-                "of their own (see `dlo inspect`)"
+                "block_lists must name nn.ModuleList attributes, or single modules with a forward and parameters "
+                "of their own and none in submodules (see `dlo inspect`)"
             )
         blocks.extend(BlockRef(f"{path}.{i}", path, block) for i, block in enumerate(block_list))
     if not blocks:
@@ -172,18 +178,25 @@ def with_single_blocks(module: nn.Module, plan: OffloadPlan, min_bytes: int) -> 
     """`plan` with every module outside its blocks that holds at least `min_bytes` of parameters
     of its own (a text encoder's token embedding) streamed as one block of its own, first. For a
     component that runs once per call: between its calls it then holds nothing on the device
-    but its small parts (See [Note: pipeline budget]). Of modules tied to one weight (T5's
-    `shared` and `encoder.embed_tokens`), the last streams: the one inside the stack that runs
-    it; the others are its aliases (See [Note: blocks used outside their call])."""
+    but its small parts (See [Note: pipeline budget]). Of modules of one class tied to one
+    weight (T5's `shared` and `encoder.embed_tokens`), the last streams: the one inside the
+    stack that runs it; the others are its aliases, which promote it if they run (See [Note:
+    blocks used outside their call]). Only modules without parameters in submodules qualify."""
     taken = {id(sub) for ref in resolve_blocks(module, plan) for sub in ref.module.modules()}
+    holders: dict[int, list[nn.Module]] = {}  # id(parameter) -> the modules holding it as their own
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(sub)
     singles: dict[str, frozenset[int]] = {}  # path -> ids of its own parameters
-    for name, sub in module.named_modules():  # parents first: a single block's parts are taken with it
+    for name, sub in module.named_modules():
         own = list(sub.parameters(recurse=False))
-        if not name or id(sub) in taken or not _runs_as_a_module(type(sub)):
+        if not name or id(sub) in taken or not _is_single_block(sub):
             continue
-        if sum(p.numel() * p.element_size() for p in own) >= min_bytes:
+        tied = {type(holder) for param in own for holder in holders[id(param)]}
+        # An embedding tied to a head of another class (a causal LM's `lm_head`) may run in
+        # both places: it stays on the device.
+        if sum(p.numel() * p.element_size() for p in own) >= min_bytes and len(tied) == 1:
             tensors = frozenset(id(p) for p in own)
             singles = {path: ids for path, ids in singles.items() if not ids & tensors}  # the later alias wins
             singles[name] = tensors
-            taken |= {id(part) for part in sub.modules()}
     return replace(plan, block_lists=(*singles, *plan.block_lists)) if singles else plan

@@ -20,18 +20,21 @@ one pass over its bytes per prompt, embedding included. The plan, for a budget B
    repeated blocks and streaming it holds less than its weights (its non-block parts plus
    slots), else kept on the device. The VAE stays on the device unless it is asked for: its
    decoder runs its blocks once per latent frame and tile, and streaming would copy them that
-   often. The held weights H are those of the components on the device and the streamed
-   transformers; a streamed encoder's phase holds H plus its own part. The transformers run
-   every step, so they get what is left: `resident_layers='auto'` under a budget of B less
-   `HEADROOM` and the larger of the decode's activations and the largest encoder phase. Their
+   often. The held weights H are those of the components on the device, the streamed
+   transformers and a streamed VAE; the encoders' phase holds H plus the parts of all streamed
+   encoders (each keeps its slots until a transformer starts, so one's are still held while
+   the next runs), each part its non-block parts plus its `num_slots` largest blocks (its slots
+   are given back right after enable(), then taken per block size: See [Note: slots per size
+   class]). The transformers run every step, so they get what is left: `resident_layers='auto'`
+   under a budget of B less `HEADROOM` and the larger of the decode's activations and the
+   encoders' phase. Their
    residency is measured on the process's own peak, which holds the encoders' phase of the
    first call, the held weights and the transformer's activations (See [Note: residency
    budget]); subtracting the decode's activations and the encoder's part keeps the other
    phases inside B too, resident blocks included.
 3. The decode: whole when its predicted activations fit in what H leaves; else one sample at a
    time (diffusers' slicing, for a batch), else in tiles (tiling). Below H plus the larger of
-   the cheapest decode and the largest encoder phase, the budget is refused, naming that
-   minimum.
+   the cheapest decode and the encoders' phase, the budget is refused, naming that minimum.
 The transformers' own activations are not predicted: `resident_layers='auto'` measures them
 and keeps only the slots when nothing more fits. Nor are the encoders' (512 tokens of a T5-XXL
 take tens of MiB).
@@ -59,13 +62,15 @@ class Placement(enum.Enum):
 @dataclass(frozen=True)
 class ComponentCost:
     """`weight_bytes`: the component's weights on the device. `streamed_bytes`: what streaming it
-    keeps there (non-block parts + slots of its largest block); None when it has no repeated
-    blocks. `every_step`: a transformer."""
+    keeps there (non-block parts + slots); None when it has no repeated blocks. `every_step`: a
+    transformer. `before_steps`: it runs before the steps (a text encoder): streamed, it holds
+    the device in its own phase only."""
 
     name: str
     weight_bytes: int
     streamed_bytes: int | None
     every_step: bool = False
+    before_steps: bool = False
 
 
 class DecodeMode(enum.Enum):
@@ -129,15 +134,14 @@ def plan_pipeline(
             return _plan(budget_bytes, usable, placement, components, decode)
     placement = {c.name: _least(c, c.name in streamed) for c in components}
     held, released = _phases(placement, components)
-    encoders = max(released.values(), default=0)
+    encoders = sum(released.values())
     for decode in decodes:
         if held + max(decode.peak_bytes, encoders) <= usable:
             return _plan(budget_bytes, usable, placement, components, decode)
     cheapest = min(decodes, key=lambda d: d.peak_bytes)
     least = (held + max(cheapest.peak_bytes, encoders)) / (1 - HEADROOM)
     streamed_names = [name for name, where in placement.items() if where is Placement.STREAMED]
-    largest = max(released, key=released.__getitem__, default=None)
-    encoder_phase = f", or {_gib(encoders)} while {largest} runs" if largest is not None else ""
+    encoder_phase = f", or {_gib(encoders)} while {' and '.join(released)} run" if released else ""
     raise ConfigError(
         f"OffloadConfig.hbm_budget_gib={budget_bytes / GIB:.3f} is below the {least / GIB:.3f} GiB this pipeline needs "
         f"at the least ({_gib(held)} of weights with {', '.join(streamed_names)} streamed, plus the larger of "
@@ -159,16 +163,16 @@ def _plan(
     if any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
         # The transformers' residency budget: what the headroom (what the meta device does not
         # see), the decode's activations and the largest encoder phase leave.
-        transformer_budget = usable - max(decode.peak_bytes, max(released.values(), default=0))
+        transformer_budget = usable - max(decode.peak_bytes, sum(released.values()))
     return PipelinePlan(budget_bytes, placement, decode, held, transformer_budget, released)
 
 
 def _phases(placement: Mapping[str, Placement], components: Sequence[ComponentCost]) -> tuple[int, dict[str, int]]:
-    """The bytes held through every phase, and each streamed encoder's own part (held in its
-    phase only)."""
+    """The bytes held through every phase, and each streamed encoder's own part (held until a
+    transformer starts: the encoders' parts add up, the first one's being kept while the next runs)."""
     held, released = 0, {}
     for c in components:
-        if placement[c.name] is Placement.STREAMED and not c.every_step:
+        if placement[c.name] is Placement.STREAMED and c.before_steps:
             assert c.streamed_bytes is not None
             released[c.name] = c.streamed_bytes
         else:
