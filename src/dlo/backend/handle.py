@@ -217,7 +217,9 @@ class OffloadHandle:
         """Between calls: the slots' device memory goes back to the caching allocator, for the
         rest of the process to use; the next call takes it again as its blocks load (a
         component that runs once per pipeline call: See [Note: pipeline budget]). Resident
-        blocks stay. Returns the bytes given back."""
+        blocks stay. Returns the bytes given back. Not from inside the module's own call (a hook
+        of one of its blocks): blocks still marked running are taken as left by an interrupted
+        call, and end (a Ctrl-C skips the root hooks that would tell the two apart)."""
         self._enabled("release_slots()")
         if not isinstance(self._runtime, RankLocalRuntime):
             raise StreamingError(
