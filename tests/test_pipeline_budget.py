@@ -55,7 +55,8 @@ def test_a_component_that_must_stream_streams_even_when_everything_fits():
     budget = budget_for((15310 + 4000) * MIB)
     plan = plan_pipeline(budget, COMPONENTS, DECODES, 0, streamed=frozenset({"transformer"}))
     assert plan.placement["transformer"] is Placement.STREAMED and plan.placement["text_encoder"] is Placement.DEVICE
-    assert plan.transformer_budget_bytes == usable(budget) - 4000 * MIB
+    assert plan.transformer_budget_bytes == usable(budget)
+    assert plan.other_phase_bytes == (1000 + 6000 + 300 + 10 + 4000) * MIB  # its slots, the rest whole, the decode
 
 
 def test_everything_stays_on_the_device_with_a_sliced_or_tiled_decode_before_anything_streams():
@@ -74,7 +75,8 @@ def test_otherwise_blocks_stream_where_that_holds_less_and_the_transformer_gets_
         "head": Placement.DEVICE,  # streaming it would hold more
     }
     assert plan.weight_bytes == HELD_WEIGHTS and plan.released == {"text_encoder": 900 * MIB}
-    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes == usable(budget) - 4000 * MIB
+    assert plan.decode.mode is DecodeMode.WHOLE and plan.transformer_budget_bytes == usable(budget)
+    assert plan.other_phase_bytes == HELD_WEIGHTS + 4000 * MIB  # the decode: larger than the encoder's 900
     assert "text_encoder: 0.88 GiB more while it runs, given back when the transformer starts" in plan.describe()
 
 
@@ -85,7 +87,7 @@ def test_the_decode_is_sliced_then_tiled_when_whole_does_not_fit(room, mode):
     budget = budget_for(HELD_WEIGHTS + room * MIB)
     plan = plan_pipeline(budget, COMPONENTS, DECODES, 0)
     assert plan.decode.mode is mode
-    assert plan.transformer_budget_bytes == usable(budget) - plan.decode.peak_bytes  # each decode > the encoder's 900
+    assert plan.other_phase_bytes == HELD_WEIGHTS + plan.decode.peak_bytes  # each decode > the encoder's 900
 
 
 def test_the_encoders_phase_adds_up_their_parts_and_may_set_the_minimum_and_the_residency_budget():
@@ -95,7 +97,7 @@ def test_the_encoders_phase_adds_up_their_parts_and_may_set_the_minimum_and_the_
     plan = plan_pipeline(budget, components, DECODES, 0)
     assert plan.released == {"text_encoder": 900 * MIB, "text_encoder_2": 900 * MIB}
     assert plan.decode.mode is DecodeMode.TILED  # 1000 < 1800: the encoders' phase is the larger
-    assert plan.transformer_budget_bytes == usable(budget) - 1800 * MIB
+    assert plan.other_phase_bytes == HELD_WEIGHTS + 1800 * MIB
     with pytest.raises(dlo.ConfigError) as refused:
         plan_pipeline(budget_for(HELD_WEIGHTS + 1799 * MIB), components, DECODES, 0)
     assert "or 1.76 GiB while text_encoder and text_encoder_2 run" in str(refused.value)
@@ -258,7 +260,7 @@ def test_under_a_budget_the_pipeline_streams_decodes_tiled_and_equals_the_plain_
     with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size, reserve_gib=1e6) as handle:
         plan = handle.plan
         assert plan.decode.mode is DecodeMode.WHOLE and not pipe.vae.use_tiling
-        assert handle.handles["transformer"].residency_budget == usable(2**30) - costs[DecodeMode.WHOLE]
+        assert handle.handles["transformer"].residency_budget == usable(2**30)
         assert np.array_equal(run(pipe, name), expected_whole)
     streamed = {n for n, where in plan.placement.items() if where is Placement.STREAMED}
     assert "transformer" in streamed and set(handle.handles) == streamed

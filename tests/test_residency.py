@@ -1,6 +1,7 @@
 """resident_layers='auto': the planner's model and search (integers), and residency changed
 between calls on real diffusers models, bit-identical. See [Note: automatic residency]"""
 
+import copy
 import gc
 import itertools
 import random
@@ -193,6 +194,29 @@ def test_auto_residency_plans_after_the_measured_call_and_stays_bit_identical(ti
     assert stats.device_weight_bytes <= budget
     assert len(residency.block_compute_s) == len(summary.blocks)
     assert residency.predicted_call_s > 0 and residency.measured_call_s > 0
+
+
+def test_what_another_phase_holds_beside_the_module_limits_its_resident_blocks(tiny_pair):
+    """A pipeline's decode holds memory outside the module's calls, which its measured peak
+    never sees: handed over with hold_beside(), the blocks and slots fit beside it."""
+    reference, streamed, entry = tiny_pair("wan")
+    expected = outputs(reference, entry)
+    summary = summarize(streamed, dlo.discover(streamed))
+    smallest = min(block.nbytes for block in summary.blocks)
+    budget = (summary.device_weight_bytes + 2.5 * smallest) / 0.98
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget / GIB)
+    resident = {}
+    for beside in (0, summary.non_block_bytes + 2 * smallest):
+        with dlo.enable(copy.deepcopy(streamed), "cpu", config) as handle:
+            handle.hold_beside(beside)
+            assert all(torch.equal(a, b) for a, b in zip(expected, outputs(handle.module, entry, 4)))
+            stats = handle.stats()
+        resident[beside] = sum(b.nbytes for b in summary.blocks if b.name in stats.residency.resident)
+        assert stats.residency.state == "planned"
+        # Every phase inside the budget: the other one (beside the non-block parts it includes)
+        # with the resident blocks and the slots.
+        assert max(beside, summary.non_block_bytes) + resident[beside] + stats.slot_bytes <= int(budget * 0.98)
+    assert resident[0] >= 2 * smallest and resident[summary.non_block_bytes + 2 * smallest] < resident[0]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ rounding and call-to-call variation. On CUDA the budget is capped then by what t
 could still hold (memory taken outside the allocator since enable(), by this process or
 another, is not in the peak). The choice is made once, at the end of the measured call, and
 applied before the next one: never in the middle of a call. Peaks outside the module's calls
-(a VAE decoding after the last step) are not measured.
+(a VAE decoding after the last step) are not measured: a pipeline's plan predicts the largest
+and hands it over (`hold_beside`), and the rest of the process is then the larger of the two.
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ class AutoResidency:
         self._compiles: CompileWatch | None = None
         self._timed: deque[tuple[Any, Any]] = deque(maxlen=_TIMED_CALLS)
         self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
+        self._beside = 0  # See hold_beside()
+
+    def hold_beside(self, nbytes: int) -> None:
+        """Another phase of the process, outside the module's calls, holds `nbytes` on the device
+        beside the module's non-block parts (a pipeline's VAE decode, with every other
+        component's weights): the blocks and slots chosen must fit beside that too, not only
+        beside the measured call's peak. Before the measured call. See [Note: pipeline budget]"""
+        self._beside = nbytes
 
     def call_starts(self) -> None:
         runtime = self._runtime
@@ -192,7 +201,7 @@ class AutoResidency:
         budget = self.budget_bytes
         if self._device_limit is not None:  # memory taken since enable() outside the allocator
             budget = min(budget, self._device_limit())
-        available = int(budget * (1 - HEADROOM)) - (peak - slots_at_peak)
+        available = int(budget * (1 - HEADROOM)) - max(peak - slots_at_peak, self._beside)
         # No copies measured (every block fit in the slots): the link rate does not matter.
         bytes_per_s = copied / load_s if copied and load_s > 0 else float("inf")
         local = {i: n for n, i in enumerate(streamed)}

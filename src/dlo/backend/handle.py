@@ -195,6 +195,12 @@ class OffloadHandle:
         if self._residency is not None:
             self._residency.call_ends()
 
+    def hold_beside(self, nbytes: int) -> None:
+        """resident_layers='auto': another phase of the process holds `nbytes` on the device
+        beside the module's non-block parts, outside its calls. See AutoResidency.hold_beside"""
+        if self._residency is not None:
+            self._residency.hold_beside(nbytes)
+
     @property
     def residency_budget(self) -> int | None:
         """The device memory budget of resident_layers='auto' in bytes (None otherwise)."""

@@ -332,7 +332,8 @@ def _place_by_plan(
             module.to(device)
         elif name in transformers:
             residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
-            handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
+            streamed = handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
+            streamed.hold_beside(plan.other_phase_bytes - streamed.stats().slot_bytes)
         else:
             encoder_plan = _encoder_plan(module) if name in plan.released else None
             handle.handles[name] = enable(module, device, _component_config(config), plan=encoder_plan)

@@ -26,12 +26,11 @@ one pass over its bytes per prompt, embedding included. The plan, for a budget B
    the next runs), each part its non-block parts plus its `num_slots` largest blocks (its slots
    are given back right after enable(), then taken per block size: See [Note: slots per size
    class]). The transformers run every step, so they get what is left: `resident_layers='auto'`
-   under a budget of B less `HEADROOM` and the larger of the decode's activations and the
-   encoders' phase. Their
-   residency is measured on the process's own peak, which holds the encoders' phase of the
-   first call, the held weights and the transformer's activations (See [Note: residency
-   budget]); subtracting the decode's activations and the encoder's part keeps the other
-   phases inside B too, resident blocks included.
+   within B less `HEADROOM`. Their residency is measured on the process's own peak in the
+   steps, which holds the encoders' phase of the first call too (See [Note: residency
+   budget]); the decode comes after it, so the plan hands over the larger of the decode's and
+   the encoders' phase, H included (`other_phase_bytes`, less the transformer's own slots), and
+   the resident blocks fit beside the larger of the two: every phase stays inside B with them.
 3. The decode: whole when its predicted activations fit in what H leaves; else one sample at a
    time (diffusers' slicing, for a batch), else in tiles (tiling). Below H plus the larger of
    the cheapest decode and the encoders' phase, the budget is refused, naming that minimum.
@@ -96,6 +95,12 @@ class PipelinePlan:
     transformer_budget_bytes: int | None  # resident_layers='auto' budget; None: the transformers are on the device
     released: dict[str, int]  # streamed encoders -> what their own phase adds to H (their slots go back)
 
+    @property
+    def other_phase_bytes(self) -> int:
+        """What the decode or the encoders' phase, the larger, holds with H: the transformers'
+        residency fits beside it (less their own slots, which H counts)."""
+        return self.weight_bytes + max(self.decode.peak_bytes, sum(self.released.values()))
+
     def describe(self) -> list[str]:
         """The plan in lines a person reads (dlo inspect, logs)."""
         lines = [f"{name}: {where.value}" for name, where in self.placement.items()]
@@ -105,8 +110,9 @@ class PipelinePlan:
             lines.append(f"{name}: {_gib(nbytes)} more while it runs, given back when the transformer starts")
         if self.transformer_budget_bytes is not None:
             lines.append(
-                f"transformer residency: resident_layers='auto' within {_gib(self.transformer_budget_bytes)} "
-                "(the process's measured peak)"
+                f"transformer residency: resident_layers='auto' within {_gib(self.transformer_budget_bytes)}, beside "
+                f"the larger of the steps' measured peak and the {_gib(self.other_phase_bytes)} of the decode or "
+                "encoders' phase"
             )
         return lines
 
@@ -159,12 +165,10 @@ def _plan(
     decode: DecodeCost,
 ) -> PipelinePlan:
     held, released = _phases(placement, components)
-    transformer_budget = None
-    if any(placement[c.name] is Placement.STREAMED for c in components if c.every_step):
-        # The transformers' residency budget: what the headroom (what the meta device does not
-        # see), the decode's activations and the largest encoder phase leave.
-        transformer_budget = usable - max(decode.peak_bytes, sum(released.values()))
-    return PipelinePlan(budget_bytes, placement, decode, held, transformer_budget, released)
+    # The transformers' residency: the budget less the headroom (what the meta device does not
+    # see); the other phases are handed over beside it (PipelinePlan.other_phase_bytes).
+    streamed = any(placement[c.name] is Placement.STREAMED for c in components if c.every_step)
+    return PipelinePlan(budget_bytes, placement, decode, held, usable if streamed else None, released)
 
 
 def _phases(placement: Mapping[str, Placement], components: Sequence[ComponentCost]) -> tuple[int, dict[str, int]]:
