@@ -76,6 +76,13 @@ class RankLocalRuntime(StreamingRuntime):
             memory = self.promoted.get(index)
             block.point_at(block.placeholders if memory is None else self._views_of(index, memory))
 
+    def start_call(self) -> None:
+        super().start_call()
+        self.planner.call_starts()
+
+    def end_call(self) -> None:
+        self.planner.call_ends()
+
     def _views_of(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(view_placement(memory, p) for p in self.blocks[index].layout.placements)
 
@@ -137,8 +144,10 @@ class RankLocalRuntime(StreamingRuntime):
     def release_slots(self) -> int:
         """Between calls: every slot's buffer goes back to the caching allocator once the device
         finished what is queued on it, and each slot takes a buffer again at its next load (See
-        [Note: slots per size class]). Promoted blocks keep their memory. For a component that
-        runs once per pipeline call (See [Note: pipeline budget]). Returns the bytes released."""
+        [Note: slots per size class]). Promoted blocks keep their memory. From then on no call
+        prefetches for the next. For a component that runs once per pipeline call (See [Note:
+        pipeline budget]). Returns the bytes released."""
+        self.planner.keep_calls_apart()  # a load for the next call would be dropped unread
         held = sum(queue.state.size for queue in self.queues)
         if not held:
             return 0

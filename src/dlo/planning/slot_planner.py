@@ -84,6 +84,22 @@ class SlotPlanner:
         self._previous: int | None = None
         self._resident: set[int] = set()  # promoted: on the device for good, never loaded
         self.demand_loads = 0
+        self._calls_apart = False  # See keep_calls_apart()
+
+    def keep_calls_apart(self) -> None:
+        """From now on a call prefetches nothing for the next one: the block that ends a call
+        has no successor, and the first block of the next is not learned as one (a module whose
+        slots are given back between calls, which would drop such loads unread)."""
+        self._calls_apart = True
+
+    def call_starts(self) -> None:
+        if self._calls_apart:
+            self._previous = None
+
+    def call_ends(self) -> None:
+        if self._calls_apart and self._previous is not None:
+            self._successor[self._previous] = None
+            self._previous = None
 
     def slot_of(self, block: int) -> int | None:
         for slot, held in enumerate(self._block_in_slot):
