@@ -190,6 +190,28 @@ def test_warm_start_maps_the_entry_without_loading(tmp_path, caplog):
     assert len(entries(tmp_path)) == 1
 
 
+def test_a_warm_started_model_takes_load_state_dict_into_some_of_its_blocks(tmp_path, caplog):
+    """Each warm-started tensor has a version counter of its own, as a cold-loaded one: as views
+    of the entry's file they shared its one counter, and a load into the single blocks had the
+    next call refuse every other block as if its stand-ins had been written in place."""
+    directory = save(tmp_path, "flux")
+    dlo.load_transformer(directory, cached(tmp_path))  # publishes the entry
+    with caplog.at_level(logging.INFO):
+        model, plan = dlo.load_transformer(directory, cached(tmp_path))
+    assert warm_started(caplog)
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
+    other = {k: v * 1.5 for k, v in TINY_MODELS["flux"].build(seed=3).state_dict().items() if "single" in k}
+    with torch.no_grad():
+        for tensor in [*reference.parameters(), *reference.buffers()]:
+            tensor.data = tensor.data.clone()
+    reference.load_state_dict(other, strict=False)
+    with dlo.enable(model, "cpu", cached(tmp_path), plan=plan):
+        run(model, "flux")
+        model.load_state_dict(other, strict=False)
+        got = run(model, "flux")
+    assert all(torch.equal(a, b) for a, b in zip(run(reference, "flux"), got))
+
+
 def test_a_touched_checkpoint_is_loaded_cold_again(tmp_path, caplog):
     directory = save(tmp_path, "wan")
     dlo.load_transformer(directory, cached(tmp_path))

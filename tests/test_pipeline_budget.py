@@ -273,6 +273,45 @@ def test_under_a_budget_the_pipeline_streams_decodes_tiled_and_equals_the_plain_
     assert not pipe.vae.use_tiling  # disable() gives the VAE back as it was
 
 
+# Room beyond the held weights and the decode, in blocks: for one transformer less than its 4
+# blocks, which would all be resident (and its slots dropped) were the decode not handed over.
+@pytest.mark.parametrize(("two", "room"), [(False, 1.7), (True, 3.0)], ids=["wan", "wan-2.2-two-transformers"])
+def test_the_transformers_resident_blocks_leave_room_for_the_decode(tiny_wan_dir, two, room):
+    """A budget where the decode, not the steps, binds: the resident blocks chosen (by each
+    transformer, the second one seeing the first's) fit beside the held weights and the decode."""
+    import copy
+
+    from dlo.backend.pipeline import _streamed_bytes, pipeline_plan
+    from dlo.planning.plan_summary import summarize
+
+    def wan(pipe):
+        if two:  # Wan 2.2: a second transformer for the low-noise half of the steps
+            pipe.register_modules(transformer_2=copy.deepcopy(pipe.transformer))
+            pipe.register_to_config(boundary_ratio=0.9)  # the first of the 2 steps on the first
+        return pipe
+
+    expected = run(wan(plain_pipeline(tiny_wan_dir)), "wan")
+    pipe = wan(plain_pipeline(tiny_wan_dir))
+    size = size_of("wan")
+    names = ["transformer", "transformer_2"] if two else ["transformer"]
+    summary = summarize(pipe.transformer, dlo.discover(pipe.transformer))
+    smallest = min(block.nbytes for block in summary.blocks)
+    probe = pipeline_plan(pipe, budget_config(2**30), size, reserve_gib=1e6)
+    budget = budget_for(probe.weight_bytes + probe.decode.peak_bytes + int(room * smallest))
+    with dlo.enable_pipeline(pipe, "cpu", budget_config(budget), size=size, reserve_gib=1e6) as handle:
+        plan = handle.plan
+        assert plan.decode.mode is DecodeMode.WHOLE
+        got = [run(pipe, "wan") for _ in range(3)]  # each residency measured in the second of its calls
+        transformers = [handle.handles[name] for name in names]
+        assert all(h.stats().residency.state in ("planned", "kept") for h in transformers)
+        planned = sum(_streamed_bytes(pipe.components[name], budget_config(budget)) for name in names)
+        held = plan.weight_bytes - planned + sum(h.device_bytes() for h in transformers)
+        resident = sum(h.stats().resident_blocks for h in transformers)
+    assert all(np.array_equal(g, expected) for g in got)
+    assert held + plan.decode.peak_bytes <= usable(budget)
+    assert resident >= 1  # room was left for some
+
+
 def test_a_budget_that_holds_everything_runs_the_plain_pipeline_on_the_device(tiny_flux_dir):
     pipe = plain_pipeline(tiny_flux_dir)
     expected = run(plain_pipeline(tiny_flux_dir), "flux")
@@ -445,9 +484,9 @@ def test_release_slots_gives_the_slot_memory_back_and_the_next_call_takes_it_aga
 def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders_never_leave_a_wrong_output(
     tiny_flux_dir, monkeypatch
 ):
-    """An alarm raising KeyboardInterrupt at a random instant of a pipeline call, the encoders'
-    embeddings streamed and their slots given back at each transformer call: after each caught
-    interrupt, a whole call equals the plain pipeline."""
+    """An alarm raising KeyboardInterrupt at a random instant of a pipeline call (8 times), the
+    encoders' embeddings streamed and their slots given back at each transformer call: after
+    each caught interrupt, a whole call equals the plain pipeline."""
     import random
     import signal
     import time
@@ -466,11 +505,13 @@ def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders
     try:
         with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size_of("flux"), reserve_gib=1e6) as handle:
             assert handle.plan.released
+            run(pipe, "flux")  # the first call learns the order
             started = time.perf_counter()
             run(pipe, "flux")
             call_s = time.perf_counter() - started
-            interrupted = 0
-            for _ in range(25):
+            interrupted = attempts = 0
+            while interrupted < 8 and attempts < 100:  # an alarm may come after its call
+                attempts += 1
                 try:  # an alarm firing after the call returned, before it is disarmed, is caught here too
                     signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, call_s))
                     try:
@@ -480,7 +521,7 @@ def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders
                 except KeyboardInterrupt:
                     interrupted += 1
                 assert np.array_equal(run(pipe, "flux"), expected)
-            assert interrupted >= 10
+            assert interrupted >= 8
     finally:
         signal.signal(signal.SIGALRM, previous)
 

@@ -208,7 +208,7 @@ def test_what_another_phase_holds_beside_the_module_limits_its_resident_blocks(t
     resident = {}
     for beside in (0, summary.non_block_bytes + 2 * smallest):
         with dlo.enable(copy.deepcopy(streamed), "cpu", config) as handle:
-            handle.hold_beside(beside)
+            handle.hold_beside(lambda: beside)
             assert all(torch.equal(a, b) for a, b in zip(expected, outputs(handle.module, entry, 4)))
             stats = handle.stats()
         resident[beside] = sum(b.nbytes for b in summary.blocks if b.name in stats.residency.resident)

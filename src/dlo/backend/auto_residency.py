@@ -113,13 +113,13 @@ class AutoResidency:
         self._compiles: CompileWatch | None = None
         self._timed: deque[tuple[Any, Any]] = deque(maxlen=_TIMED_CALLS)
         self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
-        self._beside = 0  # See hold_beside()
+        self._beside: Callable[[], int] = lambda: 0  # See hold_beside()
 
-    def hold_beside(self, nbytes: int) -> None:
-        """Another phase of the process, outside the module's calls, holds `nbytes` on the device
-        beside the module's non-block parts (a pipeline's VAE decode, with every other
-        component's weights): the blocks and slots chosen must fit beside that too, not only
-        beside the measured call's peak. Before the measured call. See [Note: pipeline budget]"""
+    def hold_beside(self, nbytes: Callable[[], int]) -> None:
+        """Another phase of the process, outside the module's calls, holds `nbytes()` on the
+        device beside the module's non-block parts (a pipeline's VAE decode, with every other
+        component's weights), asked when the plan is made: the blocks and slots chosen must fit
+        beside that too, not only beside the measured call's peak. See [Note: pipeline budget]"""
         self._beside = nbytes
 
     def call_starts(self) -> None:
@@ -201,7 +201,7 @@ class AutoResidency:
         budget = self.budget_bytes
         if self._device_limit is not None:  # memory taken since enable() outside the allocator
             budget = min(budget, self._device_limit())
-        available = int(budget * (1 - HEADROOM)) - max(peak - slots_at_peak, self._beside)
+        available = int(budget * (1 - HEADROOM)) - max(peak - slots_at_peak, self._beside())
         # No copies measured (every block fit in the slots): the link rate does not matter.
         bytes_per_s = copied / load_s if copied and load_s > 0 else float("inf")
         local = {i: n for n, i in enumerate(streamed)}

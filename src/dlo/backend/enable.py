@@ -442,6 +442,6 @@ def _cuda_limit(device: torch.device) -> int:
 
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
-    landing = sum(buffer.numel() for buffer in runtime.executor.landings)
-    return weight_bytes + landing + runtime.slot_bytes + sum(m.numel() for m in runtime.promoted.values())
+    return weight_bytes + runtime.held_bytes
+
 

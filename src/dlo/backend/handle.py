@@ -195,9 +195,15 @@ class OffloadHandle:
         if self._residency is not None:
             self._residency.call_ends()
 
-    def hold_beside(self, nbytes: int) -> None:
-        """resident_layers='auto': another phase of the process holds `nbytes` on the device
-        beside the module's non-block parts, outside its calls. See AutoResidency.hold_beside"""
+    def device_bytes(self) -> int:
+        """The weights dlo holds on the device now: non-block parts, resident blocks, slots (at
+        their capacity) and landing buffers."""
+        return self._device_weight_bytes + self._runtime.held_bytes
+
+    def hold_beside(self, nbytes: Callable[[], int]) -> None:
+        """resident_layers='auto': another phase of the process, outside the module's calls,
+        holds `nbytes()` on the device beside the module's non-block parts, asked when the
+        residency is planned. See AutoResidency.hold_beside"""
         if self._residency is not None:
             self._residency.hold_beside(nbytes)
 
@@ -278,10 +284,7 @@ class OffloadHandle:
         ledger.settle()
         registered = self._registration.registration
         slot_bytes = runtime.slot_bytes
-        landing_bytes = sum(buffer.numel() for buffer in runtime.executor.landings)
-        device_weight_bytes = (
-            self._device_weight_bytes + slot_bytes + landing_bytes + sum(m.numel() for m in runtime.promoted.values())
-        )
+        device_weight_bytes = self.device_bytes()
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:

@@ -323,6 +323,9 @@ def _place_by_plan(
         for name, where in plan.placement.items()
         if not (name in transformers and where is Placement.STREAMED)
     }
+    planned_transformers = sum(
+        _streamed_bytes(found[name], config) or 0 for name in transformers if plan.placement[name] is Placement.STREAMED
+    )
     for name, where in plan.placement.items():
         module = found[name]
         if where is Placement.DEVICE:
@@ -333,7 +336,7 @@ def _place_by_plan(
         elif name in transformers:
             residency = replace(config, hbm_budget_gib=plan.transformer_budget_bytes / GIB)
             streamed = handle.handles[name] = enable(module, device, residency, plan=plans.get(name))
-            streamed.hold_beside(plan.other_phase_bytes - streamed.stats().slot_bytes)
+            streamed.hold_beside(partial(_beside, plan, handle.handles, streamed, planned_transformers))
         else:
             encoder_plan = _encoder_plan(module) if name in plan.released else None
             handle.handles[name] = enable(module, device, _component_config(config), plan=encoder_plan)
@@ -344,6 +347,15 @@ def _place_by_plan(
             handle._offload_hooks.append(found[name].register_forward_pre_hook(give_back))
         give_back(None, ())
     apply_decode(found.get("vae"), plan.decode.mode, size.batch, handle._undo)
+
+
+def _beside(plan: PipelinePlan, handles: Mapping[str, OffloadHandle], own: OffloadHandle, planned: int) -> int:
+    """What the decode's or the encoders' phase holds beside `own`'s non-block parts, asked when
+    its residency is planned: the plan's figure with the streamed transformers' planned bytes
+    replaced by what they hold then (another's resident blocks, landing buffers), less `own`'s
+    slots, which its residency chooses."""
+    held = sum(h.device_bytes() for name, h in handles.items() if name in STREAMED_COMPONENTS)
+    return plan.other_phase_bytes - planned + held - own._runtime.slot_bytes
 
 
 def _release_slots(handles: list[OffloadHandle], module: nn.Module | None, args: tuple) -> None:

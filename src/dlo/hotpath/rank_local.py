@@ -81,6 +81,7 @@ class RankLocalRuntime(StreamingRuntime):
         self.planner.call_starts()
 
     def end_call(self) -> None:
+        super().end_call()
         self.planner.call_ends()
 
     def _views_of(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -82,6 +82,13 @@ class StreamingRuntime:
         return len(self.queues) * self.slot_capacity
 
     @property
+    def held_bytes(self) -> int:
+        """The device memory the runtime holds now: slots at their capacity, landing buffers and
+        promoted blocks."""
+        landing = sum(buffer.numel() for buffer in self.executor.landings)
+        return self.slot_bytes + landing + sum(memory.numel() for memory in self.promoted.values())
+
+    @property
     def pack_s(self) -> float:
         return self.stager.pack_s if self.stager is not None else 0.0
 

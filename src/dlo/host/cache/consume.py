@@ -216,6 +216,18 @@ def _plan(model: nn.Module, checkpoint: Checkpoint, float8: Mapping[str, Quantiz
     return HostWeightPlan("host_weight_cache", offload_plan, checkpoint, bindings)
 
 
+def _own_view(view: torch.Tensor, owned: OwnedTensor) -> torch.Tensor:
+    """`view` (of the mapping) as a tensor with a version counter of its own, as the cold
+    path's tensors keep theirs when their `.data` is swapped. A view, and nn.Parameter(view)
+    (which detaches), shares its base's counter, here the whole mapped file's: a write into
+    one weight (load_state_dict opening a block) would bump every weight's `_version`, and
+    the check of the stand-ins would refuse the blocks the write never touched. See [Note:
+    stand-ins]"""
+    tensor = torch.empty(0, dtype=view.dtype)
+    tensor.data = view
+    return nn.Parameter(tensor, owned.tensor.requires_grad) if owned.is_parameter else tensor
+
+
 def _persistent(model: nn.Module) -> list[OwnedTensor]:
     return [o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set]
 
@@ -257,8 +269,7 @@ def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv
             if owned.name in sources:  # stays meta: enable() binds it to the float8 entry
                 continue
             if id(owned.tensor) not in made:
-                view = checkpoint.view(owned.name)
-                made[id(owned.tensor)] = nn.Parameter(view, owned.tensor.requires_grad) if owned.is_parameter else view
+                made[id(owned.tensor)] = _own_view(checkpoint.view(owned.name), owned)
             table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
             table[owned.key] = made[id(owned.tensor)]
         plan = _plan(model, checkpoint, sources)
