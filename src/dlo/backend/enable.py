@@ -443,5 +443,3 @@ def _cuda_limit(device: torch.device) -> int:
 
 def _cpu_device_bytes(runtime: StreamingRuntime, weight_bytes: int) -> int:
     return weight_bytes + runtime.held_bytes
-
-
