@@ -240,15 +240,6 @@ class OffloadHandle:
             )
         return self._runtime.release_slots()
 
-    def hold_until_release(self, nbytes: int) -> int:
-        """Between calls: keep streamed blocks on the device, in plan order, within `nbytes`,
-        until the next release_slots() (a module that runs several times between releases then
-        copies them once). Rank-local mode only. Returns the bytes held."""
-        self._enabled("hold_until_release()")
-        if not isinstance(self._runtime, RankLocalRuntime):
-            raise StreamingError("handle.hold_until_release(): all-gather mode cannot keep blocks resident between its collectives")
-        return self._runtime.hold_until_release(nbytes)
-
     def editing(self, *modules: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Between calls, `with handle.editing(block):` gives the streamed blocks holding
         `modules` (a block or any module inside one; none: every streamed block) their real

@@ -20,7 +20,7 @@ from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
 from dlo.planning.offload_plan import OffloadPlan, discover, with_single_blocks
-from dlo.planning.pipeline_budget import GIB, HEADROOM, ComponentCost, PipelinePlan, Placement, plan_pipeline
+from dlo.planning.pipeline_budget import GIB, ComponentCost, PipelinePlan, Placement, plan_pipeline
 from dlo.planning.plan_summary import summarize
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
@@ -340,14 +340,12 @@ def _place_by_plan(
         else:
             encoder_plan = _encoder_plan(module) if name in plan.released else None
             handle.handles[name] = enable(module, device, _component_config(config), plan=encoder_plan)
-    if plan.released:  # See [Note: pipeline budget]
-        phases = _EncoderPhases(plan, handle.handles, planned_transformers)
-        for name in plan.released:  # before dlo's own call start: nothing runs yet
-            hook = partial(phases.encoder_starts, name)
-            handle._offload_hooks.append(found[name].register_forward_pre_hook(hook, prepend=True))
+    released = [handle.handles[name] for name in plan.released]
+    if released:  # their slots go back now and when a transformer starts: See [Note: pipeline budget]
+        give_back = torch.compiler.disable(partial(_release_slots, released))
         for name in transformers:
-            handle._offload_hooks.append(found[name].register_forward_pre_hook(phases.transformer_starts))
-        phases.transformer_starts(None, ())
+            handle._offload_hooks.append(found[name].register_forward_pre_hook(give_back))
+        give_back(None, ())
     apply_decode(found.get("vae"), plan.decode.mode, size.batch, handle._undo)
 
 
@@ -360,43 +358,10 @@ def _beside(plan: PipelinePlan, handles: Mapping[str, OffloadHandle], own: Offlo
     return plan.other_phase_bytes - planned + held - own._runtime.slot_bytes
 
 
-@dataclass
-class _EncoderPhases:
-    """The streamed encoders' phase (See [Note: pipeline budget]): when a transformer starts,
-    their slots go back. An encoder that ran more than once in its last phase (a negative
-    prompt) keeps as many of its blocks as the budget's room holds through its next phase, so
-    its later passes copy only the rest."""
-
-    plan: PipelinePlan
-    handles: dict[str, OffloadHandle]  # every streamed component's, the transformers' among them
-    planned_transformers: int  # what the plan counted for the streamed transformers
-    passes: dict[str, int] = field(default_factory=dict)  # this phase's calls, per encoder
-    last: dict[str, int] = field(default_factory=dict)  # the last phase's
-
-    @torch.compiler.disable
-    def encoder_starts(self, name: str, module: nn.Module, args: tuple) -> None:
-        encoder = self.handles[name]
-        if not self.passes.get(name) and self.last.get(name, 0) > 1 and encoder.state is HandleState.ENABLED:
-            encoder.hold_until_release(self._room())
-        self.passes[name] = self.passes.get(name, 0) + 1
-
-    @torch.compiler.disable
-    def transformer_starts(self, module: nn.Module | None, args: tuple) -> None:
-        for name in self.plan.released:
-            encoder = self.handles[name]
-            if encoder.state is HandleState.ENABLED:  # one disabled by hand stays as it is
-                encoder.release_slots()
-            if self.passes.get(name):  # the first step after the encoders ran
-                self.last[name], self.passes[name] = self.passes[name], 0
-
-    def _room(self) -> int:
-        """The budget less what the process holds now: the plan's held weights with the
-        transformers' planned bytes replaced by what they hold, and every encoder's weights on
-        the device (slots at their capacity, blocks held)."""
-        held = self.plan.weight_bytes - self.planned_transformers
-        held += sum(h.device_bytes() for n, h in self.handles.items() if n in STREAMED_COMPONENTS)
-        held += sum(self.handles[n].device_bytes() for n in self.plan.released)
-        return int(self.plan.budget_bytes * (1 - HEADROOM)) - held
+def _release_slots(handles: list[OffloadHandle], module: nn.Module | None, args: tuple) -> None:
+    for released in handles:
+        if released.state is HandleState.ENABLED:  # one disabled by hand stays as it is
+            released.release_slots()
 
 
 def place_within(sizes: Mapping[str, int], room: int) -> dict[str, str]:

@@ -39,7 +39,6 @@ class RankLocalRuntime(StreamingRuntime):
     ) -> None:
         super().__init__(blocks, slots, executor, ledger, stager=stager, read_ahead=read_ahead)
         self._slot_shape = (len(slots), self.slot_capacity)  # the last (count, bytes) fully allocated
-        self._held_until_release: set[int] = set()  # See hold_until_release()
 
     @contextlib.contextmanager
     def _step(self) -> Iterator[None]:
@@ -143,17 +142,6 @@ class RankLocalRuntime(StreamingRuntime):
                 self.read_ahead.remember(index)
         return memory.numel()
 
-    def hold_until_release(self, nbytes: int) -> int:
-        """Between calls: keep streamed blocks resident, in plan order, while their sizes add up
-        to at most `nbytes`, until the next `release_slots()` streams them again (a component
-        that runs several times between releases copies them once). Returns the bytes held."""
-        taken = 0
-        for index, block in enumerate(self.blocks):
-            if index not in self.promoted and taken + block.layout.nbytes <= nbytes:
-                self._held_until_release.add(index)  # first: demoted by the release even if promote() stops midway
-                taken += self.promote(index)
-        return taken
-
     def release_slots(self) -> int:
         """Between calls: every slot's buffer goes back to the caching allocator once the device
         finished what is queued on it, and each slot takes a buffer again at its next load (See
@@ -161,10 +149,6 @@ class RankLocalRuntime(StreamingRuntime):
         prefetches for the next. For a component that runs once per pipeline call (See [Note:
         pipeline budget]). Returns the bytes released."""
         self.planner.keep_calls_apart()  # a load for the next call would be dropped unread
-        for index in sorted(self._held_until_release):
-            if index in self.promoted:  # not when its promote() was cut short
-                self.demote(index)
-            self._held_until_release.discard(index)
         held = sum(queue.state.size for queue in self.queues)
         if not held:
             return 0

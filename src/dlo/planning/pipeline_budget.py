@@ -9,10 +9,7 @@ encoder (any component but the transformers) that dlo streams holds device memor
 phase only: its token embedding and other large non-block parts stream as blocks of their own
 (`with_single_blocks`), and its slots go back to the caching allocator when a transformer call
 starts (`OffloadHandle.release_slots`), to be taken again at its next call. Its phase costs
-one pass over its bytes per prompt, embedding included. An encoder that ran more than once in
-its last phase (a negative prompt) keeps, from its next phase's first call to the transformer's
-start, as many of its blocks as the room left in B holds (`OffloadHandle.hold_until_release`):
-its later passes copy only the rest. The plan, for a budget B:
+one pass over its bytes per prompt, embedding included. The plan, for a budget B:
 1. Everything on the device (no streaming) when all the weights plus the larger of a decode's
    activations (the most faithful that fits, see 3.) and `activation_reserve` (the
    transformer's and encoders' activations, not known before a call) fit in B less `HEADROOM`.
