@@ -310,6 +310,12 @@ def test_the_transformers_resident_blocks_leave_room_for_the_decode(tiny_wan_dir
     assert all(np.array_equal(g, expected) for g in got)
     assert held + plan.decode.peak_bytes <= usable(budget)
     assert resident >= 1  # room was left for some
+    if two:  # the first disabled by hand before the second plans its residency
+        pipe = wan(plain_pipeline(tiny_wan_dir))
+        with dlo.enable_pipeline(pipe, "cpu", budget_config(budget), size=size, reserve_gib=1e6) as handle:
+            handle.handles["transformer"].disable()
+            assert all(np.array_equal(run(pipe, "wan"), expected) for _ in range(3))
+            assert handle.handles["transformer_2"].stats().residency.state in ("planned", "kept")
 
 
 def test_a_budget_that_holds_everything_runs_the_plain_pipeline_on_the_device(tiny_flux_dir):
@@ -481,12 +487,14 @@ def test_release_slots_gives_the_slot_memory_back_and_the_next_call_takes_it_aga
             gathered.release_slots()
 
 
+@pytest.mark.parametrize("name", ["flux", "wan"])
 def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders_never_leave_a_wrong_output(
-    tiny_flux_dir, monkeypatch
+    tiny_flux_dir, tiny_wan_dir, monkeypatch, name
 ):
     """An alarm raising KeyboardInterrupt at a random instant of a pipeline call (8 times), the
-    encoders' embeddings streamed and their slots given back at each transformer call: after
-    each caught interrupt, a whole call equals the plain pipeline."""
+    encoders' embeddings streamed, their slots given back at each transformer call (Wan's
+    encoder runs twice between two of them): after each caught interrupt, a whole call equals
+    the plain pipeline."""
     import random
     import signal
     import time
@@ -494,20 +502,22 @@ def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders
     import dlo.backend.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "SINGLE_BLOCK_BYTES", 1)
-    expected = run(plain_pipeline(tiny_flux_dir), "flux")
-    pipe = plain_pipeline(tiny_flux_dir)
+    directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name]
+    expected = run(plain_pipeline(directory), name)
+    pipe = plain_pipeline(directory)
     rng = random.Random(0)
 
     def alarm(sig, frame):
         raise KeyboardInterrupt("alarm")
 
+    config = budget_config(2**30)
     previous = signal.signal(signal.SIGALRM, alarm)
     try:
-        with dlo.enable_pipeline(pipe, "cpu", budget_config(2**30), size=size_of("flux"), reserve_gib=1e6) as handle:
-            assert handle.plan.released
-            run(pipe, "flux")  # the first call learns the order
+        with dlo.enable_pipeline(pipe, "cpu", config, size=size_of(name), reserve_gib=1e6, components=["text_encoder"]) as handle:
+            assert "text_encoder" in handle.plan.released
+            run(pipe, name)  # the first call learns the order
             started = time.perf_counter()
-            run(pipe, "flux")
+            run(pipe, name)
             call_s = time.perf_counter() - started
             interrupted = attempts = 0
             while interrupted < 8 and attempts < 100:  # an alarm may come after its call
@@ -515,12 +525,12 @@ def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders
                 try:  # an alarm firing after the call returned, before it is disarmed, is caught here too
                     signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, call_s))
                     try:
-                        run(pipe, "flux")
+                        run(pipe, name)
                     finally:
                         signal.setitimer(signal.ITIMER_REAL, 0)
                 except KeyboardInterrupt:
                     interrupted += 1
-                assert np.array_equal(run(pipe, "flux"), expected)
+                assert np.array_equal(run(pipe, name), expected)
             assert interrupted >= 8
     finally:
         signal.signal(signal.SIGALRM, previous)

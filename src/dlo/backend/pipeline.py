@@ -354,7 +354,9 @@ def _beside(plan: PipelinePlan, handles: Mapping[str, OffloadHandle], own: Offlo
     its residency is planned: the plan's figure with the streamed transformers' planned bytes
     replaced by what they hold then (another's resident blocks, landing buffers), less `own`'s
     slots, which its residency chooses."""
-    held = sum(h.device_bytes() for name, h in handles.items() if name in STREAMED_COMPONENTS)
+    held = sum(
+        h.device_bytes() for name, h in handles.items() if name in STREAMED_COMPONENTS and h.state is HandleState.ENABLED
+    )  # one disabled by hand holds its weights as a plain module, which the plan did not count: a caller's choice
     return plan.other_phase_bytes - planned + held - own._runtime.slot_bytes
 
 
