@@ -3,6 +3,7 @@ they are and the forward dequantizes them as diffusers' resident GGUF model does
 for every quant type diffusers dequantizes. Real GGUF files (gguf_files.py). See [Note: GGUF
 streaming] in dlo.planning.gguf_weights."""
 
+import importlib.util
 import warnings
 
 import pytest
@@ -192,6 +193,60 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
     assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", str(path), "--host-weight-cache"]) == 2
     assert "--transformer FILE is loaded by diffusers' single-file loader" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_generate_with_gguf_kernels_equals_the_plain_pipeline_and_refuses_what_it_cannot_run(
+    tiny_flux_dir, tmp_path, capsys
+):
+    """`--gguf-kernels`: the --transformer .gguf file's weights dequantize with dlo's Triton
+    kernels, run here by Triton's CPU interpreter in a `dlo generate` process of its own; the
+    image equals the plain pipeline holding the same GGUF transformer (diffusers' torch
+    dequantization). Without a .gguf --transformer, or without CUDA, one line before loading."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from PIL import Image
+    from plain_pipeline import plain_pipeline
+    from test_generate import flags, reference_call
+
+    from dlo.cli.main import main
+
+    pytest.importorskip("triton")
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    path = write_gguf(transformer, tmp_path / "flux-Q4_0.gguf", Q.Q4_0)
+    out = tmp_path / "cube.png"
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", *flags("flux")]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "dlo.cli.main", *argv, "--output", str(out), "--transformer", str(path), "--gguf-kernels"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pipe = plain_pipeline(tiny_flux_dir)
+    pipe.transformer = load_gguf(path, tiny_flux_dir / "transformer", "FluxTransformer2DModel")
+    linears = sum(type(m).__name__ == "GGUFLinear" for m in pipe.transformer.modules())
+    assert linears > 0 and f"--gguf-kernels: {linears} GGUF Linears dequantize with dlo's Triton kernels" in done.stdout
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(reference_call(pipe, "flux").images[0]))
+    capsys.readouterr()
+    for extra, says in [
+        ([], "--gguf-kernels dequantizes the weights of a --transformer .gguf file"),
+        (["--transformer", str(path)], "--gguf-kernels: dlo.use_gguf_kernels runs Triton kernels on a CUDA GPU"),
+    ]:
+        assert main([*argv, "--output", str(tmp_path / "x.png"), "--gguf-kernels", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"dlo: error: {says}"), err
+    assert not (tmp_path / "x.png").exists()
+    if importlib.util.find_spec("fastapi") is not None:  # dlo serve checks it the same way
+        assert main(["serve", str(tiny_flux_dir), "--device", "cpu", "--no-host-weight-cache", "--gguf-kernels"]) == 2
+        assert capsys.readouterr().err.startswith("dlo: error: --gguf-kernels dequantizes the weights of a --transformer")
+    # A serve replica's load (what each replica process runs) swaps the Linears too.
+    replica = (
+        "import sys, torch, dlo; from dlo.serve.replica import ReplicaSpec, _load; "
+        "spec = ReplicaSpec(sys.argv[1], 'cpu', torch.float32, dlo.OffloadConfig(), (), sys.argv[2], True); "
+        "pipe, handle = _load(spec); print(type(pipe.transformer.transformer_blocks[0].attn.to_q).__name__); handle.disable()"
+    )
+    done = subprocess.run([sys.executable, "-c", replica, str(tiny_flux_dir), str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "GGUFKernelLinear", done.stderr[-2000:]
 
 
 def test_a_serve_replica_holds_the_gguf_transformer_file_and_serve_refuses_what_it_cannot_take(tiny_flux_dir, tmp_path, capsys):

@@ -12,7 +12,7 @@ from dlo.cli.config_flags import device_and_dtype
 from dlo.cli.flag_checks import generate_config
 from dlo.cli.generate_job import GenerateJob, call_dims, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
-from dlo.cli.model_source import checked_weight_files, resolve_model
+from dlo.cli.model_source import check_gguf_kernels, checked_weight_files, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
@@ -86,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if config.hbm_budget_gib is not None:
         plan_from_configs(model_dir, cls, index, dtype, config, call_dims(kwargs))  # refuses before any load
     transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
+    if args.gguf_kernels:
+        check_gguf_kernels(transformer_file, device)
     job = GenerateJob(
-        model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file
+        model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file,
+        args.gguf_kernels,
     )
     if parallel.mode is not None:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)
@@ -97,5 +100,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + components_text(job, generated.placement))
     if generated.plan:
         print("\npipeline plan (--hbm-budget-gib):\n  " + "\n  ".join(generated.plan))
+    if generated.kernels:
+        print(generated.kernels)
     print(f"wrote {output}")
     return 0

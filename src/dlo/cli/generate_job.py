@@ -62,6 +62,7 @@ class GenerateJob:
     fps: int
     loras: tuple[LoraFile, ...] = ()  # loaded after enable_pipeline, all active at their scales
     transformer_file: Path | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
+    gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Generated:
     sequence_ranks: int  # ranks the transformer's sequence was split across (diffusers' SP group)
     before_last_step: dict[str, int]  # bytes streamed by each component when the step before the last ended
     plan: tuple[str, ...] = ()  # under --hbm-budget-gib: the whole pipeline's plan, in lines
+    kernels: str = ""  # under --gguf-kernels: what they took
 
 
 def generate(
@@ -80,8 +82,10 @@ def generate(
 ) -> Generated:
     """Load the pipeline with its transformer streamed by dlo and run the call with `seed`; an
     output with non-finite values is refused (NonFiniteOutput) before anything is written."""
+    kernels = None
     if job.transformer_file is not None:
         transformer = load_single_file(job.transformer_file, job.model_dir, job.dtype, "--transformer")
+        kernels = dlo.use_gguf_kernels(transformer) if job.gguf_kernels else None
         plan = None
     else:
         transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)
@@ -111,7 +115,14 @@ def generate(
     media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     plan_lines = tuple(handle.plan.describe()) if handle.plan is not None else ()
-    return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last, plan_lines)
+    kernel_line = "" if kernels is None else kernels_text(kernels)
+    return Generated(media, stats, seconds, handle.placement, sequence_ranks, before_last, plan_lines, kernel_line)
+
+
+def kernels_text(kernels: dlo.GGUFKernelHandle) -> str:
+    """What --gguf-kernels did: the GGUF Linears on dlo's kernels, and those left to diffusers'."""
+    left = "".join(f", {n} ({what}) with diffusers' torch code" for what, n in kernels.left.items())
+    return f"--gguf-kernels: {kernels.converted} GGUF Linears dequantize with dlo's Triton kernels{left}"
 
 
 def call_dims(call: dict) -> tuple[int | None, int | None, int | None]:

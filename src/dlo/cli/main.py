@@ -138,6 +138,11 @@ def _add_weight_files(parser: argparse.ArgumentParser, lora_type, lora_metavar: 
         help="the transformer from this file instead of MODEL's: a .gguf file (its packed weights streamed as they "
         f"are) or a single-file .safetensors checkpoint{transformer}",
     )
+    parser.add_argument(
+        "--gguf-kernels", action="store_true",
+        help="dequantize the --transformer .gguf file's weights with dlo's Triton kernels (the same values as "
+        "diffusers' torch dequantization, bit for bit, in one kernel launch per weight; needs Triton and CUDA)",
+    )
     parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
 
 

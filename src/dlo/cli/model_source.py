@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from dlo.cli.lora_flags import LoraFlag
@@ -99,6 +100,27 @@ def checked_weight_files(
     for lora in loras:
         check_lora(pipeline, transformer, lora)
     return transformer_file, loras
+
+
+def check_gguf_kernels(transformer_file: Path | None, device: torch.device) -> None:
+    """--gguf-kernels: a --transformer .gguf file, Triton, and a CUDA device (or Triton's CPU
+    interpreter), checked before anything loads."""
+    if transformer_file is None or transformer_file.suffix != ".gguf":
+        raise ConfigError(
+            "--gguf-kernels dequantizes the weights of a --transformer .gguf file; give one with --transformer "
+            "FILE.gguf, or leave --gguf-kernels out"
+        )
+    from dlo.backend.gguf_kernel_linears import load_kernels
+
+    try:
+        kernels = load_kernels()
+    except ConfigError as err:
+        raise ConfigError(f"--gguf-kernels: {err}") from None
+    if device.type != "cuda" and not kernels.on_cpu:
+        raise ConfigError(
+            f"--gguf-kernels runs Triton kernels on a CUDA device, not {device}; use --device cuda, or leave "
+            "--gguf-kernels out"
+        )
 
 
 def resolve_lora(flag: LoraFlag, name: str, cache_only: str | None = None) -> LoraFile:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
-from dlo.cli.model_source import checked_weight_files, is_hub_id, resolve_model
+from dlo.cli.model_source import check_gguf_kernels, checked_weight_files, is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     transformer_file, loras = checked_weight_files(
         args.transformer, args.lora, cls, transformer, "dlo serve does not download"
     )
+    if args.gguf_kernels:
+        check_gguf_kernels(transformer_file, device)
     rules = read_call_rules(model_dir, cls)
     # FastAPI and uvicorn: only for this command (flag_checks.check_serve_extra ran first).
     from dlo.serve.requests import Limits
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
     )
     spec = ReplicaSpec(
-        str(model_dir), str(device), dtype, config, loras, str(transformer_file) if transformer_file else None
+        str(model_dir), str(device), dtype, config, loras, str(transformer_file) if transformer_file else None,
+        args.gguf_kernels,
     )
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     server = ServerSpec(

@@ -41,6 +41,7 @@ class ReplicaSpec:
     config: Any  # dlo.OffloadConfig
     loras: tuple[LoraFile, ...] = ()  # loaded at the start; each job picks among them
     transformer_file: str | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
+    gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
 
 
 class VideoFormat(enum.Enum):
@@ -204,6 +205,8 @@ def _load(spec: ReplicaSpec):
     cls, _ = pipeline_class(model_dir)
     if spec.transformer_file is not None:
         transformer = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, "--transformer")
+        if spec.gguf_kernels:
+            dlo.use_gguf_kernels(transformer)
         plan = None
     else:
         transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
