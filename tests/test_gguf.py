@@ -196,7 +196,7 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
 
 
 def test_generate_with_gguf_kernels_equals_the_plain_pipeline_and_refuses_what_it_cannot_run(
-    tiny_flux_dir, tmp_path, capsys
+    tiny_flux_dir, tmp_path, capsys, monkeypatch
 ):
     """`--gguf-kernels`: the --transformer .gguf file's weights dequantize with dlo's Triton
     kernels, run here by Triton's CPU interpreter in a `dlo generate` process of its own; the
@@ -235,6 +235,13 @@ def test_generate_with_gguf_kernels_equals_the_plain_pipeline_and_refuses_what_i
         assert main([*argv, "--output", str(tmp_path / "x.png"), "--gguf-kernels", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"dlo: error: {says}"), err
+    with monkeypatch.context() as driver:  # a machine with a GPU, asked for the CPU
+        driver.setattr(torch.cuda, "is_available", lambda: True)
+        assert main([*argv, "--output", str(tmp_path / "x.png"), "--gguf-kernels", "--transformer", str(path)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "dlo: error: --gguf-kernels runs Triton kernels on a CUDA device, not cpu; use --device cuda, or leave "
+            "--gguf-kernels out"
+        )
     assert not (tmp_path / "x.png").exists()
     if importlib.util.find_spec("fastapi") is not None:  # dlo serve checks it the same way
         assert main(["serve", str(tiny_flux_dir), "--device", "cpu", "--no-host-weight-cache", "--gguf-kernels"]) == 2
