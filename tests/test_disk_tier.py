@@ -113,6 +113,30 @@ def test_blocks_beyond_the_budget_stream_from_disk_bit_identical(tmp_path, name,
         assert len(disk.blocks) < stats.streamed_blocks and stats.host_bytes > 0
 
 
+def test_regional_compile_over_the_disk_tier_equals_the_model_compiled_resident(tmp_path):
+    """torch.compile composes with the disk tier: the blocks compiled regionally (the user's
+    compile_repeated_blocks, after enable) stream from disk and compute what the same model
+    compiled and resident computes. See [Note: compiled blocks]"""
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # inductor's CPU kernels spin in OpenMP barriers on a shared machine
+    try:
+        files = save(tmp_path / "wan", "wan")
+        reference = ordinary(tmp_path / "wan", "wan")
+        reference.compile_repeated_blocks(fullgraph=True)
+        expected = outputs(reference, "wan")
+        model, plan = dlo.load_transformer(tmp_path / "wan")
+        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
+            model.compile_repeated_blocks(fullgraph=True)
+            got = outputs(model, "wan")
+            stats = handle.stats()
+        assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0 and stats.compile.graphs >= 1
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+
+
 def test_the_disk_tier_leaves_the_page_cache_empty_and_reads_each_use_once(tmp_path):
     """Caches dropped first: each call reads its disk blocks once from storage (the kernel's
     /proc/self/io agrees with dlo's count), and afterwards not one page of the checkpoint is
