@@ -115,12 +115,13 @@ class AutoResidency:
         self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
         self._beside: Callable[[], int] = lambda: 0  # See hold_beside()
 
-    def hold_beside(self, nbytes: Callable[[], int]) -> None:
-        """Another phase of the process, outside the module's calls, holds `nbytes()` on the
-        device beside the module's non-block parts (a pipeline's VAE decode, with every other
-        component's weights), asked when the plan is made: the blocks and slots chosen must fit
-        beside that too, not only beside the measured call's peak. See [Note: pipeline budget]"""
-        self._beside = nbytes
+    def hold_beside(self, other_phase_bytes: Callable[[], int]) -> None:
+        """Another phase of the process, outside the module's calls, holds `other_phase_bytes()`
+        on the device beside the module's non-block parts (a pipeline's VAE decode, with every
+        other component's weights), asked when the plan is made: the blocks and slots chosen must
+        fit beside that too, not only beside the measured call's peak. See [Note: pipeline
+        budget]"""
+        self._beside = other_phase_bytes
 
     def call_starts(self) -> None:
         runtime = self._runtime

@@ -200,12 +200,12 @@ class OffloadHandle:
         their capacity) and landing buffers."""
         return self._device_weight_bytes + self._runtime.held_bytes
 
-    def hold_beside(self, nbytes: Callable[[], int]) -> None:
+    def hold_beside(self, other_phase_bytes: Callable[[], int]) -> None:
         """resident_layers='auto': another phase of the process, outside the module's calls,
-        holds `nbytes()` on the device beside the module's non-block parts, asked when the
-        residency is planned. See AutoResidency.hold_beside"""
+        holds `other_phase_bytes()` on the device beside the module's non-block parts, asked
+        when the residency is planned. See AutoResidency.hold_beside"""
         if self._residency is not None:
-            self._residency.hold_beside(nbytes)
+            self._residency.hold_beside(other_phase_bytes)
 
     @property
     def residency_budget(self) -> int | None:
