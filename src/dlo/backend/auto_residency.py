@@ -64,7 +64,7 @@ def residency_budget(config: OffloadConfig, summary: PlanSummary, device: torch.
         raise ConfigError(
             "OffloadConfig.resident_layers='auto' on the CPU needs hbm_budget_gib: there is no device allocator to ask"
         )
-    largest = summary.largest_block.nbytes if summary.largest_block is not None else 0
+    largest = summary.largest_block.slot_bytes if summary.largest_block is not None else 0
     if budget < summary.device_weight_bytes:
         raise ConfigError(
             f"{given} is below the {summary.device_weight_bytes / 2**30:.2f} GiB that streaming "
@@ -164,7 +164,8 @@ class AutoResidency:
         ledger.settle()
         ledger.measuring_blocks = False
         self._attempts += 1
-        streamed = [i for i in range(len(runtime.blocks)) if i not in runtime.promoted]
+        # Blocks that look up on the host take no slot and copy nothing: not planned.
+        streamed = [i for i, b in enumerate(runtime.blocks) if i not in runtime.promoted and not b.on_host]
         assert self._baseline is not None and self._compiles is not None
         self._compiles.poll()
         unmeasured = [runtime.blocks[i].name for i in streamed if i not in ledger.block_compute_s]

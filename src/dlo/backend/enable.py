@@ -240,6 +240,18 @@ def _resolve_plans(module: nn.Module, plan: object) -> tuple[OffloadPlan, HostWe
     raise ConfigError(f"plan must be a dlo.OffloadPlan, a dlo.HostWeightPlan or None, got {type(plan).__name__}")
 
 
+def _check_host_lookups(refs: list[BlockRef], host_plan: HostWeightPlan | None, gather_group: GatherGroup | None) -> None:
+    """Host lookups read a private host copy in place (See [Note: token embeddings looked up on
+    the host]): refused from a mapping, or from a shard."""
+    names = [ref.name for ref in refs if ref.on_host]
+    if names and (host_plan is not None or gather_group is not None):
+        where = "a checkpoint mapping (HostWeightPlan)" if host_plan is not None else "all-gather mode's shards"
+        raise ConfigError(
+            f"OffloadPlan.host_lookups names {names}, which look their rows up in a private host copy, not in {where}; "
+            "leave them out of host_lookups"
+        )
+
+
 def _resident_count(config: OffloadConfig, offload_plan: OffloadPlan, refs: list[BlockRef], module: nn.Module) -> int:
     if config.resident_layers == AUTO:
         return 0  # every block streams until the measured call; then see [Note: automatic residency]
@@ -295,6 +307,7 @@ def enable(
     refs = resolve_blocks(module, offload_plan)
     resident_count = _resident_count(config, offload_plan, refs, module)
     streamed_refs = refs[resident_count:]
+    _check_host_lookups(streamed_refs, host_plan, gather_group)
     budget = None
     if config.resident_layers == AUTO:  # refused here when too small: before anything moves
         budget = residency_budget(config, summarize(module, offload_plan, config), device)
@@ -339,6 +352,7 @@ def enable(
                 converted=len(fp8_gemms) > 0,
             )
             streamed = disk_tier.place_blocks(streamed, disk, pin, undo)
+            streamed = [replace(block, on_host=ref.on_host) for block, ref in zip(streamed, streamed_refs)]
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         if bound_plan is not None and disk_tier.is_active(disk):
             drop_cached(bound_plan.weights.checkpoint)  # See [Note: the disk tier]
@@ -431,7 +445,9 @@ def _auto_residency(
     else:  # no allocator: what dlo keeps on the device (activations are not counted)
         peak = partial(_cpu_device_bytes, runtime, weight_bytes)
         limit = None
-    eligible = frozenset(i for i, ref in enumerate(streamed_refs) if offload_plan.is_resident_eligible(ref.list_path))
+    eligible = frozenset(
+        i for i, ref in enumerate(streamed_refs) if offload_plan.is_resident_eligible(ref.list_path) and not ref.on_host
+    )
     slot_counts = tuple(sorted({2, 3, 4, config.num_slots}))
     return AutoResidency(runtime, budget, peak, limit, weight_bytes, eligible, slot_counts)
 

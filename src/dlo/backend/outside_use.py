@@ -77,8 +77,7 @@ class OutsideUseProbe:
         if torch.compiler.is_compiling():
             return
         index, name = self._owner[id(module)]
-        planner = self._runtime.planner
-        if planner.is_running(index) or planner.is_resident(index):
+        if self._runtime.is_running(index) or self._runtime.planner.is_resident(index):
             return
         block = self._runtime.blocks[index].name
         if self._runtime.gather is not None:

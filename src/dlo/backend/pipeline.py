@@ -264,7 +264,7 @@ def _streamed_bytes(module: nn.Module, config: OffloadConfig, once_per_call: boo
         return summary.device_weight_bytes
     # Its slots are given back after enable() and taken per block size (See [Note: slots per
     # size class]): at once they hold at most its `num_slots` largest blocks.
-    largest = sorted((block.nbytes for block in summary.streamed), reverse=True)[: summary.num_slots]
+    largest = sorted((block.slot_bytes for block in summary.streamed), reverse=True)[: summary.num_slots]
     return summary.non_block_bytes + sum(largest)
 
 

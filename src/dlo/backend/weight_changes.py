@@ -231,7 +231,7 @@ class WeightChanges:
         refused: list[str] = []
         for index, block in enumerate(runtime.blocks):
             # Blocks an interrupt left running still point at their slots; the call's start frees them.
-            if index in runtime.promoted or index in self._open or runtime.planner.is_running(index):
+            if index in runtime.promoted or index in self._open or runtime.is_running(index):
                 continue
             tensors = block.tensors
             versions, addresses = [t._version for t in tensors], [t.data_ptr() for t in tensors]

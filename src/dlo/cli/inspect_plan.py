@@ -31,8 +31,8 @@ def render(summary: PlanSummary, weight_bytes: int) -> str:
     """`weight_bytes`: the model's payload; the summary's sizes are aligned layouts."""
     rows = []
     for path in summary.plan.block_lists:
-        sizes = [b for b in summary.blocks if b.name.rsplit(".", 1)[0] == path]
-        classes = sorted({b.class_name for b in sizes})
+        sizes = [b for b in summary.blocks if path in (b.name, b.name.rsplit(".", 1)[0])]
+        classes = sorted({b.class_name + (" (looked up on the host)" if b.on_host else "") for b in sizes})
         per_block = {human_bytes(b.nbytes) for b in sizes}
         rows.append([path, len(sizes), ", ".join(classes), " / ".join(sorted(per_block))])
     largest = summary.largest_block
@@ -45,7 +45,7 @@ def render(summary: PlanSummary, weight_bytes: int) -> str:
         f"largest block:        {largest.name} ({human_bytes(largest.nbytes)})" if largest else "largest block: -",
         f"resident blocks:      {summary.resident_blocks}",
         f"always on device:     {human_bytes(summary.non_block_bytes)} (embeddings, norms, heads)",
-        f"slots:                {summary.num_slots} x {human_bytes(largest.nbytes if largest else 0)}",
+        f"slots:                {summary.num_slots} x {human_bytes(largest.slot_bytes if largest else 0)}",
         f"device weight memory: {human_bytes(summary.device_weight_bytes)} "
         f"(resident run: {human_bytes(weight_bytes)})",
         f"streamed per call:    {human_bytes(summary.streamed_bytes)}",

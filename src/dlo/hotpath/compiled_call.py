@@ -57,10 +57,12 @@ import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 from torch._dynamo.utils import counters, get_compilation_metrics
 
@@ -68,13 +70,15 @@ from dlo.errors import StreamingError
 
 
 class BlockRuntime(Protocol):
-    def before_block(self, index: int) -> None: ...
+    device: torch.device
+
+    def before_block(self, index: int) -> bool: ...
 
     def after_block(self, index: int) -> None: ...
 
 
-def _enter(runtime: BlockRuntime, index: int) -> None:
-    runtime.before_block(index)
+def _enter(runtime: BlockRuntime, index: int) -> bool:
+    return runtime.before_block(index)
 
 
 def _leave(runtime: BlockRuntime, index: int) -> None:
@@ -115,9 +119,14 @@ class StreamedCall:
             _vet(_backend(callback), "the model was compiled")
             _VETTED.add(callback)
         enter, leave = (_enter_untraced, _leave_untraced) if compiling else (_enter, _leave)
-        enter(self.runtime, self.index)
+        on_host = enter(self.runtime, self.index)
         try:
-            return (self.compiled or self.call_impl)(*args, **kwargs)
+            if not on_host:
+                return (self.compiled or self.call_impl)(*args, **kwargs)
+            # See [Note: token embeddings looked up on the host]
+            args, kwargs = tree_map_only(torch.Tensor, torch.Tensor.cpu, (args, kwargs))
+            outputs = (self.compiled or self.call_impl)(*args, **kwargs)
+            return tree_map_only(torch.Tensor, partial(torch.Tensor.to, device=self.runtime.device), outputs)
         finally:
             leave(self.runtime, self.index)
 

@@ -66,6 +66,7 @@ class RankLocalRuntime(StreamingRuntime):
             self.stager.wait_idle()
         self.executor.synchronize()
         self.planner.release_running()
+        self._on_host_now.clear()  # every block is pointed below
         if self.planner.num_slots != len(self.queues) or len(self.queues) != self._slot_shape[0]:
             self._use_slots(())  # replace_slots() stopped midway: back to the last shape it reached
             self.planner.resize(0)
@@ -98,7 +99,7 @@ class RankLocalRuntime(StreamingRuntime):
                 f"block {block.name!r} is needed outside its own call, which all-gather mode cannot serve (every "
                 "load is a collective in plan order): keep it resident (resident_layers) or use rank-local mode"
             )
-        if self.planner.is_running(index):
+        if self.is_running(index):
             raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
         with self._step():
             memory = aligned_empty(block.layout.nbytes, self.executor.device)

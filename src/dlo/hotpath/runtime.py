@@ -7,6 +7,20 @@ every rank's shard in the plan's static order. Both run the same steps over the 
 the planner's decisions (dlo.planning.slot_planner), one queue per slot (dlo.hotpath.slot_queue),
 one executor (dlo.hotpath.executors). Each step runs inside `_step()`, which holds signals
 (See [Note: interrupts between collectives]) and says what a step cut short leaves behind.
+
+[Note: token embeddings looked up on the host]
+A text encoder's token embedding is its largest tensor (UMT5-XXL: 256k rows of 4096, 2.1 GB of
+its 11.4 GB), and a call reads a few hundred of its rows. Streamed, each prompt would copy all
+of it over the link. A block named in `OffloadPlan.host_lookups` (a plain `nn.Embedding`, whose
+forward gathers rows and computes nothing) never takes a slot: its call points its weight at
+views of its host copy, runs on the CPU with the indices copied there, and its output is
+copied to the device (`StreamedCall`), while the blocks after it are already being loaded. A
+gather copies the rows' bits, so the output equals the device's lookup. Between calls its
+weight is a stand-in on the device like every streamed block's (`module.device`, which
+pipelines read, stays the device). Promoted (used through a tied alias, or opened by
+`editing()`), it runs on the device like any resident block; demoted, on the host again, from
+its host copy as rewritten. Only a private host copy of the layout's dtypes can serve it:
+enable() refuses host lookups from a mapping (`HostWeightPlan`) and in all-gather mode.
 """
 
 from __future__ import annotations
@@ -55,7 +69,9 @@ class StreamingRuntime:
         self.read_ahead = read_ahead
         self.loads = BlockLoads(self.blocks, executor, gather, staged=stager is not None)
         self._landing_bytes = executor.landings[0].numel() if executor.landings else 0
-        self.planner = SlotPlanner(len(self.blocks), len(slots), lockstep=self.lockstep)
+        on_host = frozenset(i for i, block in enumerate(self.blocks) if block.on_host)
+        self.planner = SlotPlanner(len(self.blocks), len(slots), lockstep=self.lockstep, on_host=on_host)
+        self._on_host_now: set[int] = set()  # running from their host copy
         self._use_slots(slots)
         self._compute_start: dict[int, Any] = {}
         self.promoted: dict[int, torch.Tensor] = {}  # block index -> its own device memory
@@ -95,7 +111,17 @@ class StreamingRuntime:
     def _step(self) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
 
-    def before_block(self, index: int) -> None:
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    def is_running(self, index: int) -> bool:
+        """Block `index` has started and not ended: from its slot or its host copy."""
+        return self.planner.is_running(index) or index in self._on_host_now
+
+    def before_block(self, index: int) -> bool:
+        """Returns whether the block runs on the host (See [Note: token embeddings looked up on
+        the host]): its caller moves its inputs there and its outputs back."""
         if torch.is_grad_enabled():
             # Autograd would save views of a slot that the next copies overwrite.
             raise StreamingError(
@@ -105,13 +131,29 @@ class StreamingRuntime:
         block = self.blocks[index]
         block.check_intact()
         if self.planner.is_resident(index):  # promoted: its tensors are its own device memory
-            return
+            return False
         self.executor.check_not_capturing()
+        if self.planner.runs_on_host(index):
+            with self._step():
+                self._start_on_host(index)
+            return True
         with self._step():
             self._enter(index)
             self._start_block(index)
         if self.ledger.times_blocks:
             self._compute_start[index] = self.executor.mark()
+        return False
+
+    def _start_on_host(self, index: int) -> None:
+        """Queue the loads of the blocks after block `index`, then point it at its host copy."""
+        loads, after = self.planner.decide_preload(index)
+        for load in loads:
+            self.queues[load.slot].load(load.block)
+        self.planner.record(after)
+        self.planner.started_on_host(index)
+        block = self.blocks[index]
+        self._on_host_now.add(index)  # first: an interrupt after it leaves a block that is released
+        block.point_at(block.source.restored(block.layout, block.wire))
 
     def _enter(self, index: int) -> None:
         """Checks before block `index` starts (all-gather mode: the schedule)."""
@@ -140,9 +182,13 @@ class StreamingRuntime:
         block.point_at(view)  # last: a block pointed at a slot is one the planner counts as running
 
     def after_block(self, index: int) -> None:
+        block = self.blocks[index]
+        if index in self._on_host_now:
+            block.point_at(block.placeholders)
+            self._on_host_now.discard(index)
+            return
         if not self.planner.is_running(index):  # before_block raised before the block started
             return
-        block = self.blocks[index]
         # Not a held step (it runs once per block, and each hold costs system calls): in this
         # order, an interrupt anywhere leaves the block running, and the next call's start
         # releases it again.
@@ -169,6 +215,9 @@ class StreamingRuntime:
         for index, slot_index in self.planner.release_running():
             self.executor.mark_free(self.queues[slot_index].state.slot)
             self.blocks[index].point_at(self.blocks[index].placeholders)
+        for index in self._on_host_now:
+            self.blocks[index].point_at(self.blocks[index].placeholders)
+        self._on_host_now.clear()
 
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable())."""

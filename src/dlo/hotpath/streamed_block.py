@@ -36,12 +36,16 @@ class StreamedBlock:
     bindings: tuple[Binding, ...]  # every (owner, key) that holds one of them
     source: BlockSource
     placeholders: tuple[torch.Tensor, ...]
+    on_host: bool = False  # See [Note: token embeddings looked up on the host]
 
     @property
     def slot_bytes(self) -> int:
         """The slot memory the block needs: its layout, or in all-gather mode, where an
         unquantized block is gathered straight into its slot, all the padded shards (a float8
-        block is gathered into a landing buffer and dequantized into the slot)."""
+        block is gathered into a landing buffer and dequantized into the slot); none for a
+        block that looks its rows up on the host (a promoted one has memory of its own)."""
+        if self.on_host:
+            return 0
         if isinstance(self.source, ShardSource) and not self.wire.quantized:
             return self.source.shards.padded_bytes
         return self.layout.nbytes

@@ -43,12 +43,15 @@ class OffloadPlan:
     streams it as one block.
 
     resident_eligible: the lists whose blocks `resident_layers` may keep on the device
-        (None: all of them). source: "declared", "auto" or "user", for reports.
+        (None: all of them). source: "declared", "auto" or "user", for reports. host_lookups:
+    single-module blocks (plain `nn.Embedding`s) that never cross the link: they look up their
+        rows in their host copy (See [Note: token embeddings looked up on the host]).
     """
 
     block_lists: tuple[str, ...]
     resident_eligible: tuple[str, ...] | None = None
     source: str = "user"
+    host_lookups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.block_lists, str) or not self.block_lists:
@@ -61,11 +64,12 @@ class OffloadPlan:
             for inner in self.block_lists:
                 if inner.startswith(outer + "."):
                     raise DiscoveryError(f"OffloadPlan.block_lists: {inner!r} lies inside {outer!r}; name one of them")
-        unknown = set(self.resident_eligible or ()) - set(self.block_lists)
-        if unknown:
-            raise DiscoveryError(
-                f"OffloadPlan.resident_eligible names {sorted(unknown)} which are not in block_lists {self.block_lists!r}"
-            )
+        for field_name in ("resident_eligible", "host_lookups"):
+            unknown = set(getattr(self, field_name) or ()) - set(self.block_lists)
+            if unknown:
+                raise DiscoveryError(
+                    f"OffloadPlan.{field_name} names {sorted(unknown)} which are not in block_lists {self.block_lists!r}"
+                )
 
     def is_resident_eligible(self, list_path: str) -> bool:
         return self.resident_eligible is None or list_path in self.resident_eligible
@@ -73,11 +77,14 @@ class OffloadPlan:
 
 @dataclass(frozen=True)
 class BlockRef:
-    """One streamable block: its dotted name in the root module and the list it belongs to."""
+    """One streamable block: its dotted name in the root module and the list it belongs to.
+    `on_host`: it looks its rows up in its host copy (See [Note: token embeddings looked up on
+    the host])."""
 
     name: str
     list_path: str
     module: nn.Module
+    on_host: bool = False
 
 
 def _declared_lists(module: nn.Module) -> tuple[str, tuple[str, ...]] | None:
@@ -152,14 +159,33 @@ def _is_single_block(candidate: nn.Module) -> bool:
     )
 
 
+def looks_up_rows(candidate: nn.Module) -> bool:
+    """Whether `candidate` only gathers rows of its weight: a plain `nn.Embedding` (its own
+    forward, no `max_norm`, which would rewrite the rows it reads) of a plain float weight (not
+    a quantized file's packed bytes)."""
+    return (
+        isinstance(candidate, nn.Embedding)
+        and type(candidate).forward is nn.Embedding.forward
+        and candidate.max_norm is None
+        and type(candidate.weight) is nn.Parameter
+        and candidate.weight.dtype.is_floating_point
+    )
+
+
 def resolve_blocks(module: nn.Module, plan: OffloadPlan) -> list[BlockRef]:
     """The plan's blocks in execution order (list by list, index by index). A path naming a
     module that is not a list is one block of its own."""
     blocks: list[BlockRef] = []
     for path in plan.block_lists:
         block_list = _get(module, path)
+        if path in plan.host_lookups and (block_list is None or not looks_up_rows(block_list)):
+            found = "nothing" if block_list is None else type(block_list).__name__
+            raise DiscoveryError(
+                f"OffloadPlan.host_lookups names {path!r}, which is {found} in {type(module).__name__}: only a plain "
+                "nn.Embedding without max_norm looks its rows up on the host; leave it out of host_lookups"
+            )
         if block_list is not None and not isinstance(block_list, nn.ModuleList) and _is_single_block(block_list):
-            blocks.append(BlockRef(path, path, block_list))
+            blocks.append(BlockRef(path, path, block_list, on_host=path in plan.host_lookups))
             continue
         if not isinstance(block_list, nn.ModuleList):
             found = "nothing" if block_list is None else type(block_list).__name__
@@ -178,10 +204,12 @@ def with_single_blocks(module: nn.Module, plan: OffloadPlan, min_bytes: int) -> 
     """`plan` with every module outside its blocks that holds at least `min_bytes` of parameters
     of its own (a text encoder's token embedding) streamed as one block of its own, first. For a
     component that runs once per call: between its calls it then holds nothing on the device
-    but its small parts (See [Note: pipeline budget]). Of modules of one class tied to one
-    weight (T5's `shared` and `encoder.embed_tokens`), the last streams: the one inside the
-    stack that runs it; the others are its aliases, which promote it if they run (See [Note:
-    blocks used outside their call]). Only modules without parameters in submodules qualify."""
+    but its small parts (See [Note: pipeline budget]). A plain embedding among them looks its
+    rows up on the host instead (See [Note: token embeddings looked up on the host]). Of
+    modules of one class tied to one weight (T5's `shared` and `encoder.embed_tokens`), the
+    last streams: the one inside the stack that runs it; the others are its aliases, which
+    promote it if they run (See [Note: blocks used outside their call]). Only modules without
+    parameters in submodules qualify."""
     taken = {id(sub) for ref in resolve_blocks(module, plan) for sub in ref.module.modules()}
     holders: dict[int, list[nn.Module]] = {}  # id(parameter) -> the modules holding it as their own
     for sub in module.modules():
@@ -199,4 +227,7 @@ def with_single_blocks(module: nn.Module, plan: OffloadPlan, min_bytes: int) -> 
             tensors = frozenset(id(p) for p in own)
             singles = {path: ids for path, ids in singles.items() if not ids & tensors}  # the later alias wins
             singles[name] = tensors
-    return replace(plan, block_lists=(*singles, *plan.block_lists)) if singles else plan
+    if not singles:
+        return plan
+    lookups = tuple(path for path in singles if looks_up_rows(module.get_submodule(path)))
+    return replace(plan, block_lists=(*singles, *plan.block_lists), host_lookups=(*lookups, *plan.host_lookups))

@@ -20,7 +20,13 @@ from dlo.planning.tensor_walk import unique_tensors
 class BlockSize:
     name: str
     class_name: str
-    nbytes: int  # aligned layout size: what one slot must hold
+    nbytes: int  # aligned layout size
+    on_host: bool = False  # See [Note: token embeddings looked up on the host]
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one slot must hold for it (and what a call copies): none when it looks up on the host."""
+        return 0 if self.on_host else self.nbytes
 
 
 @dataclass(frozen=True)
@@ -38,16 +44,18 @@ class PlanSummary:
 
     @property
     def largest_block(self) -> BlockSize | None:
-        return max(self.streamed, key=lambda b: b.nbytes, default=None)
+        """The streamed block the slots are sized for."""
+        return max(self.streamed, key=lambda b: b.slot_bytes, default=None)
 
     @property
     def streamed_bytes(self) -> int:
-        return sum(b.nbytes for b in self.streamed)
+        """What a call copies to the device."""
+        return sum(b.slot_bytes for b in self.streamed)
 
     @property
     def device_weight_bytes(self) -> int:
         """Non-block parts + resident blocks + slots: the weights dlo keeps on the device."""
-        slot = self.largest_block.nbytes if self.largest_block else 0
+        slot = self.largest_block.slot_bytes if self.largest_block else 0
         resident = sum(b.nbytes for b in self.blocks[: self.resident_blocks])
         return self.non_block_bytes + resident + self.num_slots * slot
 
@@ -86,7 +94,7 @@ def summarize(module: nn.Module, plan: OffloadPlan, config: OffloadConfig | None
     return PlanSummary(
         class_name=type(module).__name__,
         plan=plan,
-        blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module, gemms)) for r in refs),
+        blocks=tuple(BlockSize(r.name, type(r.module).__name__, _layout_bytes(r.module, gemms), r.on_host) for r in refs),
         resident_blocks=resident,
         non_block_bytes=sum(o.tensor.numel() * o.tensor.element_size() for o in rest),
         num_slots=config.num_slots,

@@ -65,10 +65,13 @@ class SlotPlanner:
     stale slot. With N slots, up to N - 1 predicted blocks are copied ahead.
     """
 
-    def __init__(self, num_blocks: int, num_slots: int, lockstep: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, num_slots: int, lockstep: bool = False, on_host: frozenset[int] = frozenset()
+    ) -> None:
         """lockstep: keep the static order, never learn, never prefetch past the last block
         (all-gather mode, where every load is a collective agreed at call start; see
-        [Note: lockstep schedule])."""
+        [Note: lockstep schedule]). on_host: blocks that run from their host copy unless
+        promoted, never loaded (See [Note: token embeddings looked up on the host])."""
         if num_blocks < 0 or num_slots < 2:
             raise ValueError(f"need num_blocks >= 0 and num_slots >= 2, got {num_blocks}, {num_slots}")
         self.num_blocks = num_blocks
@@ -83,6 +86,7 @@ class SlotPlanner:
         self._clock = 0
         self._previous: int | None = None
         self._resident: set[int] = set()  # promoted: on the device for good, never loaded
+        self._on_host = on_host
         self.demand_loads = 0
         self._calls_apart = False  # See keep_calls_apart()
 
@@ -113,6 +117,9 @@ class SlotPlanner:
 
     def is_resident(self, block: int) -> bool:
         return block in self._resident
+
+    def runs_on_host(self, block: int) -> bool:
+        return block in self._on_host and block not in self._resident
 
     def promote(self, block: int) -> None:
         """`block` stays on the device from now on: it is never loaded again, and prefetch
@@ -180,6 +187,13 @@ class SlotPlanner:
         if start.demand is not None:
             self.demand_loads += 1
 
+    def started_on_host(self, block: int) -> None:
+        """`block`, which runs on the host, started: learned as the successor of the block
+        before it, and the block after it as its own."""
+        if self._previous is not None and not self._lockstep:
+            self._successor[self._previous] = block
+        self._previous = block
+
     def decide_preload(self, block: int) -> tuple[tuple[Load, ...], _Table]:
         """Loads that put `block` and the blocks after it into the slots (a call's start), and
         the record once they are queued (for `record()`)."""
@@ -227,7 +241,7 @@ class SlotPlanner:
         for _ in range(self.num_blocks):  # bounded: every block may be resident
             if len(wanted) >= self.num_slots or nxt is None or nxt in wanted:
                 break
-            if nxt in self._resident:
+            if nxt in self._resident or nxt in self._on_host:
                 nxt = self._next_after(nxt, starting)
                 continue
             wanted.append(nxt)

@@ -1,0 +1,146 @@
+"""Token embeddings that look their rows up in their host copy instead of crossing the link.
+See [Note: token embeddings looked up on the host] in dlo.hotpath.runtime."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import T5Config, T5EncoderModel
+
+import dlo
+from dlo.planning.offload_plan import with_single_blocks
+
+EMBEDDING = "encoder.embed_tokens"
+PLAN = dlo.OffloadPlan(block_lists=(EMBEDDING, "encoder.block"), host_lookups=(EMBEDDING,))
+
+
+def t5_encoder(seed=0):
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=320, d_model=32, d_kv=8, d_ff=48, num_layers=3, num_heads=4)
+    return T5EncoderModel(config).eval()
+
+
+def encode(model, seed=0):
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        return model(ids).last_hidden_state
+
+
+def host_image(handle):
+    source = handle._runtime.blocks[0].source
+    return source.host.tensor
+
+
+def test_an_embedding_looked_up_on_the_host_equals_resident_and_never_crosses_the_link():
+    reference = t5_encoder()
+    model = copy.deepcopy(reference)
+    with dlo.enable(model, "cpu", plan=PLAN) as handle:
+        weight = model.get_submodule(EMBEDDING).weight
+        image = host_image(handle)
+        seen = []  # inside its call the weight is a view of the block's host copy, not a slot
+        model.get_submodule(EMBEDDING).register_forward_hook(
+            lambda module, args, out: seen.append(
+                (module.weight.data_ptr() - image.data_ptr(), module.weight.stride(), args[0].device)
+            )
+        )
+        runtime = handle._runtime
+        link = sum(runtime.loads.link_bytes(i) for i in range(1, len(runtime.blocks)))
+        for seed in range(3):
+            before = handle.stats().bytes_streamed
+            assert torch.equal(encode(model, seed), encode(reference, seed))
+            copied = handle.stats().bytes_streamed - before
+            # Every layer once a call (the first also prefetches the next call's first), the embedding never.
+            assert copied == link if seed else link < copied < link + weight.numel() * weight.element_size()
+        assert weight.stride() == (0, 0)  # a stand-in between calls
+        assert all(0 <= offset < image.numel() and stride == (32, 1) for offset, stride, _ in seen)
+        assert len(seen) == 3
+        slots = [queue.state.size for queue in runtime.queues]
+        assert max(slots) < weight.numel() * weight.element_size()  # the slots are sized for the layers
+    assert torch.equal(encode(model), encode(reference))  # disable() gives the weights back
+    assert model.get_submodule(EMBEDDING).weight.stride() == (32, 1)
+
+
+def test_a_tied_alias_that_runs_promotes_the_embedding_which_then_runs_on_the_device(caplog):
+    """T5's `shared` holds the embedding's weight: run on its own, it promotes the block, and
+    the stack's own lookups then read that memory."""
+    reference = t5_encoder()
+    model = copy.deepcopy(reference)
+    ids = torch.tensor([[1, 5, 7]])
+    with dlo.enable(model, "cpu", plan=PLAN) as handle, torch.inference_mode():
+        assert torch.equal(encode(model), encode(reference))
+        assert torch.equal(model.shared(ids), reference.shared(ids))
+        assert 0 in handle._runtime.promoted
+        assert torch.equal(encode(model, 1), encode(reference, 1))
+    assert "shared ran outside the call of its block 'encoder.embed_tokens'" in caplog.text
+
+
+def test_an_edited_embedding_is_looked_up_from_its_rewritten_host_copy():
+    reference = t5_encoder()
+    model = copy.deepcopy(reference)
+
+    def edit(encoder):
+        with torch.no_grad():
+            encoder.get_submodule(EMBEDDING).weight[3:9].mul_(-2.0)
+
+    with dlo.enable(model, "cpu", plan=PLAN) as handle:
+        encode(model)
+        edit(reference)
+        with handle.editing(model.get_submodule(EMBEDDING)):
+            edit(model)
+        assert handle.stats().rewritten_blocks == 1
+        assert not handle._runtime.promoted  # closed: it looks up on the host again
+        for seed in range(2):
+            assert torch.equal(encode(model, seed), encode(reference, seed))
+
+
+def test_an_interrupt_inside_the_lookup_leaves_the_next_calls_exact():
+    reference = t5_encoder()
+    model = copy.deepcopy(reference)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt("inside the lookup")
+
+    with dlo.enable(model, "cpu", plan=PLAN) as handle:
+        hook = model.get_submodule(EMBEDDING).register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            encode(model)
+        hook.remove()
+        # The weight is a stand-in again (not refused as changed), and nothing counts as running.
+        assert model.get_submodule(EMBEDDING).weight.stride() == (0, 0)
+        assert not handle._runtime.is_running(0)
+        for seed in range(2):
+            assert torch.equal(encode(model, seed), encode(reference, seed))
+
+
+def test_host_lookups_that_cannot_be_served_are_refused_before_anything_changes():
+    model = t5_encoder()
+    weight = model.get_submodule(EMBEDDING).weight
+    with pytest.raises(dlo.DiscoveryError, match=r"host_lookups names \['encoder.final_layer_norm'\] which are not in"):
+        dlo.OffloadPlan(block_lists=(EMBEDDING, "encoder.block"), host_lookups=("encoder.final_layer_norm",))
+    norm = dlo.OffloadPlan(
+        block_lists=("encoder.final_layer_norm", "encoder.block"), host_lookups=("encoder.final_layer_norm",)
+    )
+    with pytest.raises(dlo.DiscoveryError, match="T5LayerNorm in T5EncoderModel: only a plain nn.Embedding"):
+        dlo.enable(model, "cpu", plan=norm)
+    model.get_submodule(EMBEDDING).max_norm = 1.0  # a lookup that rewrites the rows it reads
+    with pytest.raises(dlo.DiscoveryError, match="only a plain nn.Embedding without max_norm"):
+        dlo.enable(model, "cpu", plan=PLAN)
+    model.get_submodule(EMBEDDING).max_norm = None
+    with pytest.raises(dlo.ConfigError, match="not in all-gather mode's shards; leave them out of host_lookups"):
+        dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True), plan=PLAN)
+    assert model.get_submodule(EMBEDDING).weight is weight and weight.stride() == (32, 1)
+    with dlo.enable(model, "cpu", plan=PLAN):  # nothing was left managed
+        pass
+
+
+def test_a_subclassed_embedding_with_a_forward_of_its_own_is_not_looked_up_on_the_host():
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2
+
+    model = t5_encoder()
+    model.encoder.embed_tokens = Scaled(320, 32)
+    plan = with_single_blocks(model, dlo.OffloadPlan(block_lists=("encoder.block",)), 1)
+    assert EMBEDDING in plan.block_lists and EMBEDDING not in plan.host_lookups
+    assert "shared" in plan.host_lookups  # no longer tied to the stack's embedding: a plain one of its own
