@@ -18,6 +18,9 @@ VAE decode, each between synchronizations at its edges):
   resident         every component on the device (the reference output)
   dlo transformer  enable_pipeline without a budget: the transformer streamed, the rest resident
   dlo budget       enable_pipeline(OffloadConfig(resident_layers="auto", hbm_budget_gib=B))
+  dlo budget capped  the same on a device of the budget's size: the caching allocator may reserve
+                   no more than B (torch.cuda.set_per_process_memory_fraction; past it, it frees its
+                   cached blocks and retries before it raises out-of-memory)
   dlo ample        the same with a budget that holds everything
   model offload    diffusers' enable_model_cpu_offload
   group offload    diffusers' pipe.enable_group_offload(block_level, 1 block per group, streams)
@@ -53,7 +56,7 @@ from dlo.planning.pipeline_budget import DecodeMode
 from results_json import add_json_flag, write_json
 
 GIB = 2**30
-VARIANTS = ("resident", "dlo-transformer", "dlo-budget", "dlo-ample", "model-offload", "group-offload", "sequential")
+VARIANTS = ("resident", "dlo-transformer", "dlo-budget", "dlo-budget-capped", "dlo-ample", "model-offload", "group-offload", "sequential")
 
 
 def _random(module: torch.nn.Module, seed: int, device: torch.device) -> torch.nn.Module:
@@ -192,6 +195,18 @@ def reserved_gib(device: torch.device) -> float | None:
 
 
 def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, np.ndarray]:
+    if variant != "dlo-budget-capped":
+        return measure_variant(name, variant, pipe, kwargs, size, device, args)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()  # what is reserved now counts against the cap
+    torch.cuda.set_per_process_memory_fraction(args.budget[name] * GIB / total, device)
+    try:
+        return measure_variant(name, variant, pipe, kwargs, size, device, args)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def measure_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, np.ndarray]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     handle, decode, note = None, "whole", ""
@@ -199,8 +214,8 @@ def run_variant(name, variant, pipe, kwargs, size, device, args) -> tuple[Row, n
         pipe.to(device)
     elif variant == "dlo-transformer":
         handle = dlo.enable_pipeline(pipe, device, dlo.OffloadConfig())
-    elif variant in ("dlo-budget", "dlo-ample"):
-        budget = args.budget[name] if variant == "dlo-budget" else 1000.0
+    elif variant in ("dlo-budget", "dlo-budget-capped", "dlo-ample"):
+        budget = 1000.0 if variant == "dlo-ample" else args.budget[name]
         config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=budget)
         handle = dlo.enable_pipeline(pipe, device, config, size=size)
         decode = handle.plan.decode.mode.value
@@ -326,6 +341,8 @@ def main() -> None:
     add_json_flag(parser, "bench_pipeline_budget")
     args = parser.parse_args()
     args.variants = args.variants.split(",")
+    if "dlo-budget-capped" in args.variants and args.device.split(":")[0] != "cuda":
+        parser.error("--variants dlo-budget-capped caps a CUDA device's allocator: pass --device cuda or leave it out")
     args.budget = {"wan": args.wan_budget, "flux": args.flux_budget, "tiny": 0.01}
     device = torch.device(args.device)
     rows, decodes = [], []

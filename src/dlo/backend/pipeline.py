@@ -25,8 +25,9 @@ from dlo.planning.plan_summary import summarize
 
 # Components dlo streams. Wan 2.2 carries a second transformer for the low-noise steps.
 STREAMED_COMPONENTS = ("transformer", "transformer_2")
-# Under a pipeline budget, a streamed encoder's non-block modules of this size or more (token
-# embeddings: UMT5-XXL's is 2.1 GB) stream as blocks of their own. See [Note: pipeline budget]
+# Under a pipeline budget, a streamed encoder's non-block modules of this size or more stream as
+# blocks of their own; a token embedding (UMT5-XXL's is 2.1 GB) looks its rows up on the host.
+# See [Note: pipeline budget]
 SINGLE_BLOCK_BYTES = 64 * 2**20
 
 

@@ -6,10 +6,11 @@ A pipeline call has three phases that share the device: the text encoders run on
 the transformers every step, the VAE decodes once. A component on the device keeps its weights
 there through all three; a streamed transformer keeps its non-block parts and slots. A text
 encoder (any component but the transformers) that dlo streams holds device memory in its own
-phase only: its token embedding and other large non-block parts stream as blocks of their own
-(`with_single_blocks`), and its slots go back to the caching allocator when a transformer call
-starts (`OffloadHandle.release_slots`), to be taken again at its next call. Its phase costs
-one pass over its bytes per prompt, embedding included. The plan, for a budget B:
+phase only: its large non-block parts stream as blocks of their own (`with_single_blocks`), a
+plain token embedding among them looks its rows up on the host and takes no slot (See [Note:
+token embeddings looked up on the host]), and its slots go back to the caching allocator when a
+transformer call starts (`OffloadHandle.release_slots`), to be taken again at its next call. Its
+phase costs one pass over its blocks' bytes per prompt. The plan, for a budget B:
 1. Everything on the device (no streaming) when all the weights plus the larger of a decode's
    activations (the most faithful that fits, see 3.) and `activation_reserve` (the
    transformer's and encoders' activations, not known before a call) fit in B less `HEADROOM`.
