@@ -54,6 +54,7 @@ def write_json(path: Path, name: str, rows: list[Any], table: str = "", **extra:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),  # reserved peaks depend on it
         **extra,
         "table": table,
         "rows": rows,

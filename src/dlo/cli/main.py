@@ -345,6 +345,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# [Note: allocator under a budget]
+# A device budget (--hbm-budget-gib) plans the bytes allocated; PyTorch's caching allocator
+# reserves more: segments cut for one size that later requests of other sizes cannot use. On a
+# device of the budget's size that gap is an out-of-memory: the Wan-14B-shaped pipeline under
+# 8 GiB failed at 6.84 GiB allocated with the allocator capped at 8 GiB, and ran within the cap
+# with expandable segments (benchmarks/RESULTS.md, "issue 33, on a device of the budget's size").
+# So a command given a budget turns them on, unless PYTORCH_CUDA_ALLOC_CONF is set (the user's
+# settings stay as they are). CUDA reads the variable when it first allocates, after this.
+ALLOCATOR_UNDER_A_BUDGET = "expandable_segments:True"
+
+
+def allocator_for_budget(args: argparse.Namespace) -> None:
+    """See [Note: allocator under a budget]"""
+    if getattr(args, "hbm_budget_gib", None) is not None:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_UNDER_A_BUDGET)
+
+
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     quiet_other_libraries(args.verbose)
@@ -353,6 +370,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         if args.check is not None:
             args.check(args)
+        allocator_for_budget(args)
         return importlib.import_module(args.command).run(args)
     except NonFiniteOutput as err:  # the work ran and its result is refused: status 1, not a usage error
         print(f"dlo: error: {err}", file=sys.stderr)
