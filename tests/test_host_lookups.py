@@ -144,3 +144,47 @@ def test_a_subclassed_embedding_with_a_forward_of_its_own_is_not_looked_up_on_th
     plan = with_single_blocks(model, dlo.OffloadPlan(block_lists=("encoder.block",)), 1)
     assert EMBEDDING in plan.block_lists and EMBEDDING not in plan.host_lookups
     assert "shared" in plan.host_lookups  # no longer tied to the stack's embedding: a plain one of its own
+
+
+def llama_encoder():  # HunyuanVideo's text encoder class
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaModel(config).eval()
+
+
+def qwen_vl_encoder():  # Qwen-Image's text encoder class: its vision tower streams too
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                  fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("build, embedding", [(llama_encoder, "embed_tokens"),
+                                               (qwen_vl_encoder, "model.language_model.embed_tokens")])
+def test_decoder_only_text_encoders_stream_under_the_budgets_plan_equal_to_resident(build, embedding):
+    """The Llama and Qwen2.5-VL encoders diffusers' pipelines use, planned as a pipeline budget
+    plans an encoder (its large non-block modules as blocks of their own): the embedding looks
+    its rows up on the host, and every hidden state the pipelines read equals resident."""
+    from dlo.planning.offload_plan import discover
+
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    plan = with_single_blocks(model, discover(model), 1)
+    assert embedding in plan.host_lookups
+
+    def hidden_states(encoder, seed):
+        ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            return encoder(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True).hidden_states
+
+    with dlo.enable(model, "cpu", plan=plan):
+        for seed in range(2):
+            got, want = hidden_states(model, seed), hidden_states(reference, seed)
+            assert len(got) == len(want) == 4 and all(map(torch.equal, got, want))
