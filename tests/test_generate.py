@@ -280,3 +280,38 @@ def test_components_auto_on_the_cpu_places_everything_on_the_device(tiny_flux_di
     pipe = plain_pipeline(tiny_flux_dir)
     with dlo.enable_pipeline(pipe, "cpu", components="auto") as handle:
         assert set(handle.handles) == {"transformer"} and set(handle.placement.values()) == {"device"}
+
+
+def test_generate_streams_the_components_it_is_given_equal_to_the_plain_pipeline(tiny_flux_dir, tmp_path, capsys):
+    out = tmp_path / "cube.png"
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", "--output", str(out), *flags("flux")]
+    assert main([*argv, "--components", "text_encoder,text_encoder_2"]) == 0
+    printed = capsys.readouterr().out
+    assert "text_encoder on streamed, text_encoder_2 on streamed" in printed, printed
+    expected = reference_call(plain_pipeline(tiny_flux_dir), "flux").images[0]
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
+
+
+@pytest.mark.parametrize(
+    ("components", "message"),
+    [
+        ("tokenizer", "dlo: error: --components: components names 'tokenizer', which is not a module component"),
+        ("transformer", "dlo: error: --components: components names 'transformer', which is not a module component"),
+        ("text_encoder,,vae", "argument --components: 'text_encoder,,vae' is not auto nor component names"),
+    ],
+)
+def test_generate_refuses_components_it_cannot_stream_before_loading(tiny_flux_dir, tmp_path, capsys, monkeypatch, components, message):
+    import dlo.cli.generate as generate_cmd
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline loaded before --components was checked")
+
+    monkeypatch.setattr(generate_cmd, "generate", no_load)
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "x", "--device", "cpu", "--output", str(tmp_path / "a.png")]
+    try:
+        status = main([*argv, *flags("flux"), "--components", components])
+    except SystemExit as usage_error:  # argparse's: the flag's own form
+        status = usage_error.code
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

@@ -262,3 +262,33 @@ def test_serve_without_its_extra_names_the_extra_to_install_before_the_model_is_
         assert err.splitlines() == [
             f"dlo: error: dlo serve needs the [serve] extra ({blocked} does not import): pip install 'dlo[serve]'"
         ], blocked
+
+
+def test_components_are_checked_before_the_replicas_start_and_each_replica_streams_them(
+    tiny_flux_dir, replicas_never_start, capsys
+):
+    import numpy as np
+    import torch
+
+    import dlo
+    from dlo.models.tiny_pipelines import GENERATE_DEFAULTS
+    from dlo.serve.replica import ReplicaSpec, _load
+    from plain_pipeline import plain_pipeline
+
+    argv = ["serve", str(tiny_flux_dir), "--device", "cpu", "--port", str(free_port()), "--no-host-weight-cache"]
+    assert main([*argv, "--components", "tokenizer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--components: components names 'tokenizer'" in err, err
+    spec = ReplicaSpec(str(tiny_flux_dir), "cpu", torch.float32, dlo.OffloadConfig(), components=("text_encoder_2",))
+    pipe, handle = _load(spec)
+    kwargs = dict(GENERATE_DEFAULTS["flux"], num_inference_steps=2)
+    try:
+        assert handle.placement["text_encoder_2"] == "streamed" and handle.stats()["text_encoder_2"].copies == 0
+        with torch.inference_mode():
+            got = pipe("a red cube", generator=torch.Generator().manual_seed(0), **kwargs).images[0]
+        assert handle.stats()["text_encoder_2"].copies > 0
+    finally:
+        handle.disable()
+    with torch.inference_mode():
+        want = plain_pipeline(tiny_flux_dir)("a red cube", generator=torch.Generator().manual_seed(0), **kwargs).images[0]
+    assert np.array_equal(np.asarray(got), np.asarray(want))

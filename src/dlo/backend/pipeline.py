@@ -118,6 +118,15 @@ def _streamable(module: nn.Module) -> bool:
     return True
 
 
+def named_components(pipe: object, components: Sequence[str] | str) -> list[str]:
+    """The components `components` names to stream beside the transformers (none for "auto"),
+    each checked: on `pipe` itself, or on its twin built on the meta device before any weight
+    loads (dlo generate and serve)."""
+    found = getattr(pipe, "components", None) or {}
+    others = {n: m for n, m in found.items() if n not in STREAMED_COMPONENTS and isinstance(m, nn.Module)}
+    return [] if components == AUTO else _named_components(components, others)
+
+
 def _named_components(components: Sequence[str] | str, others: Mapping[str, nn.Module]) -> list[str]:
     """The explicitly named components to stream, each checked before anything is enabled."""
     if isinstance(components, str):
@@ -188,7 +197,7 @@ def enable_pipeline(
         )
     plans = plans or {}
     others = {name: m for name, m in found.items() if name not in transformers and isinstance(m, nn.Module)}
-    named = [] if components == AUTO else _named_components(components, others)
+    named = named_components(pipe, components)
     handle = PipelineHandle({}, {}, _pipe=pipe)
     if config is not None and config.hbm_budget_gib is not None:
         size = size or default_size(pipe)

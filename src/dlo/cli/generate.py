@@ -13,7 +13,7 @@ from dlo.cli.flag_checks import generate_config
 from dlo.cli.generate_job import GenerateJob, call_dims, components_text, generate, render_stats, write_output
 from dlo.cli.generate_ranks import run_ranks
 from dlo.cli.model_source import check_gguf_kernels, checked_weight_files, resolve_model
-from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
+from dlo.cli.model_target import build_on_meta, check_config_for_model, checked_components, plan_from_configs
 from dlo.cli.parallel_run import parallel_run_from_flags
 from dlo.cli.sequence_parallel import check_sequence_split
 from dlo.errors import ConfigError
@@ -83,14 +83,15 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
+    streamed = checked_components(model_dir, cls, index, dtype, args.components)
     if config.hbm_budget_gib is not None:
-        plan_from_configs(model_dir, cls, index, dtype, config, call_dims(kwargs))  # refuses before any load
+        plan_from_configs(model_dir, cls, index, dtype, config, call_dims(kwargs), streamed)  # refuses before any load
     transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
     if args.gguf_kernels:
         check_gguf_kernels(transformer_file, device)
     job = GenerateJob(
         model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file,
-        args.gguf_kernels,
+        args.gguf_kernels, args.components,
     )
     if parallel.mode is not None:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)

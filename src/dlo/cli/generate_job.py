@@ -63,6 +63,7 @@ class GenerateJob:
     loras: tuple[LoraFile, ...] = ()  # loaded after enable_pipeline, all active at their scales
     transformer_file: Path | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
     gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
+    components: tuple[str, ...] | str = ()  # --components: streamed beside the transformer ("auto", or names)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ def generate(
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
     size = call_size(pipe, *call_dims(job.call)) if job.config.hbm_budget_gib is not None else None
-    with dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}, size=size) as handle:
+    with dlo.enable_pipeline(
+        pipe, device, job.config, plans={"transformer": plan}, components=job.components, size=size
+    ) as handle:
         load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
         def step_end(pipe, step: int, timestep, tensors: dict) -> dict:

@@ -146,6 +146,26 @@ def _add_weight_files(parser: argparse.ArgumentParser, lora_type, lora_metavar: 
     parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
 
 
+def components_flag(text: str) -> str | tuple[str, ...]:
+    """--components: "auto", or component names separated by commas."""
+    if text == "auto":
+        return text
+    names = tuple(text.split(","))
+    if not all(name.isidentifier() for name in names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto nor component names separated by commas (text_encoder,vae)")
+    return names
+
+
+def _add_components(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--components", type=components_flag, default=(), metavar="auto|NAME[,NAME...]",
+        help="other pipeline components dlo streams block by block too (text encoders, any with repeated blocks), "
+        "or auto: those that do not fit the device, instead of CPU-offloading them; checked on the pipeline's "
+        "configs before anything loads. Under --hbm-budget-gib the plan streams the others that do not fit too "
+        "(default: none)",
+    )
+
+
 def _add_generate(commands) -> None:
     parser = commands.add_parser(
         "generate",
@@ -194,6 +214,7 @@ def _add_generate(commands) -> None:
         help="out.png / .jpg / .webp (images), out.mp4 / .webp / .gif (videos); with --parallel dp rank r writes "
         "out.rankR.png (for out.png)",
     )
+    _add_components(parser)
     _add_generate_ranks(parser)
     add_device_flags(parser)
     _add_verbose(parser)
@@ -276,6 +297,7 @@ def _add_serve(commands) -> None:
         help="a replica whose job made no denoising step for S seconds is killed and restarted, its job "
         "failed; 0: never (default: 600)",
     )
+    _add_components(parser)
     add_device_flags(parser)
     parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info",

@@ -11,7 +11,7 @@ from torch import nn
 from dlo.backend.auto_residency import residency_budget
 from dlo.backend.decode_peak import OutputSize, call_size
 from dlo.backend.fp8_compute import check_fp8_gemms
-from dlo.backend.pipeline import pipeline_plan
+from dlo.backend.pipeline import named_components, pipeline_plan
 from dlo.cli.config_flags import in_flag_terms
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
@@ -77,6 +77,17 @@ def check_config_for_model(
     if config.resident_layers > eligible:
         where = f"{len(refs)} blocks" + (f", the first {eligible} may stay resident" if eligible < len(refs) else "")
         raise ConfigError(f"--resident-layers {config.resident_layers}: {name} has {where}; give 0 to {eligible}")
+
+
+def checked_components(model_dir: Path, cls: type, index: dict, dtype: torch.dtype, components) -> tuple[str, ...]:
+    """--components (auto, or names) checked on the pipeline built from its configs, before any
+    weight loads; the names it streams."""
+    if not components or components == "auto":
+        return ()
+    try:
+        return tuple(named_components(pipeline_on_meta(model_dir, cls, index, dtype), components))
+    except ConfigError as err:
+        raise ConfigError(f"--components: {err}") from None
 
 
 def plan_from_configs(

@@ -17,7 +17,7 @@ import torch
 
 from dlo.cli.config_flags import config_from_flags, device_and_dtype
 from dlo.cli.model_source import check_gguf_kernels, checked_weight_files, is_hub_id, resolve_model
-from dlo.cli.model_target import build_on_meta, check_config_for_model, plan_from_configs
+from dlo.cli.model_target import build_on_meta, check_config_for_model, checked_components, plan_from_configs
 from dlo.pipelines.call_rules import read_call_rules
 from dlo.pipelines.loading import check_components, pipeline_class
 from dlo.serve.devices import replica_devices
@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
+    streamed = checked_components(model_dir, cls, index, dtype, args.components)
     if config.hbm_budget_gib is not None:  # each replica plans for the pipeline's default size
-        plan_from_configs(model_dir, cls, index, dtype, config)
+        plan_from_configs(model_dir, cls, index, dtype, config, streamed=streamed)
     transformer_file, loras = checked_weight_files(
         args.transformer, args.lora, cls, transformer, "dlo serve does not download"
     )
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     )
     spec = ReplicaSpec(
         str(model_dir), str(device), dtype, config, loras, str(transformer_file) if transformer_file else None,
-        args.gguf_kernels,
+        args.gguf_kernels, args.components,
     )
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     server = ServerSpec(

@@ -42,6 +42,7 @@ class ReplicaSpec:
     loras: tuple[LoraFile, ...] = ()  # loaded at the start; each job picks among them
     transformer_file: str | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
     gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
+    components: tuple[str, ...] | str = ()  # --components: streamed beside the transformer ("auto", or names)
 
 
 class VideoFormat(enum.Enum):
@@ -211,7 +212,7 @@ def _load(spec: ReplicaSpec):
     else:
         transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
     pipe = load_pipeline(model_dir, cls, spec.dtype, transformer=transformer)
-    handle = dlo.enable_pipeline(pipe, spec.device, spec.config, plans={"transformer": plan})
+    handle = dlo.enable_pipeline(pipe, spec.device, spec.config, plans={"transformer": plan}, components=spec.components)
     load_loras(pipe, spec.loras)  # after enable: the plan names the transformer's tensors as loaded
     pipe.set_progress_bar_config(disable=True)  # one bar per request and replica would fill the server's log
     return pipe, handle
