@@ -134,13 +134,30 @@ class Checkpoint:
             self.close()
             raise
 
+    @classmethod
+    def of_entries(cls, directory: Path, files: list[tuple[SafetensorsFile, dict[str, TensorEntry]]]) -> Checkpoint:
+        """A checkpoint of already-mapped files whose tensors go by other names than the files
+        give them (a single file in its original layout seen in diffusers' layout: see
+        dlo.host.single_file_layout); it owns and closes the files."""
+        checkpoint = cls.__new__(cls)
+        checkpoint.directory, checkpoint._releases = Path(directory), []
+        checkpoint.files = [file for file, _ in files]
+        checkpoint.tensors = {}
+        for file, entries in files:
+            for name, entry in entries.items():
+                if name in checkpoint.tensors:
+                    checkpoint.close()
+                    raise CheckpointError(CheckpointErrorKind.DUPLICATE_KEY, file.path, f"{name!r} is given twice")
+                checkpoint.tensors[name] = SourceTensor(file, entry)
+        return checkpoint
+
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.files)
 
     def view(self, key: str) -> torch.Tensor:
         source = self.tensors[key]
-        return source.file.view(key)
+        return source.file.view_entry(source.entry)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` views one of the mapped files."""

@@ -4,7 +4,6 @@ straight from the checkpoint mapping when the preflight proves that is exact."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,23 +15,28 @@ from dlo.host.cache.consume import load_through_cache
 from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint, find_transformer_dir, read_model_config, read_weight_map
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
-from dlo.host.preflight import FLOAT8, CheckpointSources, Fallback, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.preflight import (
+    FLOAT8,
+    CheckpointSources,
+    Fallback,
+    MappedLoad,
+    fused_projection_keys,
+    plan_checkpoint_sources,
+    topology_fallback,
+)
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
+from dlo.host.single_file_load import (
+    config_directory,
+    holds_float8,
+    ordinary_single_file_load,
+    single_file_class,
+    single_file_preflight,
+)
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
-from dlo.planning.offload_plan import OffloadPlan, discover
+from dlo.planning.offload_plan import discover
 from dlo.planning.tensor_walk import owned_tensors
 
 logger = logging.getLogger(__name__)
-
-
-def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
-    if topology.tp_size > 1:
-        return Fallback("unsupported_tp", f"tensor parallel size {topology.tp_size}: checkpoint tensors are not TP slices")
-    if topology.hsdp:
-        return Fallback("unsupported_hsdp", "HSDP shards weights across replicas")
-    if model_config.get("quantization_config"):
-        return Fallback("unsupported_online_quantization", "config.json has a quantization_config")
-    return None
 
 
 def _float8_file(directory: Path) -> Path | None:
@@ -75,15 +79,55 @@ def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, Ma
         table[owned.key] = made[id(owned.tensor)]
 
 
-@dataclass(frozen=True)
-class MappedLoad:
-    """A preflight that passed: the skeleton (block tensors on meta) and its sources."""
+def _mapped(result: MappedLoad) -> tuple[nn.Module, HostWeightPlan]:
+    """The skeleton with its non-block tensors copied out and the plan that streams the rest."""
+    try:
+        _check_scales(result.checkpoint, result.sources)
+        _materialize(result.skeleton, result.checkpoint, result.sources.rest)
+    except BaseException:
+        result.checkpoint.close()
+        raise
+    plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
+    return result.skeleton.eval(), plan
 
-    directory: Path
-    skeleton: nn.Module
-    offload_plan: OffloadPlan
-    checkpoint: Checkpoint
-    sources: CheckpointSources
+
+def _load_single_file(
+    path: Path, config: OffloadConfig, torch_dtype: torch.dtype | None, model_config, fuse_qkv: bool, topology: Topology
+) -> tuple[nn.Module, HostWeightPlan | None]:
+    """load_transformer of a single .safetensors file. See [Note: single files through
+    diffusers' converter]"""
+    directory = config_directory(model_config, path)
+    single_file_class(path, directory)  # refuses a .gguf or a class without a converter first
+    float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here
+    if config.host_weight_cache:
+        raise ConfigError(
+            f"{path}: host_weight_cache=True publishes what loading a model directory makes; a single file is mapped "
+            "as it is: set host_weight_cache=False"
+        )
+    if float8 and (config.fp8_compute or not config.checkpoint_mmap):
+        raise ConfigError(
+            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True "
+            "and fp8_compute=False"
+        )
+    if not config.checkpoint_mmap:
+        return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv), None
+    result = topology_fallback(topology, read_model_config(directory))
+    if result is None and config.fp8_compute:  # See [Note: fp8 compute]
+        result = Fallback("unsupported_online_quantization", "fp8_compute quantizes the model's own weights at enable()")
+    if result is None:
+        result = single_file_preflight(path, directory, torch_dtype, fuse_qkv)
+        if isinstance(result, MappedLoad):
+            return _mapped(result)
+    if float8:
+        raise ConfigError(
+            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping, and the mapping was "
+            f"refused ({result.code}: {result.reason})"
+        )
+    logger.warning(
+        "dlo: checkpoint mmap fallback %s: %s; loading %s with diffusers' single-file loader",
+        result.code, result.reason, path, extra={"dlo_fallback": result.code},
+    )
+    return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv), None
 
 
 def preflight(
@@ -100,7 +144,7 @@ def preflight(
     directory = find_transformer_dir(model_dir)
     model_config = read_model_config(directory)
     cls = model_class(model_config.get("_class_name"), directory)
-    fallback = _topology_fallback(topology, model_config)
+    fallback = topology_fallback(topology, model_config)
     if fallback is not None:
         return fallback
     checkpoint = Checkpoint(directory)
@@ -127,8 +171,14 @@ def load_transformer(
     fuse_qkv: bool = False,
     topology: Topology | None = None,
     loader_inputs: dict | None = None,
+    model_config: str | Path | None = None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
-    """Load a diffusers transformer (a model directory or a pipeline's `transformer/`).
+    """Load a diffusers transformer (a model directory or a pipeline's `transformer/`), or a
+    single `.safetensors` file (original key layout or diffusers') with `model_config`: the
+    transformer's config directory, its pipeline's directory or a hub id in the Hugging Face
+    cache. A single file streams from its mapping where diffusers' converter makes each block
+    tensor a range of the file (See [Note: single files through diffusers' converter]), else
+    it is loaded by diffusers' `from_single_file` (fallback code logged).
 
     Returns `(model, plan)`. With a plan, the block tensors were NOT loaded: they stream
     from the read-only checkpoint mapping once `dlo.enable(model, device, config, plan=plan)`
@@ -151,6 +201,10 @@ def load_transformer(
     anything else that changed the weights (e.g. LoRA names), part of the entry's identity.
     """
     config = OffloadConfig() if config is None else config
+    if Path(model_dir).expanduser().is_file():
+        return _load_single_file(Path(model_dir).expanduser(), config, torch_dtype, model_config, fuse_qkv, topology or Topology())
+    if model_config is not None:
+        raise ConfigError(f"model_config= gives a single file its config; {model_dir} is a directory with its own config.json")
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
     # scales: diffusers' loader would cast the float8 values and drop the scales, so the files
@@ -179,14 +233,7 @@ def load_transformer(
     elif config.checkpoint_mmap:
         result = preflight(directory, torch_dtype, fuse_qkv=fuse_qkv, topology=topology)
         if isinstance(result, MappedLoad):
-            try:
-                _check_scales(result.checkpoint, result.sources)
-                _materialize(result.skeleton, result.checkpoint, result.sources.rest)
-            except BaseException:
-                result.checkpoint.close()
-                raise
-            plan = HostWeightPlan("checkpoint_mmap", result.offload_plan, result.checkpoint, result.sources.planned)
-            return result.skeleton.eval(), plan
+            return _mapped(result)
         float8_file = _float8_file(directory)
         if float8_file is not None:
             raise ConfigError(

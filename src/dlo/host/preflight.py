@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from dlo.config import Topology
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
@@ -58,6 +60,17 @@ class Fallback:
             raise ValueError(f"unknown fallback code {self.code!r}")
 
 
+def topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
+    """Why a checkpoint cannot stand in for this process's tensors whatever it holds."""
+    if topology.tp_size > 1:
+        return Fallback("unsupported_tp", f"tensor parallel size {topology.tp_size}: checkpoint tensors are not TP slices")
+    if topology.hsdp:
+        return Fallback("unsupported_hsdp", "HSDP shards weights across replicas")
+    if model_config.get("quantization_config"):
+        return Fallback("unsupported_online_quantization", "config.json has a quantization_config")
+    return None
+
+
 @dataclass(frozen=True)
 class CheckpointSources:
     """Sources for every runtime parameter and persistent buffer: `planned` ones (under the
@@ -65,6 +78,17 @@ class CheckpointSources:
 
     planned: dict[str, MappedTensor]
     rest: dict[str, MappedTensor]
+
+
+@dataclass(frozen=True)
+class MappedLoad:
+    """A preflight that passed: the skeleton (block tensors on meta) and its sources."""
+
+    directory: Path
+    skeleton: nn.Module
+    offload_plan: OffloadPlan
+    checkpoint: Checkpoint
+    sources: CheckpointSources
 
 
 # Fused projections diffusers' fuse_qkv_projections() creates, and the tensors they join.

@@ -216,10 +216,15 @@ class SafetensorsFile:
 
     def view(self, key: str) -> torch.Tensor:
         """The tensor `key` as a zero-copy view of the mapping. Never write to it."""
-        entry = self.entries[key]
+        return self.view_entry(self.entries[key])
+
+    def view_entry(self, entry: TensorEntry) -> torch.Tensor:
+        """The tensor `entry` places in this file (one of its own, or a part of one under
+        another name: see dlo.host.single_file_layout) as a zero-copy view. Never write to it."""
         if not entry.aligned:
             raise CheckpointError(
-                CheckpointErrorKind.MISALIGNED, self.path, f"{key!r} starts at byte {entry.begin}, not a multiple of {entry.dtype.itemsize}"
+                CheckpointErrorKind.MISALIGNED, self.path,
+                f"{entry.key!r} starts at byte {entry.begin}, not a multiple of {entry.dtype.itemsize}",
             )
         raw = self._bytes[entry.begin : entry.end]
         return raw.view(entry.dtype).view(entry.shape)

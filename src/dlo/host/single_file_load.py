@@ -1,0 +1,137 @@
+"""`dlo.load_transformer(FILE, model_config=...)`: a single-file `.safetensors` checkpoint
+(original key layout, or diffusers') streamed straight from its mapping where diffusers' own
+converter proves each block tensor a range of the file. See [Note: single files through
+diffusers' converter] in dlo.host.single_file_layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dlo.errors import ConfigError, first_line
+from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
+from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
+from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.safetensors_file import SafetensorsFile
+from dlo.host.single_file_layout import computed_file, converted_layout, has_converter
+from dlo.planning.offload_plan import discover
+
+SINGLE_FILE_SUFFIX = ".safetensors"
+
+
+def config_directory(model_config: str | Path | None, path: Path) -> Path:
+    """The transformer config `model_config` names: a transformer or pipeline directory, or a
+    hub id found in the Hugging Face cache (never downloaded)."""
+    if model_config is None:
+        raise ConfigError(
+            f"{path} is a single file: give model_config= (the transformer's config.json directory, its pipeline's "
+            "directory or a hub id in the Hugging Face cache)"
+        )
+    local = Path(model_config).expanduser()
+    if local.exists():
+        return find_transformer_dir(local)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot = snapshot_download(
+            str(model_config), allow_patterns=["config.json", "model_index.json", "transformer/config.json"],
+            local_files_only=True,
+        )
+    except (LocalEntryNotFoundError, HFValidationError) as err:
+        raise ConfigError(
+            f"model_config={str(model_config)!r} is neither a directory nor a hub id in the Hugging Face cache "
+            f"({first_line(err)}); give the transformer's config directory"
+        ) from None
+    return find_transformer_dir(snapshot)
+
+
+def single_file_class(path: Path, directory: Path) -> tuple[type[nn.Module], dict]:
+    """The model class and config for `path`, refused in one line where diffusers has no
+    single-file converter for it or the file is not a .safetensors file."""
+    if path.suffix != SINGLE_FILE_SUFFIX:
+        raise ConfigError(
+            f"{path}: dlo.load_transformer maps single .safetensors files; load a .gguf file with diffusers' "
+            "from_single_file(path, quantization_config=GGUFQuantizationConfig(...)) and dlo.enable the model "
+            "(its packed bytes stream as they are)"
+        )
+    config = read_model_config(directory)
+    cls = model_class(config.get("_class_name"), directory / "config.json")
+    if not has_converter(cls):
+        raise ConfigError(f"{path}: diffusers has no single-file loader for {cls.__name__}")
+    return cls, config
+
+
+def single_file_preflight(
+    path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool
+) -> MappedLoad | Fallback:
+    """Like loader.preflight for a single file: a MappedLoad or the Fallback that says why
+    not. The caller owns (and must close) the mapping of a MappedLoad."""
+    cls, model_config = single_file_class(path, directory)
+    file = SafetensorsFile(path)
+    files = [file]
+    try:
+        names = set(skeleton(cls, model_config, False).state_dict())
+        model = skeleton(cls, model_config, fuse_qkv)
+        try:
+            layout = converted_layout(file, cls, model_config, names)
+        except Exception as err:  # diffusers' converters raise many kinds on a file they cannot read
+            raise ConfigError(
+                f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)})"
+            ) from None
+        offload_plan = discover(model)
+        prefixes = tuple(f"{block}." for block in offload_plan.block_lists)
+        in_blocks = [name for name in layout.computed if name.startswith(prefixes)]
+        if in_blocks:
+            file.close()
+            return Fallback(
+                "checkpoint_plan_incompatible",
+                f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors): not a range of {path.name}",
+            )
+        entries = [(file, layout.entries)]
+        if layout.computed:
+            try:
+                extra = computed_file(file, cls, model_config, layout)
+            except Exception as err:  # the converter, on real tensors now
+                file.close()
+                return Fallback("checkpoint_plan_incompatible", f"{path.name}: {first_line(err)}")
+            files.append(extra)
+            entries.append((extra, dict(extra.entries)))
+        checkpoint = Checkpoint.of_entries(path.parent, entries)
+    except BaseException:
+        for opened in files:
+            opened.close()
+        raise
+    try:
+        sources = plan_checkpoint_sources(
+            model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
+        )
+    except BaseException:
+        checkpoint.close()
+        raise
+    if isinstance(sources, Fallback):
+        checkpoint.close()
+        return sources
+    return MappedLoad(directory, model, offload_plan, checkpoint, sources)
+
+
+def holds_float8(path: Path) -> bool:
+    file = SafetensorsFile(path)
+    try:
+        return any(entry.dtype in FLOAT8 for entry in file.entries.values())
+    finally:
+        file.close()
+
+
+def ordinary_single_file_load(path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
+    """diffusers' own single-file loader with the config of `directory`."""
+    cls, _ = single_file_class(path, directory)
+    try:
+        model = cls.from_single_file(str(path), config=str(directory), torch_dtype=torch_dtype)
+    except Exception as err:  # diffusers' converters raise many kinds
+        raise ConfigError(f"{path}: diffusers could not load it as a {cls.__name__} ({first_line(err)})") from None
+    if fuse_qkv:
+        model.fuse_qkv_projections()
+    return model

@@ -1,0 +1,95 @@
+"""Original-layout single files made by the tests themselves: a diffusers model's state dict
+written in the key layout its original repository uses (Wan 2.1's, Flux's BFL layout), by
+mappings written here from those repositories' names (the inverse of what diffusers'
+converters do; dlo's own code is not used)."""
+
+import re
+
+import torch
+
+WAN_RENAMES = [  # diffusers -> Wan 2.1 (applied in order, on the key with dots around it)
+    (".condition_embedder.time_embedder.linear_1.", ".time_embedding.0."),
+    (".condition_embedder.time_embedder.linear_2.", ".time_embedding.2."),
+    (".condition_embedder.time_proj.", ".time_projection.1."),
+    (".condition_embedder.text_embedder.linear_1.", ".text_embedding.0."),
+    (".condition_embedder.text_embedder.linear_2.", ".text_embedding.2."),
+    (".attn1.", ".self_attn."),
+    (".attn2.", ".cross_attn."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    (".to_out.0.", ".o."),
+    (".norm2.", ".norm3."),  # Wan's cross-attention norm is its norm3
+    (".ffn.net.0.proj.", ".ffn.0."),
+    (".ffn.net.2.", ".ffn.2."),
+    (".proj_out.", ".head.head."),
+]
+
+
+def wan_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, tensor in state.items():
+        name = f".{key}."
+        for new, old in WAN_RENAMES:
+            name = name.replace(new, old)
+        name = name.strip(".")
+        name = re.sub(r"^scale_shift_table$", "head.modulation", name)
+        name = re.sub(r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation", name)
+        out[name] = tensor
+    return out
+
+
+FLUX_DOUBLE = {  # diffusers (under transformer_blocks.N.) -> BFL (under double_blocks.N.)
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+}
+FLUX_NORMS = {  # diffusers norm weight -> BFL RMSNorm scale
+    "attn.norm_q": "img_attn.norm.query_norm",
+    "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm",
+    "attn.norm_added_k": "txt_attn.norm.key_norm",
+}
+FLUX_TOP = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "proj_out": "final_layer.linear",
+}
+
+
+def flux_original(state: dict[str, torch.Tensor], double: int, single: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for module, original in FLUX_TOP.items():
+        for kind in ("weight", "bias"):
+            out[f"{original}.{kind}"] = state[f"{module}.{kind}"]
+    for kind in ("weight", "bias"):  # BFL keeps shift before scale; diffusers swaps them
+        scale, shift = state[f"norm_out.linear.{kind}"].chunk(2, dim=0)
+        out[f"final_layer.adaLN_modulation.1.{kind}"] = torch.cat([shift, scale])
+    for i in range(double):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for kind in ("weight", "bias"):
+            for module, original in FLUX_DOUBLE.items():
+                out[f"{b}{original}.{kind}"] = state[f"{d}{module}.{kind}"]
+            out[f"{b}img_attn.qkv.{kind}"] = torch.cat([state[f"{d}attn.to_{p}.{kind}"] for p in "qkv"])
+            out[f"{b}txt_attn.qkv.{kind}"] = torch.cat([state[f"{d}attn.add_{p}_proj.{kind}"] for p in "qkv"])
+        for module, original in FLUX_NORMS.items():
+            out[f"{b}{original}.scale"] = state[f"{d}{module}.weight"]
+    for i in range(single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{b}modulation.lin.{kind}"] = state[f"{d}norm.linear.{kind}"]
+            parts = [state[f"{d}attn.to_{p}.{kind}"] for p in "qkv"] + [state[f"{d}proj_mlp.{kind}"]]
+            out[f"{b}linear1.{kind}"] = torch.cat(parts)
+            out[f"{b}linear2.{kind}"] = state[f"{d}proj_out.{kind}"]
+        out[f"{b}norm.query_norm.scale"] = state[f"{d}attn.norm_q.weight"]
+        out[f"{b}norm.key_norm.scale"] = state[f"{d}attn.norm_k.weight"]
+    return out

@@ -1,0 +1,142 @@
+"""`dlo.load_transformer(FILE, model_config=...)`: single .safetensors files, in their original
+key layout or diffusers', streamed from their mapping, equal to diffusers' own
+`from_single_file` model. See [Note: single files through diffusers' converter]."""
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import dlo
+from dlo.host.safetensors_file import SafetensorsFile
+from dlo.host.single_file_layout import converted_layout
+from dlo.models.tiny import TINY_MODELS
+from single_file_layouts import flux_original, wan_original
+
+diffusers = pytest.importorskip("diffusers")
+
+# Flux at its real width: diffusers' Flux converter splits the fused projections by the sizes
+# of FLUX.1 (3072 wide, MLP 4x), whatever the file holds. One block of each kind: 0.9 GiB in bf16.
+FLUX_WIDE = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(16, 56, 56),
+)
+
+
+def random_model(cls, config: dict, dtype: torch.dtype, seed: int = 2):
+    from diffusers.models.modeling_utils import no_init_weights
+
+    with no_init_weights():
+        model = cls(**config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+    return model.to(dtype).eval()
+
+
+def write(tmp_path, name: str, model, layout) -> tuple:
+    config_dir = tmp_path / f"{name}-config"
+    model.save_config(config_dir)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(layout({k: v.contiguous() for k, v in model.state_dict().items()}), path)
+    return path, config_dir
+
+
+def reference(path, config_dir, cls, dtype):
+    """diffusers' own single-file model, its tensors copied out of any mapping."""
+    model = cls.from_single_file(str(path), config=str(config_dir), torch_dtype=dtype).eval()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+def run(model, inputs):
+    with torch.inference_mode():
+        return [model(**kwargs)[0] for kwargs in inputs]
+
+
+def assert_streams_equal_to_diffusers(path, config_dir, cls, dtype, inputs, **load):
+    expected = run(reference(path, config_dir, cls, dtype), inputs)
+    model, plan = dlo.load_transformer(path, torch_dtype=dtype, model_config=config_dir, **load)
+    assert plan is not None and plan.backing == "checkpoint_mmap"
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(model, inputs)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.host_bytes == 0  # every block streamed from the mapping: no private copy
+    return plan, stats
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path, layout):
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original if layout == "original" else dict)
+    inputs = [entry.inputs(seed) for seed in (1, 2)]
+    plan, stats = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    assert plan.adapter_counts() == {}  # renames only: each tensor is a range of the file as it is
+    assert stats.mapped_bytes == path.stat().st_size
+
+
+def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(tmp_path):
+    """The BFL layout fuses q, k, v (and the MLP's input, in single blocks): diffusers' converter
+    splits them along the rows, so each part is a range of the file; its final norm is
+    rebuilt (shift and scale swapped) and held in a small converted file beside it."""
+    cls = diffusers.FluxTransformer2DModel
+    model = random_model(cls, FLUX_WIDE, torch.bfloat16)
+    path, config_dir = write(tmp_path, "flux", model, lambda state: flux_original(state, 1, 1))
+    inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    plan, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
+    assert stats.mapped_bytes > path.stat().st_size  # and the converted norm's small file
+    file = SafetensorsFile(path)
+    try:
+        layout = converted_layout(file, cls, dict(model.config), set(model.state_dict()))
+        whole = file.entries["double_blocks.0.img_attn.qkv.weight"]
+        assert layout.entries["transformer_blocks.0.attn.to_k.weight"].begin == whole.begin + whole.nbytes // 3
+        linear1 = file.entries["single_blocks.0.linear1.weight"]
+        assert layout.entries["single_transformer_blocks.0.proj_mlp.weight"].end == linear1.end
+        assert layout.computed == ("norm_out.linear.weight", "norm_out.linear.bias")
+    finally:
+        file.close()
+
+
+def test_a_file_that_cannot_be_mapped_loads_with_diffusers_and_says_why(tmp_path, caplog):
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    expected = run(reference(path, config_dir, type(model), torch.float32), [entry.inputs(1)])
+    config = dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True)
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        loaded, plan = dlo.load_transformer(path, config, torch_dtype=torch.float32, model_config=config_dir)
+    assert plan is None and "checkpoint mmap fallback unsupported_online_quantization" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, [entry.inputs(1)])))
+    unmapped, plan = dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
+    assert plan is None and all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, [entry.inputs(1)])))
+
+
+def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
+    entry = TINY_MODELS["wan"]
+    path, config_dir = write(tmp_path, "wan", entry.build(seed=2), wan_original)
+    refusals = [
+        (lambda: dlo.load_transformer(path), "is a single file: give model_config="),
+        (lambda: dlo.load_transformer(config_dir, model_config=config_dir), "is a directory with its own config.json"),
+        (lambda: dlo.load_transformer(path, model_config="no-such-org/no-such-model"), "neither a directory nor a hub id"),
+        (
+            lambda: dlo.load_transformer(path, dlo.OffloadConfig(host_weight_cache=True), model_config=config_dir),
+            "a single file is mapped as it is: set host_weight_cache=False",
+        ),
+    ]
+    gguf = tmp_path / "wan.gguf"
+    gguf.write_bytes(b"GGUF")
+    refusals.append((lambda: dlo.load_transformer(gguf, model_config=config_dir), "load a .gguf file with diffusers'"))
+    for load, message in refusals:
+        with pytest.raises(dlo.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as refused:
+            load()
+        assert "\n" not in str(refused.value)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(dlo.CheckpointError):
+        dlo.load_transformer(truncated, model_config=config_dir)
