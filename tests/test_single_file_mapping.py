@@ -140,3 +140,52 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(dlo.CheckpointError):
         dlo.load_transformer(truncated, model_config=config_dir)
+
+
+def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layout_twin(tmp_path):
+    """ComfyUI's fp8_scaled files: float8 block weights, a `scale_weight` beside each, a
+    `scaled_fp8` marker. Streamed from the original layout, equal to the same bytes in
+    diffusers' layout (which dlo reads as a directory: tests/test_fp8_checkpoint.py)."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    stored = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("blocks.") and name.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
+            stored[name] = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            stored[name[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            stored[name] = tensor.contiguous()
+    twin = tmp_path / "diffusers-layout"
+    model.save_config(twin)
+    save_file(stored, twin / "diffusion_pytorch_model.safetensors")
+    path = tmp_path / "wan_fp8_scaled.safetensors"
+    save_file({**wan_original(stored), "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, path)
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    outputs = []
+    for load in (lambda: dlo.load_transformer(twin), lambda: dlo.load_transformer(path, model_config=twin)):
+        loaded, plan = load()
+        assert plan is not None
+        with dlo.enable(loaded, "cpu", plan=plan) as handle:
+            outputs.append(run(loaded, inputs))
+            assert handle.stats().host_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_generate_with_a_single_file_transformer_streams_it_from_its_mapping(tiny_flux_dir, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    from plain_pipeline import plain_pipeline
+    from test_generate import flags, reference_call
+
+    from dlo.cli.main import main
+
+    transformer = diffusers.FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    path = tmp_path / "flux.safetensors"
+    save_file({k: v.contiguous() for k, v in transformer.state_dict().items()}, path)
+    out = tmp_path / "cube.png"
+    argv = ["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", *flags("flux")]
+    assert main([*argv, "--output", str(out), "--transformer", str(path)]) == 0
+    assert "checkpoint_mmap" in capsys.readouterr().out  # the backing of the streamed blocks
+    expected = reference_call(plain_pipeline(tiny_flux_dir), "flux").images[0]
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))

@@ -50,7 +50,7 @@ def check_generate(args: argparse.Namespace) -> None:
     if generate_config(args, parallel).host_weight_cache and args.transformer:
         raise ConfigError(
             "--host-weight-cache: the cache holds what dlo.load_transformer loads from MODEL's transformer directory; "
-            "--transformer FILE is loaded by diffusers' single-file loader instead. Give one of them"
+            "--transformer FILE is mapped as it is (or loaded by diffusers' single-file loader). Give one of them"
         )
 
 

@@ -1,7 +1,8 @@
 """A transformer from one file, as people download them: a GGUF file (Q8_0, Q4_K, ...) or a
-single-file `.safetensors` checkpoint (original or diffusers key layout), loaded by diffusers'
-`from_single_file` with the pipeline's own transformer config. A GGUF model streams its packed
-bytes (See [Note: GGUF streaming]); a single-file checkpoint is converted into ordinary tensors."""
+single-file `.safetensors` checkpoint (original or diffusers key layout), with the pipeline's own
+transformer config. A GGUF model is loaded by diffusers' `from_single_file` and streams its packed
+bytes (See [Note: GGUF streaming]); a single-file checkpoint streams from its mapping where
+diffusers' converter allows (See [Note: single files through diffusers' converter])."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dlo.config import OffloadConfig
 from dlo.errors import ConfigError, first_line
 from dlo.host.checkpoint import read_model_config
 from dlo.host.gguf_file import read_gguf_index
+from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class as model_class_of
 from dlo.host.safetensors_file import CheckpointError, SafetensorsFile
 
@@ -54,18 +57,26 @@ def diffusers_gguf_types() -> set[str]:
     return {"F32", "F16", *(quant.name for quant in SUPPORTED_GGUF_QUANT_TYPES)}
 
 
-def load_single_file(path: Path, model_dir: Path, dtype: torch.dtype, flag: str) -> nn.Module:
-    """The class `model_dir/transformer/config.json` names, `from_single_file(path)` with that
-    config, in `dtype` (a GGUF model's compute dtype); a failure of diffusers' loader is one
-    ConfigError."""
+def load_single_file(
+    path: Path, model_dir: Path, dtype: torch.dtype, config: OffloadConfig, flag: str
+) -> tuple[nn.Module, HostWeightPlan | None]:
+    """The transformer `model_dir/transformer/config.json` describes, from `path` in `dtype` (a
+    GGUF model's compute dtype), and its plan: a .safetensors file streams from its mapping
+    where it can (dlo.load_transformer), a GGUF file is loaded by diffusers' `from_single_file`;
+    a failure of diffusers' loader is one ConfigError."""
     import diffusers
 
+    import dlo
+
+    if path.suffix != ".gguf":
+        return dlo.load_transformer(path, config, torch_dtype=dtype, model_config=model_dir / "transformer")
     config_path = model_dir / "transformer" / "config.json"
     model_class = model_class_of(read_model_config(config_path.parent).get("_class_name"), config_path)
-    quantization = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)} if path.suffix == ".gguf" else {}
+    quantization = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
     try:
-        return model_class.from_single_file(
-            str(path), config=str(model_dir), subfolder="transformer", torch_dtype=dtype, **quantization
+        model = model_class.from_single_file(
+            str(path), config=str(model_dir), subfolder="transformer", torch_dtype=dtype, quantization_config=quantization
         )
     except Exception as err:  # diffusers' converters raise many kinds
         raise ConfigError(f"{flag} {path}: diffusers could not load it as a {model_class.__name__} ({first_line(err)})") from None
+    return model, None

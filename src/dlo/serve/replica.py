@@ -205,10 +205,9 @@ def _load(spec: ReplicaSpec):
     model_dir = Path(spec.model_dir)
     cls, _ = pipeline_class(model_dir)
     if spec.transformer_file is not None:
-        transformer = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, "--transformer")
+        transformer, plan = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, spec.config, "--transformer")
         if spec.gguf_kernels:
             dlo.use_gguf_kernels(transformer)
-        plan = None
     else:
         transformer, plan = dlo.load_transformer(model_dir / "transformer", spec.config, torch_dtype=spec.dtype)
     pipe = load_pipeline(model_dir, cls, spec.dtype, transformer=transformer)
