@@ -189,3 +189,19 @@ def test_generate_with_a_single_file_transformer_streams_it_from_its_mapping(tin
     assert "checkpoint_mmap" in capsys.readouterr().out  # the backing of the streamed blocks
     expected = reference_call(plain_pipeline(tiny_flux_dir), "flux").images[0]
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
+
+
+def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path):
+    """The disk tier reads a single file's blocks by the ranges the converter found."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    inputs = [entry.inputs(seed) for seed in (1, 2)]
+    expected = run(reference(path, config_dir, type(model), torch.float32), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    config = dlo.OffloadConfig(host_budget_gib=path.stat().st_size * 0.3 / 2**30)
+    with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
+        got = run(loaded, inputs)
+        disk = handle.stats().disk
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert disk is not None and len(disk.blocks) > 0 and disk.read_bytes > 0
