@@ -54,7 +54,8 @@ def write_json(path: Path, name: str, rows: list[Any], table: str = "", **extra:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),  # reserved peaks depend on it
+        # The caching allocator's settings (newer torch reads the first name first): reserved peaks depend on them.
+        "allocator": {name: os.environ[name] for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if name in os.environ},
         **extra,
         "table": table,
         "rows": rows,

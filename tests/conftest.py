@@ -174,3 +174,16 @@ def tiny_flux_loras(tiny_flux_dir, tiny_wan_dir, tmp_path_factory):
     wider["num_attention_heads"] += 1  # every attention Linear is wider
     made["wider"] = save_lora(diffusers.FluxTransformer2DModel.from_config(wider), "flux", "b", directory / "wider", 4)
     return made
+
+
+@pytest.fixture(autouse=True)
+def allocator_settings_kept():
+    """`dlo` commands run in-process with --hbm-budget-gib set PYTORCH_CUDA_ALLOC_CONF (See
+    [Note: allocator under a budget]): put it back, so later tests and their subprocesses run
+    with the allocator settings the session started with."""
+    before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    yield
+    if before is None:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = before

@@ -307,6 +307,7 @@ def test_a_demo_output_that_fails_to_write_leaves_the_existing_file_as_it_was(tm
 def test_a_device_budget_turns_on_expandable_segments_unless_the_allocator_is_configured(monkeypatch, capsys):
     """See [Note: allocator under a budget]: set before CUDA starts, the user's own settings kept."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert main(["inspect", "flux"]) == 0
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # no budget: the allocator as the user has it
     assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "1"]) == 0
@@ -314,4 +315,8 @@ def test_a_device_budget_turns_on_expandable_segments_unless_the_allocator_is_co
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "1"]) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")  # the name newer torch reads first
+    assert main(["inspect", "flux", "--resident", "auto", "--hbm-budget-gib", "1"]) == 0
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     capsys.readouterr()

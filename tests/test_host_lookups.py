@@ -188,3 +188,40 @@ def test_decoder_only_text_encoders_stream_under_the_budgets_plan_equal_to_resid
         for seed in range(2):
             got, want = hidden_states(model, seed), hidden_states(reference, seed)
             assert len(got) == len(want) == 4 and all(map(torch.equal, got, want))
+
+
+def test_a_ctrl_c_held_while_the_embedding_starts_leaves_a_stand_in_between_calls(monkeypatch):
+    """A SIGINT arriving while the lookup's start holds signals fires as that step ends: the
+    call raises KeyboardInterrupt and, between calls, the embedding is a stand-in again, never
+    a view of its host copy (an edit would then change the only copy it is looked up from)."""
+    import signal
+
+    from dlo.hotpath.runtime import StreamingRuntime
+
+    reference = t5_encoder()
+    model = copy.deepcopy(reference)
+    real, fire = StreamingRuntime._start_on_host, []
+
+    def interrupted(self, index):
+        if fire:
+            fire.pop()
+            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, delivered while the step holds it
+        return real(self, index)
+
+    monkeypatch.setattr(StreamingRuntime, "_start_on_host", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest-xdist's workers ignore it
+    try:
+        check_a_ctrl_c_at_the_start(model, reference, fire)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def check_a_ctrl_c_at_the_start(model, reference, fire):
+    with dlo.enable(model, "cpu", plan=PLAN) as handle:
+        encode(model)
+        fire.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            encode(model)
+        assert model.get_submodule(EMBEDDING).weight.stride() == (0, 0)
+        assert not any(map(handle._runtime.is_running, range(len(handle._runtime.blocks))))
+        assert torch.equal(encode(model, 1), encode(reference, 1))

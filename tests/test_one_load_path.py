@@ -338,8 +338,10 @@ class _LineInterrupt:
     is not held). `at=None` only counts.
 
     A `with` line is neither counted nor cut: Python reports it again just before the context's
-    `__exit__`, past the statement's protection, where a trace function's exception would skip
-    the exit (a lock never released) but a signal cannot land (it lands after a call returns)."""
+    `__exit__` is called, past the statement's protection, where a trace function's exception
+    would skip the exit (a lock never released) but a signal cannot land. A signal can land at
+    the entry of an `__exit__` written in Python (threading.Condition's, contextlib's): those
+    called from the traced code are counted and cut at their call."""
 
     def __init__(self, at, functions=None):
         """`functions`: count only the lines of functions of these names."""
@@ -348,16 +350,25 @@ class _LineInterrupt:
     def __enter__(self):
         main = threading.main_thread()
 
+        def cut() -> None:
+            self.lines += 1
+            if self.lines == self.at:
+                raise KeyboardInterrupt(f"line {self.at}")
+
         def local(frame, event, arg):
             if event == "line" and not _opens_a_with(frame.f_code.co_filename, frame.f_lineno):
-                self.lines += 1
-                if self.lines == self.at:
-                    raise KeyboardInterrupt(f"line {self.at}")
+                cut()
             return local
 
         def calls(frame, event, arg):
-            if threading.current_thread() is main and frame.f_code.co_filename.startswith(TRACED):
+            if threading.current_thread() is not main:
+                return None
+            if frame.f_code.co_filename.startswith(TRACED):
                 return local if self.functions is None or frame.f_code.co_name in self.functions else calls
+            caller = frame.f_back
+            if frame.f_code.co_name == "__exit__" and caller is not None and caller.f_code.co_filename.startswith(TRACED):
+                if self.functions is None or caller.f_code.co_name in self.functions:
+                    cut()  # where a signal lands: the entry of an __exit__ written in Python
             return None
 
         sys.settrace(calls)

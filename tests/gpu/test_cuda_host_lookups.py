@@ -40,7 +40,9 @@ def test_an_embedding_looked_up_on_the_host_equals_the_encoder_resident_on_cuda(
         model.get_submodule(EMBEDDING).register_forward_hook(lambda module, args, out: seen.append((module.weight.device, out.device)))
         got = [encode(model, seed, "cuda") for seed in range(3)]
         slots = [queue.state.size for queue in handle._runtime.queues]
+        pinned = [block.source.pinned for block in handle._runtime.blocks]
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert pinned == [False] + [True] * (len(pinned) - 1)  # the table never crosses the link: not page-locked
     assert seen == [(torch.device("cpu"), torch.device("cpu"))] * 3  # the rows go to the device with the layers' inputs
     assert max(slots) < table_bytes  # no slot was ever sized for the table
 

@@ -134,14 +134,18 @@ def _bind_blocks(
     undo: contextlib.ExitStack,
     chunk_bytes: int,
     converted: bool,
+    on_host: frozenset[int] = frozenset(),
 ) -> list[StreamedBlock]:
     """Every block bound to its host source, each registering its undo. All-gather mode only
     builds the shards here (gathered in chunks of about `chunk_bytes`): the module changes
     once nothing can fail (see enable()). `converted`: Linears were made FP8 GEMMs (See
-    [Note: fp8 compute]), so no block's host image holds the tensors enable() found."""
+    [Note: fp8 compute]), so no block's host image holds the tensors enable() found. The
+    blocks `on_host` (their indices) run from their host copy and never cross the link: not
+    pinned."""
     placeholder = placeholders(blocks, device)
     streamed: list[StreamedBlock] = []
-    for block in blocks:
+    for index, block in enumerate(blocks):
+        pin_block = pin and index not in on_host
         if gather_group is not None:
             bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes)
             undo.callback(bound.source.release)
@@ -155,10 +159,10 @@ def _bind_blocks(
                 # holds float8 ones: a failed enable() gives back the tensors it found (planned
                 # stand-ins then get their values from the plan).
                 originals = tuple(tensor.data for tensor in block.tensors)
-                bound = bind_block(block, plan, pin, placeholder, fp8)
+                bound = bind_block(block, plan, pin_block, placeholder, fp8)
                 undo.callback(_put_back, bound, originals)
             else:
-                bound = bind_block(block, plan, pin, placeholder)
+                bound = bind_block(block, plan, pin_block, placeholder)
                 undo.callback(_unbind, bound)
                 if plan is not None:
                     plan.restored_by_blocks(bound.tensors)
@@ -350,6 +354,7 @@ def enable(
                 undo,
                 config.gather_chunk_bytes,
                 converted=len(fp8_gemms) > 0,
+                on_host=frozenset(i for i, ref in enumerate(streamed_refs) if ref.on_host),
             )
             streamed = disk_tier.place_blocks(streamed, disk, pin, undo)
             streamed = [replace(block, on_host=ref.on_host) for block, ref in zip(streamed, streamed_refs)]

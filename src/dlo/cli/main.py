@@ -373,15 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
 # device of the budget's size that gap is an out-of-memory: the Wan-14B-shaped pipeline under
 # 8 GiB failed at 6.84 GiB allocated with the allocator capped at 8 GiB, and ran within the cap
 # with expandable segments (benchmarks/RESULTS.md, "issue 33, on a device of the budget's size").
-# So a command given a budget turns them on, unless PYTORCH_CUDA_ALLOC_CONF is set (the user's
-# settings stay as they are). CUDA reads the variable when it first allocates, after this.
+# So a command given a budget turns them on, unless the allocator is configured already
+# (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF, which newer torch reads first): the user's
+# settings stay as they are. CUDA reads the variable when it first allocates, after this.
 ALLOCATOR_UNDER_A_BUDGET = "expandable_segments:True"
 
 
 def allocator_for_budget(args: argparse.Namespace) -> None:
     """See [Note: allocator under a budget]"""
-    if getattr(args, "hbm_budget_gib", None) is not None:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_UNDER_A_BUDGET)
+    configured = "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ
+    if getattr(args, "hbm_budget_gib", None) is not None and not configured:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_UNDER_A_BUDGET
 
 
 def _run(argv: list[str] | None) -> int:

@@ -119,8 +119,11 @@ class StreamedCall:
             _vet(_backend(callback), "the model was compiled")
             _VETTED.add(callback)
         enter, leave = (_enter_untraced, _leave_untraced) if compiling else (_enter, _leave)
-        on_host = enter(self.runtime, self.index)
         try:
+            # Inside: a Ctrl-C held by the start's step fires as the step ends, after the block
+            # was pointed at its slot or host copy; `leave` points it back (a block that never
+            # started is left alone).
+            on_host = enter(self.runtime, self.index)
             if not on_host:
                 return (self.compiled or self.call_impl)(*args, **kwargs)
             # See [Note: token embeddings looked up on the host]
