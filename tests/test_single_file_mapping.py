@@ -93,7 +93,8 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
     assert stats.mapped_bytes > path.stat().st_size  # and the converted norm's small file
     file = SafetensorsFile(path)
     try:
-        layout = converted_layout(file, cls, dict(model.config), set(model.state_dict()))
+        with torch.inference_mode():  # where a caller may be: views made in it have no base
+            layout = converted_layout(file, cls, dict(model.config), set(model.state_dict()))
         whole = file.entries["double_blocks.0.img_attn.qkv.weight"]
         assert layout.entries["transformer_blocks.0.attn.to_k.weight"].begin == whole.begin + whole.nbytes // 3
         linear1 = file.entries["single_blocks.0.linear1.weight"]
@@ -142,10 +143,14 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
         dlo.load_transformer(truncated, model_config=config_dir)
 
 
-def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layout_twin(tmp_path):
-    """ComfyUI's fp8_scaled files: float8 block weights, a `scale_weight` beside each, a
-    `scaled_fp8` marker. Streamed from the original layout, equal to the same bytes in
-    diffusers' layout (which dlo reads as a directory: tests/test_fp8_checkpoint.py)."""
+@pytest.mark.parametrize(
+    ("scale_name", "marker"), [("scale_weight", "scaled_fp8"), ("weight_scale", "model.diffusion_model.scaled_fp8")]
+)
+def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layout_twin(tmp_path, scale_name, marker):
+    """ComfyUI's fp8_scaled files: float8 block weights, a `scale_weight` (or `weight_scale`)
+    beside each, a `scaled_fp8` marker (under the file's key prefix). Streamed from the
+    original layout, equal to the same bytes in diffusers' layout (which dlo reads as a
+    directory: tests/test_fp8_checkpoint.py)."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     stored = {}
@@ -153,14 +158,14 @@ def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layo
         if name.startswith("blocks.") and name.endswith(".weight") and tensor.dim() == 2:
             scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
             stored[name] = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            stored[name[: -len("weight")] + "scale_weight"] = scale.reshape(())
+            stored[name[: -len("weight")] + scale_name] = scale.reshape(())
         else:
             stored[name] = tensor.contiguous()
     twin = tmp_path / "diffusers-layout"
     model.save_config(twin)
     save_file(stored, twin / "diffusion_pytorch_model.safetensors")
     path = tmp_path / "wan_fp8_scaled.safetensors"
-    save_file({**wan_original(stored), "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, path)
+    save_file({**wan_original(stored), marker: torch.zeros(0, dtype=torch.float8_e4m3fn)}, path)
     inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
     outputs = []
     for load in (lambda: dlo.load_transformer(twin), lambda: dlo.load_transformer(path, model_config=twin)):
@@ -170,6 +175,8 @@ def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layo
             outputs.append(run(loaded, inputs))
             assert handle.stats().host_bytes == 0
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    with pytest.raises(dlo.ConfigError, match="holds float8 weights, which dlo reads only from the checkpoint mapping"):
+        dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=twin)
 
 
 def test_generate_with_a_single_file_transformer_streams_it_from_its_mapping(tiny_flux_dir, tmp_path, capsys):
@@ -205,3 +212,66 @@ def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path):
         disk = handle.stats().disk
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert disk is not None and len(disk.blocks) > 0 and disk.read_bytes > 0
+
+
+def doubling_one_block_weight(monkeypatch, name):
+    """diffusers' Wan converter, then an in-place write into one converted block tensor (as a
+    future converter might): that tensor is no longer the file's bytes."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+
+    def converted(checkpoint, **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        out[name].mul_(2)
+        return out
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
+
+
+def test_a_block_tensor_the_converter_computes_falls_back_to_diffusers_equal_and_maps_nothing(tmp_path, monkeypatch, caplog):
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    doubling_one_block_weight(monkeypatch, "blocks.1.attn1.to_q.weight")
+    inputs = [entry.inputs(1, torch.bfloat16)]
+    expected = run(reference(path, config_dir, type(model), torch.bfloat16), inputs)
+    assert not torch.equal(expected[0], run(model, inputs)[0])  # the doubled weight changes the output
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is None and "fallback checkpoint_plan_incompatible: diffusers' converter computes 'blocks.1.attn1.to_q.weight'" in caplog.text
+    assert loaded.blocks[1].attn1.to_q.weight.dtype == torch.bfloat16  # the file's dtype, as mapped (not float32)
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+
+
+def test_ranges_follow_views_and_copies_of_the_file_and_nothing_else():
+    """What the converter's tensors are, seen through shape-only stand-ins: a range of the
+    file's bytes only where the bytes are the tensor's, in order."""
+    from dlo.host.safetensors_file import TensorEntry
+    from dlo.host.single_file_layout import _Provenance
+
+    entries = {"a": TensorEntry("a", torch.float32, (6, 4), 1000, 1096), "b": TensorEntry("b", torch.float32, (2, 3, 4, 4), 2000, 2384)}
+    stand_ins = {key: torch.empty(e.shape, dtype=e.dtype, device="meta") for key, e in entries.items()}
+    a, b = stand_ins["a"], stand_ins["b"]
+    with _Provenance(stand_ins, entries) as provenance:
+        q, k, v = torch.chunk(a, 3)
+        copied = torch.cat([k])
+        rows = torch.cat([q, k])
+        swapped = torch.cat([k, q])
+        columns = torch.cat([a[:, :2], a[:, 2:]], dim=1)
+        cast = a.to(torch.bfloat16)
+        transposed = a.t().contiguous()
+        channels_last = b.clone(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        written = torch.cat([v])
+        written.mul_(2)
+    begins = {name: (r.key, r.begin) if (r := provenance.range_of(t)) else None for name, t in [
+        ("k", k), ("copied", copied), ("rows", rows), ("swapped", swapped), ("columns", columns), ("cast", cast),
+        ("transposed", transposed), ("channels_last", channels_last), ("written", written), ("a.t()", a.t()),
+    ]}
+    assert begins == {
+        "k": ("a", 1032), "copied": ("a", 1032), "rows": ("a", 1000), "swapped": None, "columns": None, "cast": None,
+        "transposed": None, "channels_last": None, "written": None, "a.t()": None,
+    }
+    assert provenance.made_from(swapped) == {"a"} and provenance.made_from(channels_last) == {"b"}

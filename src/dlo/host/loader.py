@@ -20,8 +20,7 @@ from dlo.host.preflight import (
     CheckpointSources,
     Fallback,
     MappedLoad,
-    fused_projection_keys,
-    plan_checkpoint_sources,
+    mapped_load,
     topology_fallback,
 )
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
@@ -151,16 +150,10 @@ def preflight(
     try:
         model = skeleton(cls, model_config, fuse_qkv)
         offload_plan = discover(model)
-        sources = plan_checkpoint_sources(
-            model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
-        )
     except BaseException:
         checkpoint.close()
         raise
-    if isinstance(sources, Fallback):
-        checkpoint.close()
-        return sources
-    return MappedLoad(directory, model, offload_plan, checkpoint, sources)
+    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype))
 
 
 def load_transformer(

@@ -60,6 +60,23 @@ class Fallback:
             raise ValueError(f"unknown fallback code {self.code!r}")
 
 
+def mapped_load(
+    directory: Path, model: nn.Module, offload_plan: OffloadPlan, checkpoint: Checkpoint,
+    runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
+) -> MappedLoad | Fallback:
+    """The skeleton `model` with `checkpoint` planned as its sources, or why not; the checkpoint
+    is closed unless a MappedLoad (whose caller then owns it) is returned."""
+    try:
+        sources = plan_checkpoint_sources(model, offload_plan, checkpoint, runtime_dtype, fused_projection_keys(model))
+    except BaseException:
+        checkpoint.close()
+        raise
+    if isinstance(sources, Fallback):
+        checkpoint.close()
+        return sources
+    return MappedLoad(directory, model, offload_plan, checkpoint, sources)
+
+
 def topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
     """Why a checkpoint cannot stand in for this process's tensors whatever it holds."""
     if topology.tp_size > 1:

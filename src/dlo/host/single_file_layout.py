@@ -10,31 +10,35 @@ made of:
 - an input as it is (a rename), or a contiguous view of one (a split along the rows, a
   reshape): an entry of the file under its diffusers name, its bytes where they lie. The
   checkpoint then maps, registers and reads it as it does a diffusers file;
-- anything else (a `cat`, a transposed or strided view, a cast): computed. Computed tensors
-  outside the blocks are computed once from the file's own bytes, by the same converter, and
-  held in a small private file beside it; a computed block tensor leaves the file to
-  diffusers' ordinary loader (fallback `checkpoint_plan_incompatible`).
+- anything else (a `cat`, a transposed or strided view, a cast, a tensor written in place):
+  computed. Computed tensors outside the blocks are computed once from the file's own bytes
+  (only the tensors they are made of are read), by the same converter, and held in a small
+  private file beside it; a computed block tensor leaves the file to diffusers' ordinary
+  loader (fallback `checkpoint_plan_incompatible`).
 So the conversion is diffusers' own, whatever the class, and a tensor is mapped only where the
 converter itself proved it a range of the file's bytes.
-Scaled-float8 weights (ComfyUI's `scale_weight`): converters do not know the scales, so each
-scale follows its weight: under every name a part of the weight took, the same scale.
+Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
+scales, so a per-tensor scale follows its weight under every name a part of the weight took.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
-SCALE_SUFFIX = "scale_weight"  # ComfyUI's scaled fp8 files: <layer>.scale_weight beside <layer>.weight
+# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI) or
+# <layer>.weight_scale, beside <layer>.weight.
+SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 # What ComfyUI's scaled fp8 files hold beside the weights and a diffusers model does not read:
-# the format marker and the activations' scales of its fp8 matmuls.
-IGNORED = ("scaled_fp8",)
-IGNORED_SUFFIXES = (".scale_input",)
+# the format marker (under the file's key prefix) and the activations' scales of its fp8 matmuls.
+IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input")
 
 
 @dataclass(frozen=True)
@@ -43,104 +47,55 @@ class ConvertedLayout:
 
     entries: dict[str, TensorEntry]  # where each mapped tensor lies in the file
     computed: tuple[str, ...]  # converted by arithmetic: not a range of the file
-    mapped_from: frozenset[str]  # the file's keys the entries lie in
+    made_from: frozenset[str]  # the file's keys the computed tensors are made of
 
 
 def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict, model_keys: set[str]) -> ConvertedLayout:
     """The file's tensors under the names of a model whose state dict has `model_keys`. See
     [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not _ignored(key)}
-    stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
-    if model_keys == {key for key in kept if not key.endswith(f".{SCALE_SUFFIX}")}:  # diffusers' layout already
-        return ConvertedLayout(dict(kept), (), frozenset(kept))
-    with _Ranges({id(tensor): _Range(key, entry.begin) for (key, entry), tensor in zip(kept.items(), stand_ins.values())}) as ranges:
-        converted = _convert(model_cls, model_config, dict(stand_ins))
+    if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
+        return ConvertedLayout(dict(kept), (), frozenset())
+    # Outside inference mode: views of inference tensors have no `_base` to follow.
+    with torch.inference_mode(False):
+        stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
+        with _Provenance(stand_ins, kept) as provenance:
+            converted = _convert(model_cls, model_config, dict(stand_ins))
     entries: dict[str, TensorEntry] = {}
-    computed, mapped_from = [], set()
+    computed, made_from = [], set()
     for name, tensor in converted.items():
-        where = ranges.of(tensor)
-        scale = kept.get(_scale_key(where.key)) if where is not None else None
+        where = provenance.range_of(tensor)
+        float8 = where is not None and kept[where.key].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        scale_key = _scale_key(kept, where.key) if float8 else None
+        scale = kept.get(scale_key) if scale_key is not None else None
         # A per-row scale of a weight split in parts would need splitting too.
-        split_scale = scale is not None and scale.shape not in ((), (1,)) and tuple(tensor.shape) != kept[where.key].shape
+        split_scale = scale is not None and math.prod(scale.shape) != 1 and tuple(tensor.shape) != kept[where.key].shape
         if where is None or split_scale:
             computed.append(name)
+            made_from |= provenance.made_from(tensor)
             continue
-        mapped_from.add(where.key)
         end = where.begin + tensor.numel() * tensor.element_size()
         entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end)
-        if scale is not None and _scale_key(name) not in converted:  # each part of a weight keeps its scale
-            entries[_scale_key(name)] = scale
-    return ConvertedLayout(entries, tuple(computed), frozenset(mapped_from))
-
-
-@dataclass(frozen=True)
-class _Range:
-    key: str  # the file's tensor whose bytes these are
-    begin: int  # absolute file offset of the first byte
-
-
-class _Ranges(TorchDispatchMode):
-    """While the converter runs on stand-ins: which tensors hold, in order, a contiguous range
-    of the file's bytes. Views carry it (their base's range, moved by their offset), and so do
-    the copies converters make of one (`torch.cat([part])`, a clone) or of adjacent ranges
-    concatenated along the rows; anything else is computed."""
-
-    _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.cat.default, torch.ops.aten._to_copy.default)
-
-    def __init__(self, inputs: dict[int, _Range]) -> None:
-        super().__init__()
-        self._ranges = dict(inputs)
-        self._alive: list[torch.Tensor] = []  # keeps the ids above from being reused
-
-    def of(self, tensor: torch.Tensor) -> _Range | None:
-        """The range `tensor` holds, or None."""
-        if not tensor.is_contiguous():
-            return None
-        if id(tensor) in self._ranges:
-            return self._ranges[id(tensor)]
-        base = self._ranges.get(id(tensor._base)) if tensor._base is not None else None
-        if base is None:
-            return None
-        return _Range(base.key, base.begin + tensor.storage_offset() * tensor.element_size())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in self._COPIES and isinstance(out, torch.Tensor):
-            parts = list(args[0]) if func is torch.ops.aten.cat.default else [args[0]]
-            dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) if func is torch.ops.aten.cat.default else 0
-            ranges = [self.of(part) for part in parts]
-            same = all(part.dtype == out.dtype for part in parts) and out.device.type == "meta"
-            if same and dim in (0, -out.dim()) and None not in ranges and _adjacent(parts, ranges):
-                self._ranges[id(out)] = ranges[0]
-                self._alive.append(out)
-        return out
-
-
-def _adjacent(parts: list[torch.Tensor], ranges: list[_Range]) -> bool:
-    """Whether the parts' ranges follow each other in one tensor of the file."""
-    return all(
-        later.key == earlier.key and later.begin == earlier.begin + part.numel() * part.element_size()
-        for earlier, later, part in zip(ranges, ranges[1:], parts)
-    )
+        if scale is not None:  # each part of a weight keeps its scale
+            named = name.rsplit(".", 1)[0] + scale_key[len(where.key.rsplit(".", 1)[0]):]
+            if named not in converted:
+                entries[named] = scale
+    return ConvertedLayout(entries, tuple(computed), frozenset(made_from))
 
 
 def computed_file(file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout) -> SafetensorsFile:
     """The tensors the converter computes, computed from the file's bytes and written to a
-    private unlinked file, mapped like the checkpoint's. Only the file's tensors no entry lies
-    in are read (copied: converters may write to their inputs); the others enter as stand-ins,
-    so a tensor computed from one of them fails here (the caller refuses those in blocks
-    first). See [Note: single files through diffusers' converter]"""
+    private unlinked file, mapped like the checkpoint's. Only the file's tensors they are made
+    of are read (copied: converters may write to their inputs); the others enter as stand-ins.
+    See [Note: single files through diffusers' converter]"""
     inputs = {
-        key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") if key in layout.mapped_from else file.view(key).clone()
+        key: file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         for key, entry in file.entries.items()
         if not _ignored(key)
     }
-    converted = _convert(model_cls, model_config, inputs)
+    with torch.inference_mode(False):
+        converted = _convert(model_cls, model_config, inputs)
     values = {name: converted[name].contiguous() for name in layout.computed}
-    made_from_mapped = sorted(name for name, value in values.items() if value.is_meta)
-    if made_from_mapped:
-        raise ValueError(f"{made_from_mapped[0]!r} is computed from tensors that stream")
     from safetensors.torch import save
 
     handle = tempfile.TemporaryFile()
@@ -166,8 +121,83 @@ def has_converter(model_cls: type) -> bool:
 
 
 def _ignored(key: str) -> bool:
-    return key in IGNORED or key.endswith(IGNORED_SUFFIXES)
+    return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
 
 
-def _scale_key(weight_key: str) -> str:
-    return weight_key.rsplit(".", 1)[0] + f".{SCALE_SUFFIX}"
+def _scale_key(kept: dict, weight_key: str) -> str | None:
+    """The key of the scale the file keeps beside the weight `weight_key`, if any."""
+    layer = weight_key.rsplit(".", 1)[0]
+    return next((layer + suffix for suffix in SCALE_SUFFIXES if layer + suffix in kept), None)
+
+
+@dataclass(frozen=True)
+class _Range:
+    key: str  # the file's tensor whose bytes these are
+    begin: int  # absolute file offset of the first byte
+
+
+class _Provenance(TorchDispatchMode):
+    """While the converter runs on stand-ins: what each tensor is made of (the file's keys),
+    and which tensors hold, in order, a contiguous range of the file's bytes. Views carry a
+    range (their base's, moved by their offset), and so do the copies converters make of one
+    (`torch.cat([part])`, a clone) or of adjacent ranges concatenated along the rows; anything
+    else, and any tensor written in place (or a view of one), holds none."""
+
+    _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.cat.default, torch.ops.aten._to_copy.default)
+
+    def __init__(self, stand_ins: dict[str, torch.Tensor], entries: dict[str, TensorEntry]) -> None:
+        super().__init__()
+        self._ranges = {id(t): _Range(key, entries[key].begin) for key, t in stand_ins.items()}
+        self._keys = {id(t): frozenset((key,)) for key, t in stand_ins.items()}
+        self._written: set[int] = set()
+        self._alive: list[torch.Tensor] = list(stand_ins.values())  # keeps the ids above from being reused
+
+    def range_of(self, tensor: torch.Tensor) -> _Range | None:
+        """The range `tensor` holds, or None."""
+        base = tensor if tensor._base is None else tensor._base
+        if not tensor.is_contiguous() or id(tensor) in self._written or id(base) in self._written:
+            return None
+        if id(tensor) in self._ranges:
+            return self._ranges[id(tensor)]
+        if base is tensor or id(base) not in self._ranges:
+            return None
+        start = self._ranges[id(base)]
+        return _Range(start.key, start.begin + tensor.storage_offset() * tensor.element_size())
+
+    def made_from(self, tensor: torch.Tensor) -> frozenset[str]:
+        base = tensor if tensor._base is None else tensor._base
+        return self._keys.get(id(tensor), self._keys.get(id(base), frozenset()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        schema = func._schema.arguments
+        given = [*zip(schema, args), *((a, kwargs[a.name]) for a in schema if a.name in kwargs)]
+        for argument, value in given:
+            if argument.alias_info is not None and argument.alias_info.is_write:  # written in place
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor):
+                        self._written.update((id(t), id(t if t._base is None else t._base)))
+        keys = frozenset().union(*(self.made_from(t) for t in inputs)) if inputs else frozenset()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._keys[id(t)] = keys | self.made_from(t)
+                self._alive.append(t)
+        if func in self._COPIES and isinstance(out, torch.Tensor) and out.is_contiguous():
+            cat = func is torch.ops.aten.cat.default
+            parts = list(args[0]) if cat else [args[0]]
+            dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) if cat else 0
+            ranges = [self.range_of(part) for part in parts]
+            same = all(part.dtype == out.dtype for part in parts) and out.device.type == "meta"
+            if same and dim in (0, -out.dim()) and None not in ranges and _adjacent(parts, ranges):
+                self._ranges[id(out)] = ranges[0]
+        return out
+
+
+def _adjacent(parts: list[torch.Tensor], ranges: list[_Range]) -> bool:
+    """Whether the parts' ranges follow each other in one tensor of the file."""
+    return all(
+        later.key == earlier.key and later.begin == earlier.begin + part.numel() * part.element_size()
+        for earlier, later, part in zip(ranges, ranges[1:], parts)
+    )

@@ -5,6 +5,7 @@ diffusers' converter] in dlo.host.single_file_layout."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -13,9 +14,9 @@ from torch import nn
 from dlo.errors import ConfigError, first_line
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
-from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, fused_projection_keys, plan_checkpoint_sources
+from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, mapped_load
 from dlo.host.safetensors_file import SafetensorsFile
-from dlo.host.single_file_layout import computed_file, converted_layout, has_converter
+from dlo.host.single_file_layout import SCALE_SUFFIXES, computed_file, converted_layout, has_converter
 from dlo.planning.offload_plan import discover
 
 SINGLE_FILE_SUFFIX = ".safetensors"
@@ -79,7 +80,8 @@ def single_file_preflight(
             layout = converted_layout(file, cls, model_config, names)
         except Exception as err:  # diffusers' converters raise many kinds on a file they cannot read
             raise ConfigError(
-                f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)})"
+                f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); "
+                f"is {directory} the config of the model this file holds?"
             ) from None
         offload_plan = discover(model)
         prefixes = tuple(f"{block}." for block in offload_plan.block_lists)
@@ -92,11 +94,7 @@ def single_file_preflight(
             )
         entries = [(file, layout.entries)]
         if layout.computed:
-            try:
-                extra = computed_file(file, cls, model_config, layout)
-            except Exception as err:  # the converter, on real tensors now
-                file.close()
-                return Fallback("checkpoint_plan_incompatible", f"{path.name}: {first_line(err)}")
+            extra = computed_file(file, cls, model_config, layout)
             files.append(extra)
             entries.append((extra, dict(extra.entries)))
         checkpoint = Checkpoint.of_entries(path.parent, entries)
@@ -104,17 +102,21 @@ def single_file_preflight(
         for opened in files:
             opened.close()
         raise
+    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype))
+
+
+def _float_dtype(path: Path) -> torch.dtype | None:
+    """The file's most common floating dtype (float8 and scales aside): what the mapped load keeps
+    with torch_dtype=None, so that the fallback gives the same (diffusers' would be float32)."""
+    file = SafetensorsFile(path)
     try:
-        sources = plan_checkpoint_sources(
-            model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype), fused_projection_keys(model)
+        counts = Counter(
+            entry.dtype for key, entry in file.entries.items()
+            if entry.dtype.is_floating_point and entry.dtype not in FLOAT8 and not key.endswith(SCALE_SUFFIXES)
         )
-    except BaseException:
-        checkpoint.close()
-        raise
-    if isinstance(sources, Fallback):
-        checkpoint.close()
-        return sources
-    return MappedLoad(directory, model, offload_plan, checkpoint, sources)
+    finally:
+        file.close()
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def holds_float8(path: Path) -> bool:
@@ -128,8 +130,9 @@ def holds_float8(path: Path) -> bool:
 def ordinary_single_file_load(path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
     """diffusers' own single-file loader with the config of `directory`."""
     cls, _ = single_file_class(path, directory)
+    dtype = torch_dtype if torch_dtype is not None else _float_dtype(path)
     try:
-        model = cls.from_single_file(str(path), config=str(directory), torch_dtype=torch_dtype)
+        model = cls.from_single_file(str(path), config=str(directory), torch_dtype=dtype)
     except Exception as err:  # diffusers' converters raise many kinds
         raise ConfigError(f"{path}: diffusers could not load it as a {cls.__name__} ({first_line(err)})") from None
     if fuse_qkv:
