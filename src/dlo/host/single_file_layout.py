@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dlo.host.preflight import FLOAT8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
 # Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI) or
@@ -65,7 +66,7 @@ def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict,
     computed, made_from = [], set()
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
-        float8 = where is not None and kept[where.key].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        float8 = where is not None and kept[where.key].dtype in FLOAT8
         scale_key = _scale_key(kept, where.key) if float8 else None
         scale = kept.get(scale_key) if scale_key is not None else None
         # A per-row scale of a weight split in parts would need splitting too.
