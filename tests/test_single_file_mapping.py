@@ -275,3 +275,36 @@ def test_ranges_follow_views_and_copies_of_the_file_and_nothing_else():
         "transposed": None, "channels_last": None, "written": None, "a.t()": None,
     }
     assert provenance.made_from(swapped) == {"a"} and provenance.made_from(channels_last) == {"b"}
+
+
+def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale(tmp_path):
+    """ComfyUI's Flux fp8_scaled file: the fused q/k/v (and linear1) weights float8 with one
+    scale each; their parts stream with that scale, equal to diffusers' model of the same
+    weights dequantized (here, independently of dlo) in the same layout."""
+    cls = diffusers.FluxTransformer2DModel
+    model = random_model(cls, FLUX_WIDE, torch.bfloat16)
+    config_dir = tmp_path / "config"
+    model.save_config(config_dir)
+    original = flux_original({k: v.contiguous() for k, v in model.state_dict().items()}, 1, 1)
+    del model
+    stored, dequantized = {}, {}
+    for key, tensor in original.items():
+        if key.startswith(("double_blocks.", "single_blocks.")) and key.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
+            data = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            stored[key], stored[key[: -len("weight")] + "scale_weight"] = data, scale.reshape(())
+            dequantized[key] = (data.float() * scale).to(torch.bfloat16)
+        else:
+            stored[key] = dequantized[key] = tensor
+    fp8_path, plain_path = tmp_path / "flux-fp8-scaled.safetensors", tmp_path / "flux-dequantized.safetensors"
+    save_file({**stored, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, fp8_path)
+    save_file(dequantized, plain_path)
+    del original, stored, dequantized
+    inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(reference(plain_path, config_dir, cls, torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(fp8_path, torch_dtype=torch.bfloat16, model_config=config_dir)
+    assert plan is not None
+    with dlo.enable(loaded, "cpu", plan=plan) as handle:
+        got = run(loaded, inputs)
+        assert handle.stats().host_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
