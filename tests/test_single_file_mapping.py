@@ -130,6 +130,9 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
             "a single file is mapped as it is: set host_weight_cache=False",
         ),
     ]
+    no_converter = tmp_path / "cogvideox-config"  # a class diffusers reads no single file of
+    TINY_MODELS["cogvideox"].build(seed=2).save_config(no_converter)
+    refusals.append((lambda: dlo.load_transformer(path, model_config=no_converter), "has no single-file loader for"))
     gguf = tmp_path / "wan.gguf"
     gguf.write_bytes(b"GGUF")
     refusals.append((lambda: dlo.load_transformer(gguf, model_config=config_dir), "load a .gguf file with diffusers'"))

@@ -61,7 +61,9 @@ def single_file_class(path: Path, directory: Path) -> tuple[type[nn.Module], dic
     config = read_model_config(directory)
     cls = model_class(config.get("_class_name"), directory / "config.json")
     if not has_converter(cls):
-        raise ConfigError(f"{path}: diffusers has no single-file loader for {cls.__name__}")
+        raise ConfigError(
+            f"{path}: diffusers has no single-file loader for {cls.__name__}; give a diffusers model directory of it"
+        )
     return cls, config
 
 
