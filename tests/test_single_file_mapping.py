@@ -116,6 +116,16 @@ def test_a_file_that_cannot_be_mapped_loads_with_diffusers_and_says_why(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, [entry.inputs(1)])))
     unmapped, plan = dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
     assert plan is None and all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, [entry.inputs(1)])))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        sliced, plan = dlo.load_transformer(path, model_config=config_dir, topology=dlo.Topology(tp_size=2))
+    assert plan is None and "checkpoint mmap fallback unsupported_tp" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(sliced, [entry.inputs(1)])))
+    flux_config = tmp_path / "flux-config"  # diffusers' own loader, given another model's config, fails: one line
+    TINY_MODELS["flux"].build(seed=2).save_config(flux_config)
+    with pytest.raises(dlo.ConfigError, match="diffusers could not load it as a FluxTransformer2DModel") as refused:
+        dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=flux_config)
+    assert "\n" not in str(refused.value)
 
 
 def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
