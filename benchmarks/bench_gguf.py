@@ -23,6 +23,10 @@ Variants, one at a time, each on a fresh load and freed before the next:
                dequantized by one dlo Triton kernel launch, then diffusers' F.linear (needs CUDA
                and Triton; skipped on the CPU).
   dlo + kernels        dlo.use_gguf_kernels, then dlo.enable, on the CPU GGUF model.
+  dlo mapped   dlo.load_transformer(path, torch_dtype=torch.bfloat16, model_config=...), then
+               dlo.enable(model, device, plan=plan): the file's packed bytes stream from its
+               mapping (shared page cache, registered for direct copies) instead of a private copy.
+  dlo mapped + kernels the same, dlo.use_gguf_kernels before dlo.enable.
 
 floor = max(the compute reference's median, packed block bytes / --link-gbps), the compute
 reference being "resident + kernels" for the kernel rows and "resident" for the others; the "dlo
@@ -46,6 +50,7 @@ rewritten after each quant type.
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import statistics
 import tempfile
@@ -99,14 +104,36 @@ class DloKernels(Dlo):
         self.kernels.restore()
 
 
+class DloMapped(Dlo):
+    """dlo streaming the model dlo.load_transformer made of the GGUF file, from its mapping."""
+
+    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan) -> None:
+        self.model = model
+        self.handle = dlo.enable(model, device, self.config, plan=plan)
+        self._window_start = self.handle.stats()
+
+
+class DloMappedKernels(DloMapped):
+    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan) -> None:
+        self.kernels = dlo.use_gguf_kernels(model)
+        super().__init__(model, device, plan)
+
+    def close(self) -> None:
+        super().close()
+        self.kernels.restore()
+
+
 VARIANTS = {
     "resident": Resident, "dlo": Dlo, "diffusers": DiffusersGroupOffload,
     "resident + kernels": ResidentKernels, "dlo + kernels": DloKernels,
+    "dlo mapped": DloMapped, "dlo mapped + kernels": DloMappedKernels,
 }
+MAPPED = {"dlo mapped", "dlo mapped + kernels"}  # loaded by dlo.load_transformer, not diffusers
 # What each variant's output is compared with, and its compute reference for the floor.
 REFERENCE = {"dlo": "resident", "diffusers": "resident", "resident + kernels": "resident",
-             "dlo + kernels": "resident + kernels"}
-CUDA_ONLY = {"diffusers", "resident + kernels", "dlo + kernels"}
+             "dlo + kernels": "resident + kernels", "dlo mapped": "resident",
+             "dlo mapped + kernels": "resident + kernels"}
+CUDA_ONLY = {"diffusers", "resident + kernels", "dlo + kernels", "dlo mapped + kernels"}
 # A Wan transformer wide enough for the K-quants' 256-value blocks: the CPU smoke test's shape.
 WIDE = Shape(
     "wide", "WanTransformer3DModel",
@@ -184,6 +211,17 @@ def measure(model: nn.Module, variant: str, inputs: dict, device: torch.device, 
     return measure_session(VARIANTS[variant], model, inputs, device, args), nbytes
 
 
+def measure_file(path: Path, config_dir: Path, shape: Shape, variant: str, inputs: dict, device: torch.device,
+                 args: argparse.Namespace):
+    """`measure` of the GGUF file loaded the way `variant` loads it."""
+    if variant not in MAPPED:
+        return measure(load_gguf(path, config_dir, shape.class_name), variant, inputs, device, args)
+    model, plan = dlo.load_transformer(path, torch_dtype=torch.bfloat16, model_config=config_dir)
+    assert plan is not None, "the GGUF file was not mapped (the fallback is logged)"
+    nbytes = blocks_nbytes(model)
+    return measure_session(functools.partial(VARIANTS[variant], plan=plan), model, inputs, device, args), nbytes
+
+
 def row(shape: str, quant: str, variant: str, measured: tuple[Measured, int], reference: torch.Tensor | None) -> Row:
     run, nbytes = measured
     compared = reference is not None
@@ -212,7 +250,7 @@ def run_shape(shape: Shape, device: torch.device, args: argparse.Namespace) -> l
     for quant, path in files.items():
         outputs: dict[str, torch.Tensor] = {}
         for variant in args.variants:
-            measured = measure(load_gguf(path, directory, shape.class_name), variant, inputs, device, args)
+            measured = measure_file(path, directory, shape, variant, inputs, device, args)
             outputs[variant] = measured[0].output
             rows.append(row(shape.name, quant, variant, measured, outputs.get(REFERENCE.get(variant, ""))))
             print(f"{shape.name}/{quant}/{variant}: median {rows[-1].median_s:.4f} s", flush=True)

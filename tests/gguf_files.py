@@ -35,18 +35,25 @@ def _packed(weight: np.ndarray, quant_type, generator: np.random.Generator) -> n
         return generator.integers(0, 0x10, size=(rows, weight.shape[1] // block * type_bytes), dtype=np.uint8)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, quant_type, seed: int = 0) -> Path:
-    """`model`'s state dict as a GGUF file, its Linear weights as `quant_type` where they fit."""
+def write_gguf(model: torch.nn.Module, path: Path, quant_type, seed: int = 0, layout=None) -> Path:
+    """`model`'s state dict as a GGUF file, its Linear weights as `quant_type` where they fit.
+    `layout` (a function of the state dict, single_file_layouts.py) writes the file in another
+    key layout; its 2-D weights are then the Linear weights."""
     import gguf
 
     block, _ = gguf.GGML_QUANT_SIZES[quant_type]
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    state = model.state_dict()
+    if layout is None:
+        packed = {name for name in state if name.endswith(".weight") and name.rpartition(".")[0] in linears}
+    else:
+        state = layout(state)
+        packed = {name for name, tensor in state.items() if name.endswith(".weight") and tensor.dim() == 2}
     generator = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "dlo-test")
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         values = tensor.detach().float().numpy()
-        owner = name.rpartition(".")[0]
-        if name.endswith(".weight") and owner in linears and values.shape[-1] % block == 0:
+        if name in packed and values.shape[-1] % block == 0:
             writer.add_tensor(name, _packed(values, quant_type, generator), raw_dtype=quant_type)
         else:
             writer.add_tensor(name, values)

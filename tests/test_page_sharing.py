@@ -34,6 +34,8 @@ import dlo
 from dlo.models.tiny import TinyModel, _wan_inputs
 
 pytest.importorskip("diffusers")
+gguf = pytest.importorskip("gguf")
+from gguf_files import write_gguf  # noqa: E402
 if dlo.read_smaps_rollup() is None:  # pragma: no cover - non-Linux
     pytest.skip("needs /proc/<pid>/smaps_rollup", allow_module_level=True)
 
@@ -58,6 +60,7 @@ RESULTS_TIMEOUT_S = 110.0
 @dataclass(frozen=True)
 class SavedCheckpoint:
     directory: Path
+    gguf_file: Path  # the same model in one GGUF file, its Linear weights Q8_0
     file_bytes: int  # summed sizes of the safetensors shards (tensor bytes + headers)
     model_bytes: int  # parameters + persistent buffers of the model, float32
     block_bytes: int  # the largest block
@@ -69,6 +72,7 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     directory = tmp_path_factory.mktemp("wan_page_sharing")
     model = WAN.build(seed=0)
     model.save_pretrained(directory, max_shard_size="50MB")
+    gguf_file = write_gguf(model, tmp_path_factory.mktemp("wan_gguf") / "wan-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     state = model.state_dict()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     block_bytes = max(sum(p.numel() * p.element_size() for p in block.state_dict().values()) for block in model.blocks)
@@ -78,6 +82,7 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     assert len(shards) > 1, "the checkpoint should be sharded"
     return SavedCheckpoint(
         directory=directory,
+        gguf_file=gguf_file,
         file_bytes=sum(p.stat().st_size for p in shards),
         model_bytes=model_bytes,
         block_bytes=block_bytes,
@@ -86,8 +91,8 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
 
 
 def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> None:
-    """For each (mmap, cache_dir) of `scenarios` in turn: load, enable on cpu, run one
-    forward; report smaps_rollup before loading and after the forward, measured while every
+    """For each (mmap, cache_dir, GGUF file) of `scenarios` in turn: load (the GGUF file, with
+    the directory's config, where one is given), enable on cpu, run one forward; report smaps_rollup before loading and after the forward, measured while every
     worker holds its mapping. Between scenarios the model and its handle are dropped, and
     every worker has dropped them before anyone takes the next baseline."""
     try:
@@ -97,7 +102,7 @@ def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> N
 
         torch.set_num_threads(1)  # up to 3 workers on 2 cores
         inputs = WAN.inputs(seed=rank)
-        for index, (mmap, cache_dir) in enumerate(scenarios):
+        for index, (mmap, cache_dir, gguf_file) in enumerate(scenarios):
             # Every worker has mapped torch's libraries (and dropped the last scenario's model)
             # before anyone takes a baseline: a late starter would otherwise lower the others'
             # share of those pages between their two measurements.
@@ -108,7 +113,10 @@ def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> N
             config = dlo.OffloadConfig(
                 checkpoint_mmap=mmap, host_weight_cache=cache_dir is not None, cache_dir=cache_dir or "unused"
             )
-            model, plan = dlo.load_transformer(directory, config=config)
+            if gguf_file is None:
+                model, plan = dlo.load_transformer(directory, config=config)
+            else:
+                model, plan = dlo.load_transformer(gguf_file, config=config, model_config=directory)
             handle = dlo.enable(model, "cpu", config, plan=plan)
             with torch.inference_mode():
                 output = model(**inputs)[0]
@@ -148,12 +156,12 @@ class Delta:
 
 
 def _run_workers(directory: Path, workers: int, scenarios) -> list[tuple[list[dict], list[Delta]]]:
-    """`workers` spawned processes run each (mmap, cache_dir or None) of `scenarios` in turn;
-    per scenario, (reports, deltas) ordered by rank."""
+    """`workers` spawned processes run each (mmap, cache_dir or None, GGUF file or None) of
+    `scenarios` in turn; per scenario, (reports, deltas) ordered by rank."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     results = ctx.Queue()
-    scenarios = [(mmap, str(cache_dir) if cache_dir is not None else None) for mmap, cache_dir in scenarios]
+    scenarios = [tuple(str(given) if isinstance(given, Path) else given for given in scenario) for scenario in scenarios]
     processes = [
         ctx.Process(target=_sharing_worker, args=(rank, str(directory), scenarios, barrier, results), daemon=True)
         for rank in range(workers)
@@ -205,15 +213,17 @@ def _run_workers(directory: Path, workers: int, scenarios) -> list[tuple[list[di
 
 @pytest.fixture(scope="module")
 def three_workers(checkpoint, tmp_path_factory):
-    """One set of 3 spawned workers (each costs seconds of imports) runs two scenarios in
+    """One set of 3 spawned workers (each costs seconds of imports) runs three scenarios in
     turn, each measured on its own baseline: checkpoint_mmap=True, then through the host
-    weight cache (checkpoint_mmap=False). Returns (mmap (reports, deltas), cache (reports,
-    deltas), the cache dir). The mmap scenario runs first, on fresh processes, as it did alone;
-    the cache one after it had dropped its model (its bounds are upper bounds on what a
-    worker writes: memory freed by the first scenario cannot make a private copy pass)."""
+    weight cache (checkpoint_mmap=False), then the GGUF file mapped. Returns (mmap (reports,
+    deltas), cache (reports, deltas), the cache dir, gguf (reports, deltas)). The mmap
+    scenario runs first, on fresh processes, as it did alone; the others after the previous
+    one had dropped its model (their bounds are upper bounds on what a worker writes: memory
+    freed by an earlier scenario cannot make a private copy pass)."""
     cache_dir = tmp_path_factory.mktemp("page-sharing-cache") / "cache"
-    mmap, cache = _run_workers(checkpoint.directory, 3, [(True, None), (False, cache_dir)])
-    return mmap, cache, cache_dir
+    scenarios = [(True, None, None), (False, cache_dir, None), (True, None, checkpoint.gguf_file)]
+    mmap, cache, gguf_mapped = _run_workers(checkpoint.directory, 3, scenarios)
+    return mmap, cache, cache_dir, gguf_mapped
 
 
 def _print_table(title: str, ckpt: SavedCheckpoint, reports: list[dict], deltas: list[Delta]) -> None:
@@ -275,7 +285,7 @@ def test_private_load_gives_every_worker_its_own_copy(checkpoint):
     """The contrast: with checkpoint_mmap=False each process packs its own host copy of
     every block (and an ordinary copy of the rest), so Private_Dirty grows by at least the
     model in every worker: 2 workers hold 2 copies."""
-    ((reports, deltas),) = _run_workers(checkpoint.directory, 2, [(False, None)])
+    ((reports, deltas),) = _run_workers(checkpoint.directory, 2, [(False, None, None)])
     _print_table("checkpoint_mmap=False, 2 workers", checkpoint, reports, deltas)
 
     for report, delta in zip(reports, deltas):
@@ -294,7 +304,7 @@ def test_cache_workers_map_one_entry(checkpoint, three_workers):
     """Three processes load through the host weight cache at once: one publishes, the others
     join, and all map the same entry, so the weights cost about one copy in total. (The same
     3 processes as the mmap test, its scenario done and dropped: see three_workers.)"""
-    _, (reports, deltas), cache_dir = three_workers
+    _, (reports, deltas), cache_dir, _ = three_workers
     _print_table("host_weight_cache=True, 3 workers", checkpoint, reports, deltas)
     assert all(r["plan"] and r["backing"] == "host_weight_cache" and r["host_bytes"] == 0 for r in reports)
     assert len(list((cache_dir / "v1").iterdir())) == 1
@@ -305,3 +315,20 @@ def test_cache_workers_map_one_entry(checkpoint, three_workers):
     entry_bytes = reports[0]["mapped_bytes"]
     assert 0.6 * entry_bytes < sum(d.pss_file for d in deltas) < 1.4 * entry_bytes
     assert all(d.private_dirty < 0.5 * checkpoint.model_bytes for d in deltas)
+
+
+def test_gguf_workers_map_one_copy_of_the_file(checkpoint, three_workers):
+    """Three processes load the same GGUF file (See [Note: GGUF files mapped]): its packed
+    bytes are mapped, not copied, so summed over the workers they cost about one file."""
+    reports, deltas = three_workers[3]
+    file_bytes = checkpoint.gguf_file.stat().st_size
+    print(f"\nGGUF file {file_bytes / MB:.1f} MB")
+    _print_table("GGUF file mapped, 3 workers", checkpoint, reports, deltas)
+    for report, delta in zip(reports, deltas):
+        assert report["plan"] and report["backing"] == "checkpoint_mmap" and report["host_bytes"] == 0
+        assert report["finite"] and report["mapped_bytes"] >= file_bytes
+        assert delta.pss_file < 0.7 * file_bytes  # a third of the file each, not all of it
+    summed_pss_file = sum(d.pss_file for d in deltas)
+    assert 0.6 * file_bytes < summed_pss_file < 1.4 * file_bytes, (
+        f"summed Pss_File growth {summed_pss_file / MB:.1f} MB for a {file_bytes / MB:.1f} MB GGUF file"
+    )

@@ -99,7 +99,7 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
         assert layout.entries["transformer_blocks.0.attn.to_k.weight"].begin == whole.begin + whole.nbytes // 3
         linear1 = file.entries["single_blocks.0.linear1.weight"]
         assert layout.entries["single_transformer_blocks.0.proj_mlp.weight"].end == linear1.end
-        assert layout.computed == ("norm_out.linear.weight", "norm_out.linear.bias")
+        assert tuple(layout.computed) == ("norm_out.linear.weight", "norm_out.linear.bias")
     finally:
         file.close()
 
@@ -143,9 +143,9 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
     no_converter = tmp_path / "cogvideox-config"  # a class diffusers reads no single file of
     TINY_MODELS["cogvideox"].build(seed=2).save_config(no_converter)
     refusals.append((lambda: dlo.load_transformer(path, model_config=no_converter), "has no single-file loader for"))
-    gguf = tmp_path / "wan.gguf"
-    gguf.write_bytes(b"GGUF")
-    refusals.append((lambda: dlo.load_transformer(gguf, model_config=config_dir), "load a .gguf file with diffusers'"))
+    pickled = tmp_path / "wan.ckpt"
+    pickled.write_bytes(b"not read")
+    refusals.append((lambda: dlo.load_transformer(pickled, model_config=config_dir), "reads single .safetensors and .gguf files"))
     for load, message in refusals:
         with pytest.raises(dlo.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as refused:
             load()
@@ -154,6 +154,10 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(dlo.CheckpointError):
         dlo.load_transformer(truncated, model_config=config_dir)
+    magic_only = tmp_path / "wan.gguf"
+    magic_only.write_bytes(b"GGUF")
+    with pytest.raises(dlo.CheckpointError, match="truncated"):
+        dlo.load_transformer(magic_only, model_config=config_dir)
 
 
 @pytest.mark.parametrize(

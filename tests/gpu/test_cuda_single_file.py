@@ -43,3 +43,32 @@ def test_an_original_layout_file_streams_registered_on_cuda_equal_to_diffusers(t
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.host_bytes == 0 and stats.registered_bytes > 0 and stats.staging_bytes == 0
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_a_gguf_file_streams_its_packed_bytes_registered_on_cuda_equal_to_diffusers(tmp_path, quant):
+    """A GGUF file mapped by dlo.load_transformer: its packed bytes copied straight from the
+    registered mapping (its small casts converted once beside it), equal to diffusers' GGUF model
+    resident on the device, with diffusers' dequantization and with dlo's kernels."""
+    gguf = pytest.importorskip("gguf")
+    from gguf_files import WIDE_WAN, load_gguf, write_gguf
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WIDE_WAN)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", gguf.GGMLQuantizationType[quant])
+    reference = load_gguf(path, tmp_path, "WanTransformer3DModel", torch.bfloat16).cuda()
+    expected = run(reference, "wan", torch.bfloat16)
+    with dlo.use_gguf_kernels(reference):
+        expected_kernels = run(reference, "wan", torch.bfloat16)
+    del reference
+    for kernels in (False, True):
+        loaded, plan = dlo.load_transformer(path, torch_dtype=torch.bfloat16, model_config=tmp_path)
+        swapped = dlo.use_gguf_kernels(loaded) if kernels else None
+        with dlo.enable(loaded, "cuda", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+            got = run(loaded, "wan", torch.bfloat16)
+            stats = handle.stats()
+        if swapped is not None:
+            swapped.restore()
+        assert all(torch.equal(a, b) for a, b in zip(expected_kernels if kernels else expected, got))
+        assert stats.host_bytes == 0 and stats.registered_bytes > 0 and stats.staging_bytes == 0

@@ -19,6 +19,7 @@ from dlo.host.host_weight_plan import HostWeightPlan, HostWeights
 from dlo.host.registration import HostRegistration, RegistrationCleanupError
 from dlo.host.tensor_source import TensorSource, count_adapters
 from dlo.planning.adapters import tuner_layers
+from dlo.planning.gguf_weights import parameter_like
 from dlo.planning.tensor_walk import owned_tensors
 
 
@@ -60,7 +61,7 @@ class BoundPlan:
             if id(owned.tensor) not in replaced:
                 if owned.tensor.device.type == "meta":
                     data = torch.empty((), dtype=source.dtype, device=device).expand(source.shape)
-                    new = nn.Parameter(data, requires_grad=False) if owned.is_parameter else data
+                    new = parameter_like(owned.tensor, data) if owned.is_parameter else data
                     self._stand_ins[id(new)] = new
                 else:  # already a view of the mapping (host weight cache): the same object stays
                     new = owned.tensor

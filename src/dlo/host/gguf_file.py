@@ -7,7 +7,8 @@ starts at the file's alignment. Every count, length and offset in it is untruste
 checked against the bytes left before it is used, so a crafted count cannot make the parser
 allocate or loop beyond the file, and each violation is one `CheckpointError` kind, as for
 safetensors headers (safetensors_file.py). A tensor's bytes must be what its type and dims
-need, lie inside the file, start at the alignment, and overlap no other tensor.
+need, lie inside the file, start at the alignment, and overlap no other tensor. `GgufFile` then
+maps the file as a safetensors file is mapped: shared, read-only, each tensor a view.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlo.host.safetensors_file import HEADER_SIZE_CAP, CheckpointError, CheckpointErrorKind
+import torch
+
+from dlo.errors import ConfigError
+from dlo.host.safetensors_file import HEADER_SIZE_CAP, CheckpointError, CheckpointErrorKind, SafetensorsFile, TensorEntry
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # 64-bit counts and lengths (version 1 had 32-bit ones and is not read)
@@ -37,6 +41,12 @@ _READ_CHUNK = 2**20
 # GGUF metadata value types: fixed-size ones by struct format; 8 is a string, 9 an array.
 _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+# ggml types stored as plain elements (the gguf package's reader gives them as these dtypes);
+# every other type is packed: uint8 rows of its blocks.
+PLAIN_TYPES = {
+    "F32": torch.float32, "F16": torch.float16, "F64": torch.float64,
+    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}
 
 
 @dataclass(frozen=True)
@@ -179,28 +189,32 @@ def _tensor_record(cursor: _Cursor, index: int) -> tuple[str, str, tuple[int, ..
 def read_gguf_index(path: str | Path) -> GgufIndex:
     """The validated header of the GGUF file at `path`, without mapping it."""
     path = Path(path)
-    kinds = CheckpointErrorKind
     with open(path, "rb") as handle:
-        cursor = _Cursor(path, handle.fileno(), os.fstat(handle.fileno()).st_size)
-        if cursor.take(len(MAGIC), "the magic") != MAGIC:
-            raise CheckpointError(kinds.HEADER_INVALID, path, "does not start with GGUF's magic bytes: not a GGUF file")
-        version = cursor.unpack("<I", "the version")
-        if version not in VERSIONS:
-            raise CheckpointError(kinds.HEADER_INVALID, path, f"GGUF version {version}; dlo reads versions {VERSIONS}")
-        tensor_count = cursor.unpack("<Q", "the tensor count")
-        metadata_count = cursor.unpack("<Q", "the metadata count")
-        if (tensor_count + metadata_count) * 8 > cursor.size:  # each record takes at least 8 bytes
-            raise CheckpointError(
-                kinds.TRUNCATED, path, f"{tensor_count} tensors and {metadata_count} metadata pairs cannot fit in {cursor.size} bytes"
-            )
-        if tensor_count > MAX_TENSORS or metadata_count > MAX_METADATA_PAIRS:
-            raise CheckpointError(
-                kinds.HEADER_TOO_LARGE, path,
-                f"{tensor_count} tensors and {metadata_count} metadata pairs; dlo reads at most {MAX_TENSORS} and {MAX_METADATA_PAIRS}",
-            )
-        metadata = _metadata(cursor, metadata_count)
-        alignment = metadata.get(ALIGNMENT_KEY, DEFAULT_ALIGNMENT)
-        records = [_tensor_record(cursor, index) for index in range(tensor_count)]
+        return _read_index(path, handle.fileno(), os.fstat(handle.fileno()).st_size)
+
+
+def _read_index(path: Path, fd: int, size: int) -> GgufIndex:
+    kinds = CheckpointErrorKind
+    cursor = _Cursor(path, fd, size)
+    if cursor.take(len(MAGIC), "the magic") != MAGIC:
+        raise CheckpointError(kinds.HEADER_INVALID, path, "does not start with GGUF's magic bytes: not a GGUF file")
+    version = cursor.unpack("<I", "the version")
+    if version not in VERSIONS:
+        raise CheckpointError(kinds.HEADER_INVALID, path, f"GGUF version {version}; dlo reads versions {VERSIONS}")
+    tensor_count = cursor.unpack("<Q", "the tensor count")
+    metadata_count = cursor.unpack("<Q", "the metadata count")
+    if (tensor_count + metadata_count) * 8 > cursor.size:  # each record takes at least 8 bytes
+        raise CheckpointError(
+            kinds.TRUNCATED, path, f"{tensor_count} tensors and {metadata_count} metadata pairs cannot fit in {cursor.size} bytes"
+        )
+    if tensor_count > MAX_TENSORS or metadata_count > MAX_METADATA_PAIRS:
+        raise CheckpointError(
+            kinds.HEADER_TOO_LARGE, path,
+            f"{tensor_count} tensors and {metadata_count} metadata pairs; dlo reads at most {MAX_TENSORS} and {MAX_METADATA_PAIRS}",
+        )
+    metadata = _metadata(cursor, metadata_count)
+    alignment = metadata.get(ALIGNMENT_KEY, DEFAULT_ALIGNMENT)
+    records = [_tensor_record(cursor, index) for index in range(tensor_count)]
     data_start = -(-cursor.pos // alignment) * alignment
     tensors: dict[str, GgufTensor] = {}
     for name, quant, shape, offset, nbytes in records:
@@ -219,3 +233,46 @@ def read_gguf_index(path: str | Path) -> GgufIndex:
         if after.begin < before.end:
             raise CheckpointError(kinds.OFFSETS_INVALID, path, f"{after.name!r} overlaps {before.name!r}")
     return GgufIndex(path, version, alignment, tensors, metadata)
+
+
+def stored_entry(tensor: GgufTensor) -> TensorEntry:
+    """How the file holds `tensor`, as diffusers' GGUF loader reads it: plain types as their
+    dtype and shape, every other type as uint8 rows of its packed blocks (its `ggml_type`)."""
+    if tensor.quant in PLAIN_TYPES:
+        return TensorEntry(tensor.name, PLAIN_TYPES[tensor.quant], tensor.shape, tensor.begin, tensor.end)
+    rows = tensor.shape[:-1]
+    row_bytes = tensor.nbytes // max(1, _product(rows))
+    return TensorEntry(tensor.name, torch.uint8, (*rows, row_bytes), tensor.begin, tensor.end, tensor.quant)
+
+
+def _product(values: tuple[int, ...]) -> int:
+    out = 1
+    for value in values:
+        out *= value
+    return out
+
+
+def diffusers_gguf_types() -> set[str]:
+    """The ggml types diffusers' GGUF loader reads: plain F32/F16 and those it dequantizes."""
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+    return {"F32", "F16", *(quant.name for quant in SUPPORTED_GGUF_QUANT_TYPES)}
+
+
+def check_diffusers_reads(index: GgufIndex, what: str) -> None:
+    """Refuse, in one line, a file holding a ggml type diffusers' GGUF loader cannot read."""
+    unsupported = sorted({t.quant for t in index.tensors.values()} - diffusers_gguf_types())
+    if unsupported:
+        raise ConfigError(
+            f"{what}: diffusers' GGUF loader has no dequantization for {', '.join(unsupported)}; "
+            f"it reads {', '.join(sorted(diffusers_gguf_types()))}"
+        )
+
+
+class GgufFile(SafetensorsFile):
+    """A validated GGUF file mapped read-only and shared like a safetensors file; its entries
+    are `stored_entry`s under the file's tensor names."""
+
+    def _read_header(self, fd: int, size: int) -> tuple[dict[str, TensorEntry], dict]:
+        index = _read_index(self.path, fd, size)
+        return {name: stored_entry(tensor) for name, tensor in index.tensors.items()}, index.metadata

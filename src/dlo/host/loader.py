@@ -25,6 +25,8 @@ from dlo.host.preflight import (
 )
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
 from dlo.host.single_file_load import (
+    GGUF_SUFFIX,
+    check_gguf_file,
     config_directory,
     holds_float8,
     ordinary_single_file_load,
@@ -32,6 +34,7 @@ from dlo.host.single_file_load import (
     single_file_preflight,
 )
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
+from dlo.planning.gguf_weights import is_gguf_parameter, parameter_like
 from dlo.planning.offload_plan import discover
 from dlo.planning.tensor_walk import owned_tensors
 
@@ -73,7 +76,11 @@ def _materialize(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, Ma
             continue
         if id(owned.tensor) not in made:
             value = source.materialize(checkpoint)
-            made[id(owned.tensor)] = nn.Parameter(value, owned.tensor.requires_grad) if owned.is_parameter else value
+            if owned.is_parameter and is_gguf_parameter(owned.tensor):
+                value = parameter_like(owned.tensor, value)
+            elif owned.is_parameter:
+                value = nn.Parameter(value, owned.tensor.requires_grad)
+            made[id(owned.tensor)] = value
         table = owned.owner._parameters if owned.is_parameter else owned.owner._buffers
         table[owned.key] = made[id(owned.tensor)]
 
@@ -93,10 +100,16 @@ def _mapped(result: MappedLoad) -> tuple[nn.Module, HostWeightPlan]:
 def _load_single_file(
     path: Path, config: OffloadConfig, torch_dtype: torch.dtype | None, model_config, fuse_qkv: bool, topology: Topology
 ) -> tuple[nn.Module, HostWeightPlan | None]:
-    """load_transformer of a single .safetensors file. See [Note: single files through
-    diffusers' converter]"""
+    """load_transformer of a single .safetensors or .gguf file. See [Note: single files through
+    diffusers' converter] and [Note: GGUF files mapped]"""
     directory = config_directory(model_config, path)
-    single_file_class(path, directory)  # refuses a .gguf or a class without a converter first
+    single_file_class(path, directory)  # refuses another suffix or a class without a converter first
+    if path.suffix == GGUF_SUFFIX:
+        check_gguf_file(path)  # the header, before anything maps or reads the file
+        if fuse_qkv:
+            raise ConfigError(f"{path}: fuse_qkv=True fuses float projections; a GGUF file's stay packed: set fuse_qkv=False")
+        # diffusers' GGUF loader computes in float32 unless told otherwise (GGUFQuantizationConfig's default).
+        torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
     float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here
     if config.host_weight_cache:
         raise ConfigError(
@@ -167,11 +180,13 @@ def load_transformer(
     model_config: str | Path | None = None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """Load a diffusers transformer (a model directory or a pipeline's `transformer/`), or a
-    single `.safetensors` file (original key layout or diffusers') with `model_config`: the
-    transformer's config directory, its pipeline's directory or a hub id in the Hugging Face
-    cache. A single file streams from its mapping where diffusers' converter makes each block
-    tensor a range of the file (See [Note: single files through diffusers' converter]), else
-    it is loaded by diffusers' `from_single_file` (fallback code logged).
+    single `.safetensors` file (original key layout or diffusers') or `.gguf` file with
+    `model_config`: the transformer's config directory, its pipeline's directory or a hub id
+    in the Hugging Face cache. A single file streams from its mapping where diffusers'
+    converter makes each block tensor a range of the file (See [Note: single files through
+    diffusers' converter]; a GGUF file's packed bytes as they are, See [Note: GGUF files
+    mapped]), else it is loaded by diffusers' `from_single_file` (fallback code logged).
+    For a GGUF file, torch_dtype is the compute dtype (None: float32, as diffusers').
 
     Returns `(model, plan)`. With a plan, the block tensors were NOT loaded: they stream
     from the read-only checkpoint mapping once `dlo.enable(model, device, config, plan=plan)`

@@ -79,6 +79,9 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int  # absolute file offset
     end: int
+    # A GGUF file's packed tensor: its ggml type (Q8_0, Q4_K, BF16...), its bytes held as uint8
+    # rows of that type's blocks (See [Note: GGUF streaming]); None for plain tensors.
+    ggml_type: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -204,7 +207,7 @@ class SafetensorsFile:
             fd = handle.fileno()
             stat = os.fstat(fd)
             size = stat.st_size
-            self.entries, self.metadata = _read_header(self.path, fd, size)
+            self.entries, self.metadata = self._read_header(fd, size)
             self.size = size
             self.identity = (stat.st_dev, stat.st_ino, size)  # the file mapped: one reopened must be it
             # Empty files cannot be mapped; a valid header makes the file at least 8 bytes.
@@ -213,6 +216,10 @@ class SafetensorsFile:
             # torch warns that the buffer is read-only: dlo only ever reads these views.
             warnings.simplefilter("ignore", UserWarning)
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def _read_header(self, fd: int, size: int) -> tuple[dict[str, TensorEntry], dict]:
+        """The validated entries and metadata of the open file (GgufFile reads a GGUF header)."""
+        return _read_header(self.path, fd, size)
 
     def view(self, key: str) -> torch.Tensor:
         """The tensor `key` as a zero-copy view of the mapping. Never write to it."""

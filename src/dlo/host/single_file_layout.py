@@ -47,8 +47,12 @@ class ConvertedLayout:
     """The file's tensors by their diffusers names."""
 
     entries: dict[str, TensorEntry]  # where each mapped tensor lies in the file
-    computed: tuple[str, ...]  # converted by arithmetic: not a range of the file
-    made_from: frozenset[str]  # the file's keys the computed tensors are made of
+    computed: dict[str, frozenset[str]]  # converted by arithmetic (not a range of the file) -> the file's keys it is made of
+
+    @property
+    def made_from(self) -> frozenset[str]:
+        """The file's keys the computed tensors are made of."""
+        return frozenset().union(*self.computed.values())
 
 
 def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict, model_keys: set[str]) -> ConvertedLayout:
@@ -56,14 +60,14 @@ def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict,
     [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not _ignored(key)}
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
-        return ConvertedLayout(dict(kept), (), frozenset())
+        return ConvertedLayout(dict(kept), {})
     # Outside inference mode: views of inference tensors have no `_base` to follow.
     with torch.inference_mode(False):
         stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
         with _Provenance(stand_ins, kept) as provenance:
             converted = _convert(model_cls, model_config, dict(stand_ins))
     entries: dict[str, TensorEntry] = {}
-    computed, made_from = [], set()
+    computed: dict[str, frozenset[str]] = {}
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
         float8 = where is not None and kept[where.key].dtype in FLOAT8
@@ -72,23 +76,22 @@ def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict,
         # A per-row scale of a weight split in parts would need splitting too.
         split_scale = scale is not None and math.prod(scale.shape) != 1 and tuple(tensor.shape) != kept[where.key].shape
         if where is None or split_scale:
-            computed.append(name)
-            made_from |= provenance.made_from(tensor)
+            computed[name] = provenance.made_from(tensor)
             continue
         end = where.begin + tensor.numel() * tensor.element_size()
-        entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end)
+        # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
+        entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
         if scale is not None:  # each part of a weight keeps its scale
             named = name.rsplit(".", 1)[0] + scale_key[len(where.key.rsplit(".", 1)[0]):]
             if named not in converted:
                 entries[named] = scale
-    return ConvertedLayout(entries, tuple(computed), frozenset(made_from))
+    return ConvertedLayout(entries, computed)
 
 
-def computed_file(file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout) -> SafetensorsFile:
-    """The tensors the converter computes, computed from the file's bytes and written to a
-    private unlinked file, mapped like the checkpoint's. Only the file's tensors they are made
-    of are read (copied: converters may write to their inputs); the others enter as stand-ins.
-    See [Note: single files through diffusers' converter]"""
+def computed_values(file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout) -> dict[str, torch.Tensor]:
+    """The tensors the converter computes, computed from the file's bytes. Only the file's
+    tensors they are made of are read (copied: converters may write to their inputs); the
+    others enter as stand-ins. See [Note: single files through diffusers' converter]"""
     inputs = {
         key: file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         for key, entry in file.entries.items()
@@ -96,14 +99,18 @@ def computed_file(file: SafetensorsFile, model_cls: type, model_config: dict, la
     }
     with torch.inference_mode(False):
         converted = _convert(model_cls, model_config, inputs)
-    values = {name: converted[name].contiguous() for name in layout.computed}
+    return {name: converted[name].contiguous() for name in layout.computed}
+
+
+def private_file(values: dict[str, torch.Tensor], label: str) -> SafetensorsFile:
+    """`values` written to a private unlinked file, mapped like the checkpoint's."""
     from safetensors.torch import save
 
     handle = tempfile.TemporaryFile()
     try:
         handle.write(save(values))
         handle.flush()
-        return SafetensorsFile(f"{file.path} (converted by diffusers)", handle)
+        return SafetensorsFile(label, handle)
     finally:
         handle.close()  # the mapping keeps the unlinked file's pages
 

@@ -1,11 +1,13 @@
 """`dlo.load_transformer(FILE, model_config=...)`: a single-file `.safetensors` checkpoint
-(original key layout, or diffusers') streamed straight from its mapping where diffusers' own
-converter proves each block tensor a range of the file. See [Note: single files through
-diffusers' converter] in dlo.host.single_file_layout."""
+(original key layout, or diffusers') or a `.gguf` file streamed straight from its mapping where
+diffusers' own converter proves each block tensor a range of the file. See [Note: single files
+through diffusers' converter] in dlo.host.single_file_layout and [Note: GGUF files mapped] in
+dlo.host.gguf_model."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,12 +16,21 @@ from torch import nn
 from dlo.errors import ConfigError, first_line
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
+from dlo.host.gguf_file import GgufFile, check_diffusers_reads, read_gguf_index
+from dlo.host.gguf_model import as_gguf_skeleton, private_conversions
 from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, mapped_load
 from dlo.host.safetensors_file import SafetensorsFile
-from dlo.host.single_file_layout import SCALE_SUFFIXES, computed_file, converted_layout, has_converter
+from dlo.host.single_file_layout import (
+    SCALE_SUFFIXES,
+    computed_values,
+    converted_layout,
+    has_converter,
+    private_file,
+)
 from dlo.planning.offload_plan import discover
 
-SINGLE_FILE_SUFFIX = ".safetensors"
+GGUF_SUFFIX = ".gguf"
+SINGLE_FILE_SUFFIXES = (".safetensors", GGUF_SUFFIX)
 
 
 def config_directory(model_config: str | Path | None, path: Path) -> Path:
@@ -51,13 +62,9 @@ def config_directory(model_config: str | Path | None, path: Path) -> Path:
 
 def single_file_class(path: Path, directory: Path) -> tuple[type[nn.Module], dict]:
     """The model class and config for `path`, refused in one line where diffusers has no
-    single-file converter for it or the file is not a .safetensors file."""
-    if path.suffix != SINGLE_FILE_SUFFIX:
-        raise ConfigError(
-            f"{path}: dlo.load_transformer maps single .safetensors files; load a .gguf file with diffusers' "
-            "from_single_file(path, quantization_config=GGUFQuantizationConfig(...)) and dlo.enable the model "
-            "(its packed bytes stream as they are)"
-        )
+    single-file converter for it or the file is neither a .safetensors nor a .gguf file."""
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise ConfigError(f"{path}: dlo.load_transformer reads single .safetensors and .gguf files (or model directories)")
     config = read_model_config(directory)
     cls = model_class(config.get("_class_name"), directory / "config.json")
     if not has_converter(cls):
@@ -67,20 +74,37 @@ def single_file_class(path: Path, directory: Path) -> tuple[type[nn.Module], dic
     return cls, config
 
 
+def check_gguf_file(path: Path) -> None:
+    """Refuse, reading its header only, a GGUF file that is damaged (`CheckpointError`) or
+    holds a type diffusers' GGUF loader cannot read."""
+    try:
+        import gguf  # noqa: F401  (the index reader's quant tables)
+    except ImportError:
+        raise ConfigError(f"{path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'") from None
+    check_diffusers_reads(read_gguf_index(path), str(path))
+
+
+def open_single_file(path: Path) -> SafetensorsFile:
+    """The file mapped, its header validated."""
+    return GgufFile(path) if path.suffix == GGUF_SUFFIX else SafetensorsFile(path)
+
+
 def single_file_preflight(
     path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool
 ) -> MappedLoad | Fallback:
     """Like loader.preflight for a single file: a MappedLoad or the Fallback that says why
-    not. The caller owns (and must close) the mapping of a MappedLoad."""
+    not. The caller owns (and must close) the mapping of a MappedLoad. A GGUF file's model is
+    built as diffusers' GGUF loader builds it (See [Note: GGUF files mapped])."""
     cls, model_config = single_file_class(path, directory)
-    file = SafetensorsFile(path)
+    gguf = path.suffix == GGUF_SUFFIX
+    file = open_single_file(path)
     files = [file]
     try:
         names = set(skeleton(cls, model_config, False).state_dict())
         model = skeleton(cls, model_config, fuse_qkv)
         try:
             layout = converted_layout(file, cls, model_config, names)
-        except Exception as err:  # diffusers' converters raise many kinds on a file they cannot read
+        except Exception as err:  # diffusers' converters raise many kinds
             raise ConfigError(
                 f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); "
                 f"is {directory} the config of the model this file holds?"
@@ -94,17 +118,35 @@ def single_file_preflight(
                 "checkpoint_plan_incompatible",
                 f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors): not a range of {path.name}",
             )
-        entries = [(file, layout.entries)]
+        groups = [(file, layout.entries)]
         if layout.computed:
-            extra = computed_file(file, cls, model_config, layout)
+            extra = private_file(computed_values(file, cls, model_config, layout), f"{path} (converted by diffusers)")
             files.append(extra)
-            entries.append((extra, dict(extra.entries)))
-        checkpoint = Checkpoint.of_entries(path.parent, entries)
+            types = {name: {file.entries[key].ggml_type for key in keys} for name, keys in layout.computed.items()}
+            mixed = [name for name, found in types.items() if len(found) > 1]
+            if mixed:
+                for opened in files:
+                    opened.close()
+                return Fallback(
+                    "checkpoint_plan_incompatible",
+                    f"diffusers' converter makes {mixed[0]!r} of tensors of different ggml types",
+                )
+            groups.append((extra, {n: replace(e, ggml_type=types[n].pop()) for n, e in extra.entries.items()}))
+        runtime_dtype = runtime_dtype_rule(cls, torch_dtype)
+        checkpoint = Checkpoint.of_entries(path.parent, groups)
+        if gguf:
+            as_gguf_skeleton(model, {n: s.entry for n, s in checkpoint.tensors.items()}, torch_dtype)
+            conversions = private_conversions(checkpoint, model, prefixes, runtime_dtype)
+            if conversions:
+                converted = private_file(conversions, f"{path} (converted as diffusers' GGUF loader does)")
+                files.append(converted)
+                kept = [(f, {n: e for n, e in entries.items() if n not in conversions}) for f, entries in groups]
+                checkpoint = Checkpoint.of_entries(path.parent, [*kept, (converted, dict(converted.entries))])
     except BaseException:
         for opened in files:
             opened.close()
         raise
-    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype_rule(cls, torch_dtype))
+    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype)
 
 
 def _float_dtype(path: Path) -> torch.dtype | None:
@@ -122,6 +164,8 @@ def _float_dtype(path: Path) -> torch.dtype | None:
 
 
 def holds_float8(path: Path) -> bool:
+    if path.suffix == GGUF_SUFFIX:
+        return False
     file = SafetensorsFile(path)
     try:
         return any(entry.dtype in FLOAT8 for entry in file.entries.values())
@@ -130,11 +174,16 @@ def holds_float8(path: Path) -> bool:
 
 
 def ordinary_single_file_load(path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
-    """diffusers' own single-file loader with the config of `directory`."""
+    """diffusers' own single-file loader with the config of `directory` (a GGUF file's
+    GGUFQuantizationConfig computing in torch_dtype)."""
+    import diffusers
+
     cls, _ = single_file_class(path, directory)
-    dtype = torch_dtype if torch_dtype is not None else _float_dtype(path)
+    load = {"torch_dtype": torch_dtype if torch_dtype is not None else _float_dtype(path)}
+    if path.suffix == GGUF_SUFFIX:
+        load["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=torch_dtype)
     try:
-        model = cls.from_single_file(str(path), config=str(directory), torch_dtype=dtype)
+        model = cls.from_single_file(str(path), config=str(directory), **load)
     except Exception as err:  # diffusers' converters raise many kinds
         raise ConfigError(f"{path}: diffusers could not load it as a {cls.__name__} ({first_line(err)})") from None
     if fuse_qkv:

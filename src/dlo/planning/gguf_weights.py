@@ -16,9 +16,18 @@ GGUF block's float16 scale then reads NaN (See [Note: stand-ins]).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def is_gguf_parameter(tensor: torch.Tensor) -> bool:
     """diffusers' GGUFParameter, known by its class (diffusers need not be imported)."""
     cls = type(tensor)
     return cls.__name__ == "GGUFParameter" and cls.__module__.startswith("diffusers.")
+
+
+def parameter_like(template: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter holding `data` of `template`'s kind: a GGUFParameter keeps its class and
+    quant type (its module dequantizes by them), anything else is a plain nn.Parameter."""
+    if is_gguf_parameter(template):
+        return type(template)(data, requires_grad=False, quant_type=template.quant_type)
+    return nn.Parameter(data, requires_grad=False)

@@ -1,0 +1,165 @@
+"""`dlo.load_transformer(FILE.gguf, model_config=...)`: a GGUF file's packed bytes stream straight
+from its mapping into the modules diffusers' GGUF loader builds, equal to diffusers' own
+`from_single_file` GGUF model run resident. Real GGUF files (gguf_files.py), in diffusers'
+key layout and in the original ones (single_file_layouts.py). See [Note: GGUF files mapped] in
+dlo.host.gguf_model."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+import dlo
+from dlo.host.gguf_file import GgufFile
+from dlo.host.single_file_layout import converted_layout
+from dlo.models.tiny import TINY_MODELS
+from single_file_layouts import flux_original, wan_original
+
+diffusers = pytest.importorskip("diffusers")
+gguf = pytest.importorskip("gguf")
+from gguf_files import WIDE_WAN, load_gguf, write_gguf  # noqa: E402
+from test_single_file_mapping import FLUX_WIDE, random_model  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def _quiet_diffusers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' notes on the weights it dequantizes into float32
+        yield
+
+
+def run(model, inputs):
+    with torch.inference_mode():
+        return [model(**kwargs)[0] for kwargs in inputs]
+
+
+def streamed(path, config_dir, inputs, dtype, **load):
+    """The outputs of the file's model loaded by dlo and streamed, its mapping, plan, adapters
+    and stats."""
+    model, plan = dlo.load_transformer(path, torch_dtype=dtype, model_config=config_dir, **load)
+    assert plan is not None and plan.backing == "checkpoint_mmap"
+    mapping, adapters = plan.peek().checkpoint, plan.adapter_counts()
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(model, inputs)
+        stats = handle.stats()
+    return got, mapping, plan, adapters, stats
+
+
+def packed_weights_of_the_file(mapping, path):
+    """Names of the streamed tensors that are packed bytes viewed in the GGUF file itself."""
+    return {name for name, source in mapping.tensors.items() if source.entry.ggml_type and source.file.path == path}
+
+
+@pytest.mark.parametrize("quant_type", [Q.Q8_0, Q.Q4_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda q: q.name)
+def test_a_gguf_file_streams_its_packed_bytes_from_the_mapping_equal_to_diffusers(tmp_path, quant_type):
+    """Every block weight is a range of the file, used as saved: no adapter, no private host
+    copy; the small casts (biases, norms into bfloat16) are converted once beside it."""
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WIDE_WAN)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", quant_type)
+    inputs = [TINY_MODELS["wan"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(load_gguf(path, tmp_path, "WanTransformer3DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.host_bytes == 0 and adapters == {}
+    packed = packed_weights_of_the_file(mapping, path)
+    block_weights = {name for name in plan.bindings if mapping.tensors[name].entry.ggml_type}
+    assert block_weights and block_weights <= packed  # each streamed packed weight views the file
+    assert all(plan.bindings[name].dtype == torch.uint8 for name in block_weights)
+
+
+def test_an_original_layout_wan_gguf_file_dequantizes_its_float32_kept_layers_as_diffusers_does(tmp_path):
+    """Wan's time embedder is kept in float32: diffusers' loader dequantizes its packed weights
+    at load; dlo does the same, once, into the private file beside the mapping."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0, layout=wan_original)
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(load_gguf(path, tmp_path, "WanTransformer3DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    time_embedder = mapping.tensors["condition_embedder.time_embedder.linear_1.weight"]
+    assert time_embedder.file.path != path and time_embedder.entry.dtype == torch.float32
+    assert "blocks.0.attn1.to_q.weight" in packed_weights_of_the_file(mapping, path)
+
+
+def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(tmp_path):
+    """The BFL layout packs q, k and v in one tensor: diffusers' converter splits its rows, so
+    each projection is a range of the packed bytes, keeping its quant type."""
+    cls = diffusers.FluxTransformer2DModel
+    model = random_model(cls, FLUX_WIDE, torch.float32)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "flux.gguf", Q.Q8_0, layout=lambda state: flux_original(state, 1, 1))
+    names, config = set(model.state_dict()), dict(model.config)
+    del model
+    inputs = [TINY_MODELS["flux"].inputs(1, torch.bfloat16)]
+    expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.host_bytes == 0 and adapters == {}
+    file = GgufFile(path)
+    try:
+        layout = converted_layout(file, cls, config, names)
+        whole = file.entries["double_blocks.0.img_attn.qkv.weight"]
+        to_k = layout.entries["transformer_blocks.0.attn.to_k.weight"]
+        assert (to_k.begin, to_k.ggml_type) == (whole.begin + whole.nbytes // 3, "Q8_0")
+    finally:
+        file.close()
+    assert mapping.tensors["transformer_blocks.0.attn.to_k.weight"].file.path == path
+
+
+def test_a_float16_gguf_file_computed_in_bfloat16_streams_its_casts_as_adapters(tmp_path):
+    """Casting a whole F16 file would copy it: its casts stay adapters, packed on every load,
+    and the file stays mapped (and shared)."""
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "flux.gguf", Q.F16)
+    inputs = [entry.inputs(1, torch.bfloat16)]
+    expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert adapters.get("cast", 0) > 0 and stats.mapped_bytes >= path.stat().st_size
+
+
+def test_gguf_files_it_cannot_map_load_with_diffusers_or_are_refused_in_one_line(tmp_path, caplog):
+    entry = TINY_MODELS["flux"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "flux.gguf", Q.Q8_0)
+    inputs = [entry.inputs(1)]
+    expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel"), inputs)
+    unmapped, plan = dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=tmp_path)
+    assert plan is None and all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, inputs)))
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        sliced, plan = dlo.load_transformer(path, model_config=tmp_path, topology=dlo.Topology(tp_size=2))
+    assert plan is None and "checkpoint mmap fallback unsupported_tp" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(sliced, inputs)))
+
+    unread = tmp_path / "iq.gguf"  # a type the gguf package knows and diffusers does not dequantize
+    writer = gguf.GGUFWriter(unread, "dlo-test")
+    writer.add_tensor("x", torch.zeros(1, 66, dtype=torch.uint8).numpy(), raw_dtype=Q.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for load, message in [
+        (lambda: dlo.load_transformer(path, model_config=tmp_path, fuse_qkv=True), "a GGUF file's stay packed: set fuse_qkv=False"),
+        (lambda: dlo.load_transformer(unread, model_config=tmp_path), "diffusers' GGUF loader has no dequantization for IQ2_XXS"),
+        (
+            lambda: dlo.load_transformer(path, dlo.OffloadConfig(host_weight_cache=True), model_config=tmp_path),
+            "a single file is mapped as it is: set host_weight_cache=False",
+        ),
+    ]:
+        with pytest.raises(dlo.ConfigError, match=message.replace("'", ".")) as refused:
+            load()
+        assert "\n" not in str(refused.value)
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(dlo.CheckpointError, match="truncated"):
+        dlo.load_transformer(damaged, model_config=tmp_path)
