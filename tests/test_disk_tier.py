@@ -137,6 +137,35 @@ def test_regional_compile_over_the_disk_tier_equals_the_model_compiled_resident(
         torch.set_num_threads(threads)
 
 
+def test_whole_model_compile_over_the_disk_tier_equals_the_resident_model_compiled_with_its_boundaries(tmp_path):
+    """torch.compile of the whole model composes with the disk tier: the graph breaks at the
+    streamed blocks, whose weights stream from disk, and the outputs equal the resident model
+    compiled with breaks at the same places. See [Note: compiled blocks]"""
+    from dlo.hotpath.compiled_call import isolate
+
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # inductor's CPU kernels spin in OpenMP barriers on a shared machine
+    try:
+        files = save(tmp_path / "wan", "wan")
+        reference = ordinary(tmp_path / "wan", "wan")
+        boundaries = isolate(list(reference.blocks))
+        expected = outputs(torch.compile(reference), "wan")
+        for boundary in boundaries:
+            boundary.remove()
+        torch._dynamo.reset()
+        model, plan = dlo.load_transformer(tmp_path / "wan")
+        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
+            got = outputs(torch.compile(model), "wan")
+            stats = handle.stats()
+        assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0
+        assert stats.compile.graphs >= 1 and stats.compile.graph_breaks >= 1
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+
+
 def test_the_disk_tier_leaves_the_page_cache_empty_and_reads_each_use_once(tmp_path):
     """Caches dropped first: each call reads its disk blocks once from storage (the kernel's
     /proc/self/io agrees with dlo's count), and afterwards not one page of the checkpoint is
