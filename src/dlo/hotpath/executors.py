@@ -146,15 +146,18 @@ class CudaExecutor:
             else:
                 self.wait_writable(copy_stream, slot)
             start = self.mark(copy_stream)
-            for i, task in enumerate(load.copies(k)):
-                with torch.cuda.stream(copy_stream):
+            # One stream context for all the block's copies: entering one costs the host
+            # thread three times what a copy does (benchmarks/investigations/copy_issue_cost.py),
+            # and a mapped block is copied tensor by tensor.
+            with torch.cuda.stream(copy_stream):
+                for i, task in enumerate(load.copies(k)):
                     task.target.copy_(task.source, non_blocking=True)
-                if gathering is not None:
-                    # This chunk's copy and the ones before it only: the next chunk's copy,
-                    # enqueued after this, overlaps this chunk's gather.
-                    gathering.wait_stream(copy_stream)
-                    with torch.cuda.stream(gathering):
-                        load.gather(k, i)
+                    if gathering is not None:
+                        # This chunk's copy and the ones before it only: the next chunk's copy,
+                        # enqueued after this, overlaps this chunk's gather.
+                        gathering.wait_stream(copy_stream)
+                        with torch.cuda.stream(gathering):
+                            load.gather(k, i)
             last = gathering if gathering is not None else copy_stream
             if load.finish is None:
                 slot.ready.record(last)
