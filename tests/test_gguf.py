@@ -182,7 +182,9 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
     capsys.readouterr()
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 12)
     (tmp_path / "model.bin").write_bytes(b"\0")
+    other = write_gguf(TINY_MODELS["wan"].build(seed=0), tmp_path / "wan.gguf", Q.Q8_0)  # another model's file
     for given, says in [
+        (other, "diffusers' single-file converter for FluxTransformer2DModel cannot read it"),
         (tmp_path / "bad.gguf", "header_invalid: GGUF version 0; dlo reads versions (2, 3)"),
         (tmp_path / "model.bin", "give a .gguf file or a single-file .safetensors checkpoint"),
         (tmp_path / "absent.gguf", "no such file"),

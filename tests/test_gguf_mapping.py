@@ -65,11 +65,12 @@ def test_a_gguf_file_streams_its_packed_bytes_from_the_mapping_equal_to_diffuser
     expected = run(load_gguf(path, tmp_path, "WanTransformer3DModel", torch.bfloat16), inputs)
     got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert stats.host_bytes == 0 and adapters == {}
+    assert adapters == {}
     packed = packed_weights_of_the_file(mapping, path)
-    block_weights = {name for name in plan.bindings if mapping.tensors[name].entry.ggml_type}
-    assert block_weights and block_weights <= packed  # each streamed packed weight views the file
-    assert all(plan.bindings[name].dtype == torch.uint8 for name in block_weights)
+    assert packed and all(plan.bindings[name].dtype == torch.uint8 for name in packed & set(plan.bindings))
+    # Private: the small casts only, this process's own memory; the packed bytes stay the file's.
+    private = sum(s.entry.nbytes for n, s in mapping.tensors.items() if n in plan.bindings and s.file.private)
+    assert 0 < stats.host_bytes == private < path.stat().st_size / 16
 
 
 def test_an_original_layout_wan_gguf_file_dequantizes_its_float32_kept_layers_as_diffusers_does(tmp_path):
@@ -88,6 +89,108 @@ def test_an_original_layout_wan_gguf_file_dequantizes_its_float32_kept_layers_as
     assert "blocks.0.attn1.to_q.weight" in packed_weights_of_the_file(mapping, path)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float16], ids=["default", "float16"])
+def test_the_mapped_model_gives_each_tensor_the_dtype_diffusers_gives_it(tmp_path, dtype):
+    """torch_dtype=None computes in float32, as diffusers' GGUF loader does; float16 keeps the
+    class's fp32-kept modules (Wan's norms, modulation tables, time embedder) in float32."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0, layout=wan_original)
+    inputs = [entry.inputs(seed, dtype or torch.float32) for seed in (1, 2)]
+    reference = load_gguf(path, tmp_path, "WanTransformer3DModel", dtype or torch.float32)
+    expected = run(reference, inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    # The kept norm is read from the file as it is (float32); a bias is cast beside it in float16.
+    assert plan.bindings["blocks.0.norm2.weight"].dtype == reference.blocks[0].norm2.weight.dtype == torch.float32
+    assert not mapping.tensors["blocks.0.norm2.weight"].file.private
+    bias = mapping.tensors["blocks.0.attn1.to_q.bias"]
+    assert bias.entry.dtype == reference.blocks[0].attn1.to_q.bias.dtype and bias.file.private == (dtype is not None)
+
+
+def test_the_mapped_model_is_marked_quantized_as_diffusers_marks_its_gguf_model(tmp_path):
+    """diffusers refuses to cast its GGUF model to another dtype (it would cast the float32-kept
+    layers); the mapped model carries the same quantizer and is refused the same way."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0)
+    loaded, plan = dlo.load_transformer(path, torch_dtype=torch.bfloat16, model_config=tmp_path)
+    assert loaded.is_quantized and type(loaded.hf_quantizer).__name__ == "GGUFQuantizer"
+    assert loaded.hf_quantizer.compute_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="Casting a quantized model to a new `dtype` is unsupported"):
+        loaded.to(torch.float16)
+    plan.peek().checkpoint.close()
+
+
+def test_a_gguf_file_streams_from_disk_beyond_a_host_budget(tmp_path):
+    """Under host_budget_gib the blocks left on disk are read from the GGUF file on every use;
+    their small casts, in the private file beside it, come from memory."""
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**{**WIDE_WAN, "num_layers": 4})
+    model.save_config(tmp_path)
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0)
+    inputs = [TINY_MODELS["wan"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(load_gguf(path, tmp_path, "WanTransformer3DModel", torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(path, torch_dtype=torch.bfloat16, model_config=tmp_path)
+    config = dlo.OffloadConfig(num_slots=2, host_budget_gib=0.5 * path.stat().st_size / 2**30)
+    with dlo.enable(loaded, "cpu", config, plan=plan) as handle:
+        got = run(loaded, inputs)
+        disk = handle.stats().disk
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert disk is not None and len(disk.blocks) > 0 and disk.reads >= 2 * len(disk.blocks) and disk.read_bytes > 0
+
+
+def converting_one_more_tensor(monkeypatch, name, make):
+    """diffusers' Wan converter, then `name` replaced by `make(converted)` (as a future
+    converter might make a tensor)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+
+    def converted(checkpoint, **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        out[name] = make(out)
+        return out
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
+
+
+def test_a_tensor_a_converter_makes_of_no_file_tensor_is_a_plain_one(tmp_path, monkeypatch):
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    converting_one_more_tensor(monkeypatch, "proj_out.bias", lambda out: torch.full_like(out["proj_out.bias"], 0.25))
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0, layout=wan_original)
+    inputs = [entry.inputs(1)]
+    expected = run(load_gguf(path, tmp_path, "WanTransformer3DModel"), inputs)
+    got, mapping, _, _, _ = streamed(path, tmp_path, inputs, None)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    bias = mapping.tensors["proj_out.bias"]
+    assert bias.entry.ggml_type is None and bias.file.private
+
+
+def test_a_tensor_a_converter_makes_of_a_packed_and_a_plain_tensor_falls_back_naming_it(tmp_path, monkeypatch, caplog):
+    """Made of a Q8_0 tensor and an F32 one, it has no one ggml type: diffusers' loader takes
+    the file (fallback checkpoint_plan_incompatible, the tensor named)."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    model.save_config(tmp_path)
+    mixed = lambda out: out["proj_out.weight"] + out["proj_out.bias"][:, None]  # noqa: E731
+    converting_one_more_tensor(monkeypatch, "proj_out.weight", mixed)
+    path = write_gguf(model, tmp_path / "wan.gguf", Q.Q8_0, layout=wan_original)
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        _, plan = dlo.load_transformer(path, model_config=tmp_path)
+    assert plan is None
+    assert (
+        "checkpoint mmap fallback checkpoint_plan_incompatible: diffusers' converter makes 'proj_out.weight' of "
+        "tensors of different ggml types" in caplog.text
+    )
+
+
 def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(tmp_path):
     """The BFL layout packs q, k and v in one tensor: diffusers' converter splits its rows, so
     each projection is a range of the packed bytes, keeping its quant type."""
@@ -101,7 +204,7 @@ def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(tmp_
     expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel", torch.bfloat16), inputs)
     got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert stats.host_bytes == 0 and adapters == {}
+    assert adapters == {} and 0 < stats.host_bytes < path.stat().st_size / 16
     file = GgufFile(path)
     try:
         layout = converted_layout(file, cls, config, names)
@@ -124,7 +227,7 @@ def test_a_float16_gguf_file_computed_in_bfloat16_streams_its_casts_as_adapters(
     expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel", torch.bfloat16), inputs)
     got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert adapters.get("cast", 0) > 0 and stats.mapped_bytes >= path.stat().st_size
+    assert adapters.get("cast", 0) > 0 and stats.host_bytes == 0  # nothing of the blocks copied privately
 
 
 def test_gguf_files_it_cannot_map_load_with_diffusers_or_are_refused_in_one_line(tmp_path, caplog):

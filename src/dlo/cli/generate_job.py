@@ -85,7 +85,7 @@ def generate(
     output with non-finite values is refused (NonFiniteOutput) before anything is written."""
     kernels = None
     if job.transformer_file is not None:
-        transformer, plan = load_single_file(job.transformer_file, job.model_dir, job.dtype, job.config)
+        transformer, plan = load_single_file(job.transformer_file, job.model_dir, job.dtype, job.config, "--transformer")
         kernels = dlo.use_gguf_kernels(transformer) if job.gguf_kernels else None
     else:
         transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)

@@ -68,8 +68,14 @@ class MappedSource:
 
     @property
     def host_bytes(self) -> int:
-        """Private bytes only: the mapped ones are shared page cache."""
-        return sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
+        """Private bytes only: the mapped ones are shared page cache, but for those of a
+        private file (what the load computed)."""
+        own = sum(s.numel() * s.element_size() for s in self.sources if isinstance(s, torch.Tensor))
+        computed = {
+            key for s in self.sources if not isinstance(s, torch.Tensor) for key in s.keys
+            if self.checkpoint.tensors[key].file.private
+        }
+        return own + sum(self.checkpoint.tensors[key].entry.nbytes for key in computed)
 
     def copy_tasks(
         self,

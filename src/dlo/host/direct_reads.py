@@ -193,6 +193,10 @@ class DiskReader:
         array = buffer.numpy()
         requests = []
         for span in reads.spans:
+            if span.file.private:  # no path to read: its pages are this process's memory already
+                nbytes = min(span.nbytes, span.file.size - span.file_start)
+                array[span.buffer_start : span.buffer_start + nbytes] = span.file.region(span.file_start, nbytes).numpy()
+                continue
             opened = self._open(span.file)
             wanted = min(span.nbytes, span.file.size - span.file_start)  # the span may end past the file
             for start in range(0, span.nbytes, READ_CHUNK):
@@ -222,6 +226,8 @@ def drop_cached(checkpoint: Checkpoint) -> None:
     through the mapping (headers, the parts placed on the device) does not stay cached under
     a host memory budget. Best effort: a file that cannot be advised is left as it is."""
     for file in checkpoint.files:
+        if file.private:  # this process's own pages: nothing cached to drop
+            continue
         try:
             file.advise_dontneed()
             fd = os.open(file.path, os.O_RDONLY | os.O_CLOEXEC)

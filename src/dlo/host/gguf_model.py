@@ -66,10 +66,17 @@ def as_gguf_skeleton(model: nn.Module, entries: dict[str, TensorEntry], compute_
     a meta GGUFParameter weight of the packed shape its quant type gives the layer's shape (a
     file whose bytes disagree is refused by the preflight, as diffusers' loader refuses it)."""
     import gguf
-    from diffusers.quantizers.gguf.utils import GGUFLinear, _replace_with_gguf_linear
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers import DiffusersAutoQuantizer
+    from diffusers.quantizers.gguf.utils import GGUFLinear
 
     packed = {name: packed_stand_in(entry.shape, entry.ggml_type) for name, entry in entries.items() if entry.ggml_type}
-    _replace_with_gguf_linear(model, compute_dtype, packed, modules_to_not_convert=keep_in_fp32(type(model)))
+    # diffusers' own quantizer, as its loader runs it: the Linears replaced, and the model
+    # marked quantized (diffusers then refuses to cast it, as it refuses its own GGUF model).
+    quantizer = DiffusersAutoQuantizer.from_config(GGUFQuantizationConfig(compute_dtype=compute_dtype))
+    quantizer.preprocess_model(model=model, device_map=None, state_dict=packed, keep_in_fp32_modules=keep_in_fp32(type(model)))
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
     for name, module in model.named_modules():
         if isinstance(module, GGUFLinear):
             ggml_type = entries[f"{name}.weight"].ggml_type

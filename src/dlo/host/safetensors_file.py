@@ -194,7 +194,11 @@ def read_entries(path: Path) -> dict[str, TensorEntry]:
 
 
 class SafetensorsFile:
-    """One validated file, mapped read-only and shared (MAP_SHARED, PROT_READ)."""
+    """One validated file, mapped read-only and shared (MAP_SHARED, PROT_READ). `private`: an
+    unlinked file of this process's own (what a load computed, dlo.host.single_file_layout's
+    `private_file`): its `path` is a label, and its pages are this process's memory."""
+
+    private = False
 
     def __init__(self, path: str | Path, handle: BinaryIO | None = None) -> None:
         """Opens `path`, or reads and maps the already-open `handle` (whose position is left

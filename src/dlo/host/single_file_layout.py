@@ -110,7 +110,9 @@ def private_file(values: dict[str, torch.Tensor], label: str) -> SafetensorsFile
     try:
         handle.write(save(values))
         handle.flush()
-        return SafetensorsFile(label, handle)
+        file = SafetensorsFile(label, handle)
+        file.private = True
+        return file
     finally:
         handle.close()  # the mapping keeps the unlinked file's pages
 

@@ -131,7 +131,8 @@ def single_file_preflight(
                     "checkpoint_plan_incompatible",
                     f"diffusers' converter makes {mixed[0]!r} of tensors of different ggml types",
                 )
-            groups.append((extra, {n: replace(e, ggml_type=types[n].pop()) for n, e in extra.entries.items()}))
+            # A tensor made of no file tensor (a converter's fresh constant) is a plain one.
+            groups.append((extra, {n: replace(e, ggml_type=next(iter(types[n]), None)) for n, e in extra.entries.items()}))
         runtime_dtype = runtime_dtype_rule(cls, torch_dtype)
         checkpoint = Checkpoint.of_entries(path.parent, groups)
         if gguf:

@@ -205,7 +205,7 @@ def _load(spec: ReplicaSpec):
     model_dir = Path(spec.model_dir)
     cls, _ = pipeline_class(model_dir)
     if spec.transformer_file is not None:
-        transformer, plan = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, spec.config)
+        transformer, plan = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, spec.config, "--transformer")
         if spec.gguf_kernels:
             dlo.use_gguf_kernels(transformer)
     else:
