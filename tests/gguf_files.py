@@ -11,9 +11,11 @@ enough for the outputs to be finite). The other tensors are F32.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 # A Wan transformer wide enough for the 256-value blocks of the K-quants (inner width and MLP
@@ -22,6 +24,15 @@ WIDE_WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=4, out_channels=4, text_dim=32,
     freq_dim=32, ffn_dim=256, num_layers=2, rope_max_seq_len=32,
 )
+
+
+@pytest.fixture
+def quiet_diffusers():
+    """diffusers' notes on the weights its GGUF loader dequantizes into float32, silenced (for a
+    whole module: import it and set `pytestmark = pytest.mark.usefixtures("quiet_diffusers")`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _packed(weight: np.ndarray, quant_type, generator: np.random.Generator) -> np.ndarray:

@@ -91,6 +91,18 @@ def budget_gib(files, fraction):
     return sum(f.stat().st_size for f in files) * fraction / GIB
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """A test that compiles does so from scratch, on one thread: inductor's CPU kernels spin in
+    OpenMP barriers on a shared machine."""
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", ["flux", "wan", "sd3"])
 @pytest.mark.parametrize("fraction", [0.3, 0.9])
 def test_blocks_beyond_the_budget_stream_from_disk_bit_identical(tmp_path, name, fraction):
@@ -113,57 +125,43 @@ def test_blocks_beyond_the_budget_stream_from_disk_bit_identical(tmp_path, name,
         assert len(disk.blocks) < stats.streamed_blocks and stats.host_bytes > 0
 
 
-def test_regional_compile_over_the_disk_tier_equals_the_model_compiled_resident(tmp_path):
+def test_regional_compile_over_the_disk_tier_equals_the_model_compiled_resident(tmp_path, fresh_dynamo):
     """torch.compile composes with the disk tier: the blocks compiled regionally (the user's
     compile_repeated_blocks, after enable) stream from disk and compute what the same model
     compiled and resident computes. See [Note: compiled blocks]"""
-    torch._dynamo.reset()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # inductor's CPU kernels spin in OpenMP barriers on a shared machine
-    try:
-        files = save(tmp_path / "wan", "wan")
-        reference = ordinary(tmp_path / "wan", "wan")
-        reference.compile_repeated_blocks(fullgraph=True)
-        expected = outputs(reference, "wan")
-        model, plan = dlo.load_transformer(tmp_path / "wan")
-        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
-            model.compile_repeated_blocks(fullgraph=True)
-            got = outputs(model, "wan")
-            stats = handle.stats()
-        assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0 and stats.compile.graphs >= 1
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    finally:
-        torch._dynamo.reset()
-        torch.set_num_threads(threads)
+    files = save(tmp_path / "wan", "wan")
+    reference = ordinary(tmp_path / "wan", "wan")
+    reference.compile_repeated_blocks(fullgraph=True)
+    expected = outputs(reference, "wan")
+    model, plan = dlo.load_transformer(tmp_path / "wan")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
+        model.compile_repeated_blocks(fullgraph=True)
+        got = outputs(model, "wan")
+        stats = handle.stats()
+    assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0 and stats.compile.graphs >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_whole_model_compile_over_the_disk_tier_equals_the_resident_model_compiled_with_its_boundaries(tmp_path):
+def test_whole_model_compile_over_the_disk_tier_equals_the_resident_model_compiled_with_its_boundaries(tmp_path, fresh_dynamo):
     """torch.compile of the whole model composes with the disk tier: the graph breaks at the
     streamed blocks, whose weights stream from disk, and the outputs equal the resident model
     compiled with breaks at the same places. See [Note: compiled blocks]"""
     from dlo.hotpath.compiled_call import isolate
 
+    files = save(tmp_path / "wan", "wan")
+    reference = ordinary(tmp_path / "wan", "wan")
+    boundaries = isolate(list(reference.blocks))
+    expected = outputs(torch.compile(reference), "wan")
+    for boundary in boundaries:
+        boundary.remove()
     torch._dynamo.reset()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # inductor's CPU kernels spin in OpenMP barriers on a shared machine
-    try:
-        files = save(tmp_path / "wan", "wan")
-        reference = ordinary(tmp_path / "wan", "wan")
-        boundaries = isolate(list(reference.blocks))
-        expected = outputs(torch.compile(reference), "wan")
-        for boundary in boundaries:
-            boundary.remove()
-        torch._dynamo.reset()
-        model, plan = dlo.load_transformer(tmp_path / "wan")
-        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
-            got = outputs(torch.compile(model), "wan")
-            stats = handle.stats()
-        assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0
-        assert stats.compile.graphs >= 1 and stats.compile.graph_breaks >= 1
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    finally:
-        torch._dynamo.reset()
-        torch.set_num_threads(threads)
+    model, plan = dlo.load_transformer(tmp_path / "wan")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, 0.3)), plan=plan) as handle:
+        got = outputs(torch.compile(model), "wan")
+        stats = handle.stats()
+    assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0
+    assert stats.compile.graphs >= 1 and stats.compile.graph_breaks >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_the_disk_tier_leaves_the_page_cache_empty_and_reads_each_use_once(tmp_path):

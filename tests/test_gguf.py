@@ -4,7 +4,6 @@ for every quant type diffusers dequantizes. Real GGUF files (gguf_files.py). See
 streaming] in dlo.planning.gguf_weights."""
 
 import importlib.util
-import warnings
 
 import pytest
 import torch
@@ -16,16 +15,11 @@ from dlo.models.tiny import TINY_MODELS
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
 from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, dequantize_gguf_tensor  # noqa: E402
-from gguf_files import WIDE_WAN, load_gguf, write_gguf  # noqa: E402
+from gguf_files import WIDE_WAN, load_gguf, quiet_diffusers, write_gguf  # noqa: E402, F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("quiet_diffusers")
 
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(autouse=True)
-def _quiet_diffusers():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' notes on the weights it keeps in float32
-        yield
 
 
 @pytest.fixture(scope="module")

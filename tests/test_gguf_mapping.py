@@ -5,7 +5,6 @@ key layout and in the original ones (single_file_layouts.py). See [Note: GGUF fi
 dlo.host.gguf_model."""
 
 import logging
-import warnings
 
 import pytest
 import torch
@@ -18,17 +17,12 @@ from single_file_layouts import flux_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
-from gguf_files import WIDE_WAN, load_gguf, write_gguf  # noqa: E402
+from gguf_files import WIDE_WAN, load_gguf, quiet_diffusers, write_gguf  # noqa: E402, F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("quiet_diffusers")
 from test_single_file_mapping import FLUX_WIDE, random_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(autouse=True)
-def _quiet_diffusers():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' notes on the weights it dequantizes into float32
-        yield
 
 
 def run(model, inputs):

@@ -61,6 +61,7 @@ RESULTS_TIMEOUT_S = 110.0
 class SavedCheckpoint:
     directory: Path
     gguf_file: Path  # the same model in one GGUF file, its Linear weights Q8_0
+    fp8_directory: Path  # the same model's checkpoint with its block Linear weights float8 (per-row scales)
     file_bytes: int  # summed sizes of the safetensors shards (tensor bytes + headers)
     model_bytes: int  # parameters + persistent buffers of the model, float32
     block_bytes: int  # the largest block
@@ -73,6 +74,8 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     model = WAN.build(seed=0)
     model.save_pretrained(directory, max_shard_size="50MB")
     gguf_file = write_gguf(model, tmp_path_factory.mktemp("wan_gguf") / "wan-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    fp8_directory = tmp_path_factory.mktemp("wan_fp8")
+    _write_fp8(model, fp8_directory)
     state = model.state_dict()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     block_bytes = max(sum(p.numel() * p.element_size() for p in block.state_dict().values()) for block in model.blocks)
@@ -83,6 +86,7 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     return SavedCheckpoint(
         directory=directory,
         gguf_file=gguf_file,
+        fp8_directory=fp8_directory,
         file_bytes=sum(p.stat().st_size for p in shards),
         model_bytes=model_bytes,
         block_bytes=block_bytes,
@@ -90,9 +94,27 @@ def checkpoint(tmp_path_factory) -> SavedCheckpoint:
     )
 
 
+def _write_fp8(model: torch.nn.Module, directory: Path) -> None:
+    """`model` as a float8 checkpoint the way the ecosystem writes one: each block Linear weight
+    float8 with its per-row `weight_scale`, the rest as it is."""
+    from safetensors.torch import save_file
+
+    stored = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("blocks.") and name.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.float().abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12)
+            stored[name] = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            stored[name[: -len("weight")] + "weight_scale"] = scale
+        else:
+            stored[name] = tensor.contiguous()
+    model.save_config(directory)
+    save_file(stored, directory / "diffusion_pytorch_model.safetensors")
+
+
 def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> None:
-    """For each (mmap, cache_dir, GGUF file) of `scenarios` in turn: load (the GGUF file, with
-    the directory's config, where one is given), enable on cpu, run one forward; report smaps_rollup before loading and after the forward, measured while every
+    """For each (mmap, cache_dir, source) of `scenarios` in turn: load (`source` where one is
+    given: a GGUF file, with the directory's config, or another model directory), enable on
+    cpu, run one forward; report smaps_rollup before loading and after the forward, measured while every
     worker holds its mapping. Between scenarios the model and its handle are dropped, and
     every worker has dropped them before anyone takes the next baseline."""
     try:
@@ -102,7 +124,7 @@ def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> N
 
         torch.set_num_threads(1)  # up to 3 workers on 2 cores
         inputs = WAN.inputs(seed=rank)
-        for index, (mmap, cache_dir, gguf_file) in enumerate(scenarios):
+        for index, (mmap, cache_dir, source) in enumerate(scenarios):
             # Every worker has mapped torch's libraries (and dropped the last scenario's model)
             # before anyone takes a baseline: a late starter would otherwise lower the others'
             # share of those pages between their two measurements.
@@ -113,10 +135,12 @@ def _sharing_worker(rank: int, directory: str, scenarios, barrier, results) -> N
             config = dlo.OffloadConfig(
                 checkpoint_mmap=mmap, host_weight_cache=cache_dir is not None, cache_dir=cache_dir or "unused"
             )
-            if gguf_file is None:
+            if source is None:
                 model, plan = dlo.load_transformer(directory, config=config)
+            elif Path(source).is_file():
+                model, plan = dlo.load_transformer(source, config=config, model_config=directory)
             else:
-                model, plan = dlo.load_transformer(gguf_file, config=config, model_config=directory)
+                model, plan = dlo.load_transformer(source, config=config)
             handle = dlo.enable(model, "cpu", config, plan=plan)
             with torch.inference_mode():
                 output = model(**inputs)[0]
@@ -156,7 +180,7 @@ class Delta:
 
 
 def _run_workers(directory: Path, workers: int, scenarios) -> list[tuple[list[dict], list[Delta]]]:
-    """`workers` spawned processes run each (mmap, cache_dir or None, GGUF file or None) of
+    """`workers` spawned processes run each (mmap, cache_dir or None, source or None) of
     `scenarios` in turn; per scenario, (reports, deltas) ordered by rank."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
@@ -213,17 +237,20 @@ def _run_workers(directory: Path, workers: int, scenarios) -> list[tuple[list[di
 
 @pytest.fixture(scope="module")
 def three_workers(checkpoint, tmp_path_factory):
-    """One set of 3 spawned workers (each costs seconds of imports) runs three scenarios in
+    """One set of 3 spawned workers (each costs seconds of imports) runs four scenarios in
     turn, each measured on its own baseline: checkpoint_mmap=True, then through the host
-    weight cache (checkpoint_mmap=False), then the GGUF file mapped. Returns (mmap (reports,
-    deltas), cache (reports, deltas), the cache dir, gguf (reports, deltas)). The mmap
+    weight cache (checkpoint_mmap=False), then the GGUF file mapped, then the float8
+    checkpoint mapped. Returns (mmap (reports, deltas), cache (reports, deltas), the cache dir,
+    gguf (reports, deltas), fp8 (reports, deltas)). The mmap
     scenario runs first, on fresh processes, as it did alone; the others after the previous
     one had dropped its model (their bounds are upper bounds on what a worker writes: memory
     freed by an earlier scenario cannot make a private copy pass)."""
     cache_dir = tmp_path_factory.mktemp("page-sharing-cache") / "cache"
-    scenarios = [(True, None, None), (False, cache_dir, None), (True, None, checkpoint.gguf_file)]
-    mmap, cache, gguf_mapped = _run_workers(checkpoint.directory, 3, scenarios)
-    return mmap, cache, cache_dir, gguf_mapped
+    scenarios = [
+        (True, None, None), (False, cache_dir, None), (True, None, checkpoint.gguf_file), (True, None, checkpoint.fp8_directory)
+    ]
+    mmap, cache, gguf_mapped, fp8_mapped = _run_workers(checkpoint.directory, 3, scenarios)
+    return mmap, cache, cache_dir, gguf_mapped, fp8_mapped
 
 
 def _print_table(title: str, ckpt: SavedCheckpoint, reports: list[dict], deltas: list[Delta]) -> None:
@@ -304,7 +331,7 @@ def test_cache_workers_map_one_entry(checkpoint, three_workers):
     """Three processes load through the host weight cache at once: one publishes, the others
     join, and all map the same entry, so the weights cost about one copy in total. (The same
     3 processes as the mmap test, its scenario done and dropped: see three_workers.)"""
-    _, (reports, deltas), cache_dir, _ = three_workers
+    _, (reports, deltas), cache_dir, _, _ = three_workers
     _print_table("host_weight_cache=True, 3 workers", checkpoint, reports, deltas)
     assert all(r["plan"] and r["backing"] == "host_weight_cache" and r["host_bytes"] == 0 for r in reports)
     assert len(list((cache_dir / "v1").iterdir())) == 1
@@ -317,22 +344,27 @@ def test_cache_workers_map_one_entry(checkpoint, three_workers):
     assert all(d.private_dirty < 0.5 * checkpoint.model_bytes for d in deltas)
 
 
-def test_gguf_workers_map_one_copy_of_the_file(checkpoint, three_workers):
-    """Three processes load the same GGUF file (See [Note: GGUF files mapped]): its packed
-    bytes are mapped, not copied, so summed over the workers they cost about one file."""
-    reports, deltas = three_workers[3]
-    file_bytes = checkpoint.gguf_file.stat().st_size
-    print(f"\nGGUF file {file_bytes / MB:.1f} MB")
-    _print_table("GGUF file mapped, 3 workers", checkpoint, reports, deltas)
+@pytest.mark.parametrize("kind", ["gguf", "fp8"])
+def test_quantized_files_mapped_by_three_workers_cost_one_copy(checkpoint, three_workers, kind):
+    """Three processes load the same GGUF file (See [Note: GGUF files mapped]) or the same
+    float8 checkpoint (See [Note: fp8 streaming]): their quantized bytes are mapped, not
+    copied, so summed over the workers they cost about one file."""
+    if kind == "gguf":
+        reports, deltas = three_workers[3]
+        file_bytes = checkpoint.gguf_file.stat().st_size
+    else:
+        reports, deltas = three_workers[4]
+        file_bytes = sum(p.stat().st_size for p in checkpoint.fp8_directory.glob("*.safetensors"))
+    _print_table(f"{kind} file mapped ({file_bytes / MB:.1f} MB), 3 workers", checkpoint, reports, deltas)
     for report, delta in zip(reports, deltas):
         assert report["plan"] and report["backing"] == "checkpoint_mmap" and report["host_bytes"] == 0
         assert report["finite"] and report["mapped_bytes"] >= file_bytes
         assert delta.pss_file < 0.7 * file_bytes  # a third of the file each, not all of it
-        # What a worker writes itself: its slots (two packed blocks, 9 MB), the non-block parts,
-        # a forward's dequantized weights, its objects (measured 4-16 MB); a private copy of
-        # the packed bytes would add the whole file (56.5 MB).
+        # What a worker writes itself: its slots (two quantized blocks, 9 MB), the non-block
+        # parts, a forward's dequantized weights, its objects (measured 4-16 MB for GGUF); a
+        # private copy of the quantized bytes would add the whole file (56.5 MB GGUF).
         assert delta.private_dirty < 0.75 * file_bytes, f"worker {delta.rank}: Private_Dirty grew {delta.private_dirty / MB:.1f} MB"
     summed_pss_file = sum(d.pss_file for d in deltas)
     assert 0.6 * file_bytes < summed_pss_file < 1.4 * file_bytes, (
-        f"summed Pss_File growth {summed_pss_file / MB:.1f} MB for a {file_bytes / MB:.1f} MB GGUF file"
+        f"summed Pss_File growth {summed_pss_file / MB:.1f} MB for a {file_bytes / MB:.1f} MB {kind} file"
     )

@@ -96,7 +96,7 @@ def single_file_preflight(
     not. The caller owns (and must close) the mapping of a MappedLoad. A GGUF file's model is
     built as diffusers' GGUF loader builds it (See [Note: GGUF files mapped])."""
     cls, model_config = single_file_class(path, directory)
-    gguf = path.suffix == GGUF_SUFFIX
+    is_gguf = path.suffix == GGUF_SUFFIX
     file = open_single_file(path)
     files = [file]
     try:
@@ -135,7 +135,7 @@ def single_file_preflight(
             groups.append((extra, {n: replace(e, ggml_type=next(iter(types[n]), None)) for n, e in extra.entries.items()}))
         runtime_dtype = runtime_dtype_rule(cls, torch_dtype)
         checkpoint = Checkpoint.of_entries(path.parent, groups)
-        if gguf:
+        if is_gguf:
             as_gguf_skeleton(model, {n: s.entry for n, s in checkpoint.tensors.items()}, torch_dtype)
             conversions = private_conversions(checkpoint, model, prefixes, runtime_dtype)
             if conversions:
