@@ -17,9 +17,10 @@ the slot from there (See [Note: fp8 landing]).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -41,15 +42,36 @@ class LoadKind(enum.Enum):
     GATHERED = "gathered"
 
 
+class PerBlock:
+    """One value per block, each made at its first use and kept. A slot takes a new buffer at
+    every refit (with blocks of two size classes, several times a call): making every block's
+    views and copies for each new buffer cost more host time than the copies themselves
+    (benchmarks/investigations/gguf_mapped_profile.py). Filling an entry is idempotent: one
+    cut short by an interrupt is made again at the next use."""
+
+    def __init__(self, make: Callable[[int], Any]) -> None:
+        self._make = make
+        self._made: dict[int, Any] = {}
+
+    def __getitem__(self, index: int) -> Any:
+        if index not in self._made:
+            # Views and copies are kept for later calls: made under inference mode they would be
+            # inference tensors that a call under no_grad cannot copy into.
+            with torch.inference_mode(False):
+                self._made[index] = self._make(index)
+        return self._made[index]
+
+
 @dataclass(frozen=True)
 class SlotState:
-    """A slot's buffer with what was made once for it: every block's views in it (None for a
-    block larger than the buffer) and, from a registered mapping, every block's copies into
-    it. Replaced whole, never edited: a refit cut short leaves the old state or the new one."""
+    """A slot's buffer with what is made once for it: each block's views in it (None for a
+    block larger than the buffer) and, from a registered mapping, each block's copies into
+    it (both at the block's first load into this buffer). Replaced whole at a refit: one cut
+    short leaves the old state or the new one."""
 
     slot: DeviceSlot
-    views: tuple[tuple[torch.Tensor, ...] | None, ...]
-    direct: tuple[tuple[CopyTask, ...], ...]
+    views: PerBlock  # index -> tuple[torch.Tensor, ...] | None
+    direct: PerBlock  # index -> tuple[CopyTask, ...]
 
     @property
     def size(self) -> int:
@@ -111,21 +133,22 @@ class BlockLoads:
             for landing in landings
         ]
 
-    @torch.inference_mode(False)
     def state_of(self, slot: DeviceSlot) -> SlotState:
         size = slot.buffer.numel()
-        fits = [b.layout.nbytes <= size for b in self.blocks]
-        return SlotState(
-            slot,
-            tuple(
-                tuple(view_placement(slot.buffer, p) for p in b.layout.placements) if fit else None
-                for b, fit in zip(self.blocks, fits)
-            ),
-            tuple(
-                self._direct_copies(i, slot.buffer, slot.buffer[:0]) if fit and not b.wire.quantized else ()
-                for i, (b, fit) in enumerate(zip(self.blocks, fits))
-            ),
-        )
+
+        def views(index: int) -> tuple[torch.Tensor, ...] | None:
+            block = self.blocks[index]
+            if block.layout.nbytes > size:
+                return None
+            return tuple(view_placement(slot.buffer, p) for p in block.layout.placements)
+
+        def direct(index: int) -> tuple[CopyTask, ...]:
+            block = self.blocks[index]
+            if block.layout.nbytes > size or block.wire.quantized:
+                return ()
+            return self._direct_copies(index, slot.buffer, slot.buffer[:0])
+
+        return SlotState(slot, PerBlock(views), PerBlock(direct))
 
     def _direct_copies(self, index: int, plain: torch.Tensor, landing: torch.Tensor) -> tuple[CopyTask, ...]:
         block = self.blocks[index]
