@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dlo
-from dlo.hotpath.block_loads import BlockLoads
+from dlo.hotpath.block_loads import BlockLoads, PerBlock
 from dlo.hotpath.executors import CpuExecutor
 from dlo.hotpath.slot_queue import SlotQueue
 from dlo.models.tiny import TINY_MODELS
@@ -190,6 +190,25 @@ def test_random_skip_paths_over_disk_and_kept_blocks_equal_resident(tmp_path, se
         random_skip_calls(rng, model, reference, runtime, promoted_blocks_are_not_read)
 
 
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_views_made_in_one_grad_mode_serve_calls_in_the_other(tmp_path, first):
+    """A slot's views are made at a block's first load, inside a call: one made under inference
+    mode must still take a float8 weight dequantized into it in a later call under no_grad, and
+    the other way round. Equal to the quantized resident model."""
+    reference, model, plan, config = mixed_sd3(tmp_path)
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+    order = [first, "no_grad" if first == "inference_mode" else "inference_mode"]
+
+    def call(module, seed, mode):
+        with modes[mode]():
+            return module(**SD3.inputs(seed))[0]
+
+    expected = [call(reference, seed, "inference_mode") for seed in (0, 1)]
+    with dlo.enable(model, "cpu", config, plan=plan):
+        got = [call(model, seed, mode) for seed, mode in zip((0, 1), order)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def flux_outputs(model, seeds):
     with torch.inference_mode():
         return [model(**FLUX.inputs(seed))[0] for seed in seeds]
@@ -218,20 +237,23 @@ def _interrupt_point(monkeypatch, owner, name, at, after=False):
 
 # Inside the planner's decision; between a load queued and its commit (the copy issued, the
 # planner not told); inside a slot refit (the old buffer retired, the new one not yet taken;
-# the new one taken, its views not yet made); the preload's record.
+# the new one taken, its state not yet made); before a block's views or copies in a new buffer
+# are made, and right after; the preload's record.
 POINTS = [
     (SlotPlanner, "decide", False),
     (SlotPlanner, "commit", False),
     (CpuExecutor, "run", True),
     (CpuExecutor, "allocate_slot", False),
     (BlockLoads, "state_of", False),
+    (PerBlock, "__getitem__", False),
+    (PerBlock, "__getitem__", True),
     (SlotQueue, "settle", False),
 ]
 
 
 # Staged loads run on the stager's thread, where no Ctrl-C lands.
 CASES = [
-    pytest.param(backing, *point, id=f"{backing}-{point[0].__name__}.{point[1]}")
+    pytest.param(backing, *point, id=f"{backing}-{point[0].__name__}.{point[1]}{'-after' if point[2] else ''}")
     for backing in ("packed", "staged")
     for point in POINTS
     if (backing, point[1]) != ("staged", "run")
@@ -264,6 +286,7 @@ def test_ctrl_c_at_every_step_of_a_call_leaves_the_next_calls_exact(tmp_path, mo
                 _interrupt_point(patch, owner, name, at, after)
                 with pytest.raises(KeyboardInterrupt):
                     flux_outputs(model, [0])
+            assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled(), at  # the caller's modes back
             assert [torch.equal(a, b) for a, b in zip(flux_outputs(model, [0, 1]), expected)] == [True, True], at
 
 

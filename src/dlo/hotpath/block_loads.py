@@ -29,6 +29,7 @@ from dlo.host.fp8_codec import dequantize_into
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.executors import BlockLoad, DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
+from dlo.hotpath.interrupts import inference_mode_off
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.planning.block_layout import view_placement
 from dlo.planning.wire_layout import landing_views, wire_targets
@@ -47,18 +48,20 @@ class PerBlock:
     every refit (with blocks of two size classes, several times a call): making every block's
     views and copies for each new buffer cost more host time than the copies themselves
     (benchmarks/investigations/gguf_mapped_profile.py). Filling an entry is idempotent: one
-    cut short by an interrupt is made again at the next use."""
+    cut short by an interrupt is made again at the next use.
+
+    Entries are made inside calls, under whatever grad mode the caller chose, and kept for
+    later calls: made under inference mode, views would be inference tensors that a later call
+    under no_grad cannot write into (a float8 weight is dequantized into its view). So they are
+    made with inference mode off (`inference_mode_off`)."""
 
     def __init__(self, make: Callable[[int], Any]) -> None:
-        self._make = make
+        self._make = inference_mode_off(make)
         self._made: dict[int, Any] = {}
 
     def __getitem__(self, index: int) -> Any:
         if index not in self._made:
-            # Views and copies are kept for later calls: made under inference mode they would be
-            # inference tensors that a call under no_grad cannot copy into.
-            with torch.inference_mode(False):
-                self._made[index] = self._make(index)
+            self._made[index] = self._make(index)
         return self._made[index]
 
 

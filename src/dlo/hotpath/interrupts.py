@@ -31,10 +31,14 @@ test machine; benchmarks/RESULTS.md has the per-block figure).
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import ParamSpec, TypeVar
+
+import torch
 
 # Signals a program may give a handler that raises; the others stop the process by default.
 _HELD = tuple(
@@ -45,6 +49,8 @@ _HELD = tuple(
 _holding = False  # a step is holding signals (main thread only): inner ones add nothing
 
 Handler = Callable[[int, FrameType | None], object]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ForcedInterrupt(KeyboardInterrupt):
@@ -107,3 +113,18 @@ def _run_held(handlers: dict[int, Handler], pending: list[tuple[int, FrameType |
             raised = raised or error
     if raised is not None:
         raise raised
+
+
+def inference_mode_off(function: Callable[P, R]) -> Callable[P, R]:
+    """`function` run with inference mode off, switched by torch's C guard. What the hot path
+    makes inside a call and keeps for later calls (slot buffers, their views) must not be
+    inference tensors, whatever mode the caller runs in; `torch.inference_mode(False)` enters
+    and exits in Python, where a second Ctrl-C (ForcedInterrupt, raised at once) can land
+    between the guard's start and its end and leave the thread in inference mode for good."""
+
+    @functools.wraps(function)
+    def off(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch._C._InferenceMode(False):
+            return function(*args, **kwargs)
+
+    return off

@@ -33,6 +33,7 @@ import torch
 from dlo.errors import StreamingError
 from dlo.hotpath.block_loads import BlockLoads, LoadKind, SlotState
 from dlo.hotpath.executors import Executor, LoadMarks
+from dlo.hotpath.interrupts import inference_mode_off
 from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.staging import Stager
 from dlo.observe.ledger import TransferLedger
@@ -140,14 +141,14 @@ class SlotQueue:
                 self._accept(job)
         self._jobs = []
 
-    @torch.inference_mode(False)  # See BlockLoads.__init__
+    @inference_mode_off  # a slot's buffer is kept for later calls: See BlockLoads.__init__
     def release(self) -> None:
         """The slot's buffer goes back to the caching allocator; its next load takes one again
         (as a refit does). The device must be idle: See RankLocalRuntime.release_slots."""
         self.supersede()
         self.state = self._loads.state_of(self._executor.retire_slot(self.state.slot))
 
-    @torch.inference_mode(False)  # See BlockLoads.__init__
+    @inference_mode_off  # a slot's buffer is kept for later calls: See BlockLoads.__init__
     def _fit(self, index: int) -> None:
         """Give the slot a buffer of block `index`'s size class. See [Note: slots per size class]"""
         block = self._loads.blocks[index]
