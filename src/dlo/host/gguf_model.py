@@ -64,7 +64,7 @@ def as_gguf_skeleton(model: nn.Module, entries: dict[str, TensorEntry], compute_
     """Turn the meta skeleton `model` into diffusers' GGUF model of a file whose tensors (by
     diffusers name) are `entries`: each Linear whose weight is packed becomes a GGUFLinear with
     a meta GGUFParameter weight of the packed shape its quant type gives the layer's shape (a
-    file whose bytes disagree is refused by the preflight, as diffusers' loader refuses it)."""
+    file whose bytes disagree fails the preflight; diffusers' loader, given it then, refuses it)."""
     import gguf
     from diffusers import GGUFQuantizationConfig
     from diffusers.quantizers import DiffusersAutoQuantizer
