@@ -1,6 +1,6 @@
 """A child process for tests/test_enable_host_peak.py: `python host_peak_child.py DIR KIND` loads
 the bf16 checkpoint in DIR (KIND "mapped": dlo.load_transformer; "private": diffusers'
-from_pretrained), enables it on the CPU with stream_dtype="fp8" while a thread samples this
+from_pretrained, its tensors copied into private memory), enables it on the CPU with stream_dtype="fp8" while a thread samples this
 process's anonymous resident memory (RssAnon), runs one forward, and prints a JSON line:
 baseline, peak during enable(), and after it (freed heap returned first), in bytes."""
 
@@ -45,8 +45,12 @@ def main() -> None:
     torch.set_num_threads(1)
     if kind == "mapped":
         model, plan = dlo.load_transformer(directory)
-    else:
+    else:  # private: every tensor copied out of the file diffusers' loader maps
         model, plan = diffusers.WanTransformer3DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).eval(), None
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tensor.data = tensor.data.clone()
+        gc.collect()
     inputs = TINY_MODELS["wan"].inputs(1, torch.bfloat16)
     baseline = rss_anon()
     sampler = Sampler()

@@ -1,0 +1,64 @@
+"""enable()'s own host memory peak when it quantizes a bf16 model to fp8 (stream_dtype="fp8"):
+from the checkpoint mapping, block by block, the peak stays about one block above what
+enable() keeps; from a private bf16 model, the model's tensors are kept until enable() ends
+(a failed enable() gives them back), so the peak holds both copies. Measured in fresh
+processes (tests/host_peak_child.py samples RssAnon while enable() runs)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+if not Path("/proc/self/status").exists():  # pragma: no cover - non-Linux
+    pytest.skip("needs /proc/self/status", allow_module_level=True)
+
+# 12 Wan blocks of 8.4 MB in bf16 (101 MB): large next to the interpreter's noise.
+WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=4, text_dim=32,
+    freq_dim=32, ffn_dim=2048, num_layers=12, rope_max_seq_len=32,
+)
+MB = 1e6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**WAN).to(torch.bfloat16)
+    directory = tmp_path_factory.mktemp("wan_bf16")
+    model.save_pretrained(directory)
+    block = sum(t.numel() * t.element_size() for t in model.blocks[0].parameters())
+    blocks = sum(t.numel() * t.element_size() for t in model.blocks.parameters())
+    return directory, block, blocks
+
+
+def measured(directory: Path, kind: str) -> dict:
+    child = Path(__file__).with_name("host_peak_child.py")
+    done = subprocess.run([sys.executable, str(child), str(directory), kind], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["finite"]
+    return report
+
+
+def test_fp8_from_the_checkpoint_mapping_peaks_about_one_block_above_what_it_keeps(checkpoint):
+    directory, block, blocks = checkpoint
+    report = measured(directory, "mapped")
+    kept, peak = report["after"] - report["baseline"], report["peak"] - report["baseline"]
+    print(f"\nmapped: peak {peak / MB:.1f} MB, kept {kept / MB:.1f} MB, one block {block / MB:.1f} MB")
+    assert report["host_bytes"] < 0.6 * blocks  # the float8 images, about half the bf16 blocks
+    # Measured 8.7 MB above what it keeps: one block's bf16 tensor and its float32 working copy.
+    assert peak - kept < 2 * block
+
+
+def test_fp8_from_a_private_bf16_model_holds_both_copies_until_enable_ends(checkpoint):
+    """The issue 32 target (peak ≤ what enable() keeps + one block) is not met this way: the
+    model's bf16 tensors stay until enable() ends, for its rollback."""
+    directory, block, blocks = checkpoint
+    report = measured(directory, "private")
+    kept, peak = report["after"] - report["baseline"], report["peak"] - report["baseline"]
+    print(f"\nprivate: peak {peak / MB:.1f} MB, kept {kept / MB:.1f} MB (the bf16 blocks freed: {blocks / MB:.1f} MB)")
+    assert kept < peak - 0.8 * blocks  # freed at the end, not while quantizing
