@@ -13,6 +13,7 @@ maps the file as a safetensors file is mapped: shared, read-only, each tensor a 
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -241,15 +242,8 @@ def stored_entry(tensor: GgufTensor) -> TensorEntry:
     if tensor.quant in PLAIN_TYPES:
         return TensorEntry(tensor.name, PLAIN_TYPES[tensor.quant], tensor.shape, tensor.begin, tensor.end)
     rows = tensor.shape[:-1]
-    row_bytes = tensor.nbytes // max(1, _product(rows))
+    row_bytes = tensor.nbytes // max(1, math.prod(rows))
     return TensorEntry(tensor.name, torch.uint8, (*rows, row_bytes), tensor.begin, tensor.end, tensor.quant)
-
-
-def _product(values: tuple[int, ...]) -> int:
-    out = 1
-    for value in values:
-        out *= value
-    return out
 
 
 def diffusers_gguf_types() -> set[str]:

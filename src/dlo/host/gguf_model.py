@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dlo.host.checkpoint import Checkpoint
+from dlo.host.model_build import in_kept_module, kept_in_fp32
 from dlo.host.safetensors_file import TensorEntry
 
 # Casts converted once privately only while they add at most this share of the file's bytes.
@@ -51,15 +52,6 @@ def dequantized(view: torch.Tensor, ggml_type: str) -> torch.Tensor:
     return dequantize_gguf_tensor(GGUFParameter(view.clone(), quant_type=_quant(ggml_type))).to(torch.float32)
 
 
-def keep_in_fp32(model_cls: type) -> list[str]:
-    """The module names diffusers' GGUF loader leaves unconverted (and keeps in float32)."""
-    return list(getattr(model_cls, "_keep_in_fp32_modules", None) or [])
-
-
-def in_kept_module(name: str, kept: list[str]) -> bool:
-    return any(module in name.split(".") for module in kept)
-
-
 def as_gguf_skeleton(model: nn.Module, entries: dict[str, TensorEntry], compute_dtype: torch.dtype) -> None:
     """Turn the meta skeleton `model` into diffusers' GGUF model of a file whose tensors (by
     diffusers name) are `entries`: each Linear whose weight is packed becomes a GGUFLinear with
@@ -74,7 +66,7 @@ def as_gguf_skeleton(model: nn.Module, entries: dict[str, TensorEntry], compute_
     # diffusers' own quantizer, as its loader runs it: the Linears replaced, and the model
     # marked quantized (diffusers then refuses to cast it, as it refuses its own GGUF model).
     quantizer = DiffusersAutoQuantizer.from_config(GGUFQuantizationConfig(compute_dtype=compute_dtype))
-    quantizer.preprocess_model(model=model, device_map=None, state_dict=packed, keep_in_fp32_modules=keep_in_fp32(type(model)))
+    quantizer.preprocess_model(model=model, device_map=None, state_dict=packed, keep_in_fp32_modules=kept_in_fp32(type(model)))
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     for name, module in model.named_modules():
@@ -91,7 +83,7 @@ def private_conversions(
     """What diffusers' GGUF loader computes from the mapped tensors of `checkpoint`, by name:
     the dequantized packed tensors of the modules it leaves unconverted, and the float casts
     when they are small next to the file. See [Note: GGUF files mapped]"""
-    kept = keep_in_fp32(type(model))
+    kept = kept_in_fp32(type(model))  # diffusers' GGUF loader leaves these unconverted
     converted: dict[str, torch.Tensor] = {}
     casts: dict[str, tuple[TensorEntry, torch.dtype]] = {}
     for name, source in checkpoint.tensors.items():

@@ -25,17 +25,27 @@ def model_class(class_name: object, where: object) -> type[nn.Module]:
     return cls
 
 
+def kept_in_fp32(cls: type[nn.Module]) -> list[str]:
+    """The module names diffusers' loaders keep in float32 (its `_keep_in_fp32_modules`)."""
+    return list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+
+
+def in_kept_module(name: str, kept: list[str]) -> bool:
+    """Whether tensor `name` lies in one of the `kept` modules, matched as diffusers matches them."""
+    return any(module in name.split(".") for module in kept)
+
+
 def runtime_dtype_rule(
     cls: type[nn.Module], torch_dtype: torch.dtype | None
 ) -> Callable[[str, torch.dtype], torch.dtype]:
     """The dtype the ordinary loader gives a tensor: the checkpoint's when torch_dtype is
     None, else torch_dtype for floats, except the class's fp32-kept modules in half precision."""
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    keep = kept_in_fp32(cls)
 
     def runtime_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if torch_dtype is None or not checkpoint_dtype.is_floating_point:
             return checkpoint_dtype
-        if torch_dtype in (torch.float16, torch.bfloat16) and any(m in name.split(".") for m in keep):
+        if torch_dtype in (torch.float16, torch.bfloat16) and in_kept_module(name, keep):
             return torch.float32
         return torch_dtype
 
