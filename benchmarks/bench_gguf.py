@@ -88,9 +88,9 @@ class Dlo(DloStreaming):
 
     config = dlo.OffloadConfig()
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan | None = None) -> None:
         self.model = model
-        self.handle = dlo.enable(model, device, self.config)
+        self.handle = dlo.enable(model, device, self.config, plan=plan)
         self._window_start = self.handle.stats()
 
     def start_window(self) -> None:
@@ -113,27 +113,8 @@ class Dlo(DloStreaming):
 class DloKernels(Dlo):
     """dlo streaming the GGUF model whose GGUF Linears run through dlo's kernels."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan | None = None) -> None:
         self.kernels = dlo.use_gguf_kernels(model)  # before enable(): the same parameters stream
-        super().__init__(model, device)
-
-    def close(self) -> None:
-        super().close()
-        self.kernels.restore()
-
-
-class DloMapped(Dlo):
-    """dlo streaming the model dlo.load_transformer made of the GGUF file, from its mapping."""
-
-    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan) -> None:
-        self.model = model
-        self.handle = dlo.enable(model, device, self.config, plan=plan)
-        self._window_start = self.handle.stats()
-
-
-class DloMappedKernels(DloMapped):
-    def __init__(self, model: nn.Module, device: torch.device, plan: dlo.HostWeightPlan) -> None:
-        self.kernels = dlo.use_gguf_kernels(model)
         super().__init__(model, device, plan)
 
     def close(self) -> None:
@@ -144,7 +125,7 @@ class DloMappedKernels(DloMapped):
 VARIANTS = {
     "resident": Resident, "dlo": Dlo, "diffusers": DiffusersGroupOffload,
     "resident + kernels": ResidentKernels, "dlo + kernels": DloKernels,
-    "dlo mapped": DloMapped, "dlo mapped + kernels": DloMappedKernels,
+    "dlo mapped": Dlo, "dlo mapped + kernels": DloKernels,  # given the plan: see measure_file
 }
 MAPPED = {"dlo mapped", "dlo mapped + kernels"}  # loaded by dlo.load_transformer, not diffusers
 # What each variant's output is compared with, and its compute reference for the floor.
