@@ -9,8 +9,11 @@ random bf16 weights from one seed, saved with save_pretrained; files fsynced):
   resident     the model on the device (the compute time and the reference output).
   dlo budget   dlo.load_transformer + dlo.enable(OffloadConfig(host_budget_gib=B)) for each
                --budgets B ("1" GiB; "2/3": two thirds of the streamed blocks' bytes), one
-               warm-up forward, then --iters forwards, each after dropping the page cache
-               (/proc/sys/vm/drop_caches as root, else POSIX_FADV_DONTNEED on the files).
+               warm-up forward and the forward dlo measures to choose which blocks stay in
+               host memory (its "spread s" column: that call's time with enable()'s even
+               spread, before the moves), then --iters forwards on the chosen split, each
+               after dropping the page cache (/proc/sys/vm/drop_caches as root, else
+               POSIX_FADV_DONTNEED on the files).
 
   diffusers    enable_group_offload(block_level, one block a group, use_stream, record_stream,
                offload_to_disk_path under --dir): the same forwards, caches dropped alike (CUDA only).
@@ -25,7 +28,7 @@ On the GPU machine, from the repository root:
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
   python3 benchmarks/bench_disk.py --dir /tmp/bench_disk
 
-CPU smoke test: python benchmarks/bench_disk.py --device cpu --shape tiny --budgets 2/3 --iters 1
+CPU smoke test: python benchmarks/bench_disk.py --device cpu --shape tiny --budgets 0.0003 --iters 1
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, de
     try:
         with torch.inference_mode():
             model(**inputs)  # warm-up
+            model(**inputs)  # measured by dlo, which then chooses the blocks on disk
             handle._runtime.read_ahead.wait_idle()
             start = handle.stats().disk
             for _ in range(args.iters):
@@ -143,6 +147,7 @@ def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, de
         "median_s": statistics.median(seconds),
         "forward_s": seconds,
         "disk_blocks": len(disk.blocks),
+        "choice": vars(disk.choice),
         "read_bytes_per_forward": read_per_forward,
         "reader_gbps": (disk.read_bytes - start.read_bytes) / (disk.read_s - start.read_s) / GB,
         "read_buffer_bytes": disk.read_buffer_bytes,
@@ -233,13 +238,16 @@ def main() -> None:
     lines = [
         f"resident {resident:.3f} s/forward; disk O_DIRECT {gbps:.2f} GB/s; blocks {blocks_bytes / GB:.2f} GB",
         "",
-        "| host_budget_gib | blocks on disk | read GB/fwd | s/forward | floor s | x floor | reader GB/s "
-        "| RSS + cached GiB | budget + buffers GiB | output vs resident |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| host_budget_gib | blocks on disk | moved to disk / RAM | spread s | predicted s | read GB/fwd | s/forward "
+        "| floor s | x floor | reader GB/s | RSS + cached GiB | budget + buffers GiB | output vs resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        choice = r["choice"]
+        moved = f"{len(choice['moved_to_disk'])} / {len(choice['moved_to_ram'])}" if choice["state"] == "chosen" else choice["state"]
         lines.append(
-            f"| {r['budget_gib']:.2f} | {r['disk_blocks']} | {r['read_bytes_per_forward'] / GB:.2f} | {r['median_s']:.3f} "
+            f"| {r['budget_gib']:.2f} | {r['disk_blocks']} | {moved} | {choice['measured_call_s'] or 0:.3f} "
+            f"| {choice['predicted_call_s'] or 0:.3f} | {r['read_bytes_per_forward'] / GB:.2f} | {r['median_s']:.3f} "
             f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
             f"| {r['budget_gib'] + r['read_buffer_bytes'] / GIB:.2f} | {'bit-identical' if r['equal_to_resident'] else 'DIFFERS'} |"
         )

@@ -366,9 +366,10 @@ class _LineInterrupt:
     the entry of an `__exit__` written in Python (threading.Condition's, contextlib's): those
     called from the traced code are counted and cut at their call."""
 
-    def __init__(self, at, functions=None):
-        """`functions`: count only the lines of functions of these names."""
-        self.at, self.lines, self.functions = at, 0, functions
+    def __init__(self, at, functions=None, files=TRACED):
+        """`functions`: count only the lines of functions of these names; `files`: the
+        source paths (prefixes) traced."""
+        self.at, self.lines, self.functions, self.files = at, 0, functions, files
 
     def __enter__(self):
         main = threading.main_thread()
@@ -386,10 +387,10 @@ class _LineInterrupt:
         def calls(frame, event, arg):
             if threading.current_thread() is not main:
                 return None
-            if frame.f_code.co_filename.startswith(TRACED):
+            if frame.f_code.co_filename.startswith(self.files):
                 return local if self.functions is None or frame.f_code.co_name in self.functions else calls
             caller = frame.f_back
-            if frame.f_code.co_name == "__exit__" and caller is not None and caller.f_code.co_filename.startswith(TRACED):
+            if frame.f_code.co_name == "__exit__" and caller is not None and caller.f_code.co_filename.startswith(self.files):
                 if self.functions is None or caller.f_code.co_name in self.functions:
                     cut()  # where a signal lands: the entry of an __exit__ written in Python
             return None

@@ -29,14 +29,13 @@ import logging
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dlo.config import OffloadConfig
 from dlo.errors import ConfigError
-from dlo.hotpath.compiled_call import CompileWatch
+from dlo.backend.measured_call import WARMUP_CALLS, CallMeasurement, MeasuredCall, class_medians
 from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.observe.stats import ResidencyStats
 from dlo.planning.plan_summary import PlanSummary
@@ -44,9 +43,7 @@ from dlo.planning.residency import BlockCost, choose_residency
 
 logger = logging.getLogger(__name__)
 
-WARMUP_CALLS = 1  # calls before the measured one
 HEADROOM = 0.02  # of the budget
-_ATTEMPTS = 3  # calls measured at most: one that raised, skipped a block or compiled is measured again
 _TIMED_CALLS = 16  # calls after the plan whose median stats() reports
 
 
@@ -74,16 +71,6 @@ def residency_budget(config: OffloadConfig, summary: PlanSummary, device: torch.
     return budget
 
 
-@dataclass(frozen=True)
-class _Baseline:
-    """The ledger's counters when the measured call started."""
-
-    bytes_streamed: int
-    copy_s: float
-    exposed_copy_s: float
-    pack_s: float
-
-
 class AutoResidency:
     def __init__(
         self,
@@ -107,10 +94,8 @@ class AutoResidency:
         self._candidates = candidates
         self._slot_counts = slot_counts
         self._calls = 0
-        self._attempts = 0
-        self._call_start: Any = None
-        self._baseline: _Baseline | None = None
-        self._compiles: CompileWatch | None = None
+        self._measurement = CallMeasurement(runtime)
+        self._call_start: Any = None  # of a timed call, after the plan
         self._timed: deque[tuple[Any, Any]] = deque(maxlen=_TIMED_CALLS)
         self._report = ResidencyStats(state="measuring", budget_bytes=budget_bytes)
         self._beside: Callable[[], int] = lambda: 0  # See hold_beside()
@@ -123,30 +108,34 @@ class AutoResidency:
         budget]"""
         self._beside = other_phase_bytes
 
+    @property
+    def measuring(self) -> bool:
+        """No plan made yet: calls are measured (and a plan that times its calls waits)."""
+        return self._report.state == "measuring"
+
     def call_starts(self) -> None:
-        runtime = self._runtime
-        if self._report.state == "measuring" and self._calls >= WARMUP_CALLS:
-            runtime.drain()
-            runtime.executor.synchronize()
-            ledger = runtime.ledger
-            ledger.settle()
-            self._baseline = _Baseline(ledger.bytes_streamed, ledger.copy_s, ledger.exposed_copy_s, runtime.pack_s)
-            self._compiles = CompileWatch()
-            ledger.block_compute_s.clear()
-            ledger.measuring_blocks = True
-        if self._calls >= WARMUP_CALLS:
-            self._call_start = runtime.executor.mark()
+        if self._calls < WARMUP_CALLS:
+            return
+        if self.measuring:
+            self._measurement.begin()
+        else:
+            self._call_start = self._runtime.executor.mark()
 
     def call_ends(self) -> None:
         self._calls += 1
-        if self._call_start is None:
+        runtime = self._runtime
+        if self._measurement.running:
+            # Blocks that look up on the host take no slot and copy nothing: not planned.
+            streamed = [i for i, b in enumerate(runtime.blocks) if i not in runtime.promoted and not b.on_host]
+            measured = self._measurement.finish(streamed)
+            if isinstance(measured, str):  # the call raised, skipped blocks, or compiled, every time
+                self._keep({}, f"{measured}; kept the slots of enable()")
+            elif measured is not None:
+                self._plan(streamed, measured)
             return
-        start, self._call_start = self._call_start, None
-        end = self._runtime.executor.mark()
-        if self._report.state == "measuring":
-            self._measured(start, end)
-        else:
-            self._timed.append((start, end))
+        if self._call_start is not None:
+            start, self._call_start = self._call_start, None
+            self._timed.append((start, runtime.executor.mark()))
 
     def report(self) -> ResidencyStats:
         """After the device was synchronized (stats() does)."""
@@ -156,41 +145,14 @@ class AutoResidency:
         seconds = [self._runtime.executor.seconds_between(start, end) for start, end in self._timed]
         return ResidencyStats(**{**vars(report), "measured_call_s": statistics.median(seconds)})
 
-    def _measured(self, start: Any, end: Any) -> None:
+    def _plan(self, streamed: list[int], call: MeasuredCall) -> None:
         runtime = self._runtime
-        ledger = runtime.ledger
-        runtime.drain()
-        runtime.executor.synchronize()
-        ledger.settle()
-        ledger.measuring_blocks = False
-        self._attempts += 1
-        # Blocks that look up on the host take no slot and copy nothing: not planned.
-        streamed = [i for i, b in enumerate(runtime.blocks) if i not in runtime.promoted and not b.on_host]
-        assert self._baseline is not None and self._compiles is not None
-        self._compiles.poll()
-        unmeasured = [runtime.blocks[i].name for i in streamed if i not in ledger.block_compute_s]
-        if unmeasured or self._compiles.graphs or self._compiles.recompiles:
-            # The call raised, skipped blocks, or compiled: its times are not a step's.
-            if self._attempts >= _ATTEMPTS:
-                why = f"blocks {unmeasured[:3]} did not run" if unmeasured else "each compiled something"
-                self._keep({}, f"no clean call to measure in {_ATTEMPTS} tries ({why}); kept the slots of enable()")
-            return
-        self._plan(streamed, runtime.executor.seconds_between(start, end))
-
-    def _plan(self, streamed: list[int], call_s: float) -> None:
-        runtime = self._runtime
-        ledger = runtime.ledger
-        base = self._baseline
-        copied = ledger.bytes_streamed - base.bytes_streamed
-        # A staged load takes the longer of its packing (host threads) and its copy.
-        load_s = max(ledger.copy_s - base.copy_s, runtime.pack_s - base.pack_s)
-        exposed_s = ledger.exposed_copy_s - base.exposed_copy_s
         # Blocks promoted before the plan (used outside their call) are not planned: their
         # memory counts as the rest of the process's, their compute as the time between blocks.
         sizes = [runtime.blocks[i].layout.nbytes for i in streamed]
-        measured = [ledger.block_compute_s[i] for i in streamed]
+        measured = [call.block_compute_s[i] for i in streamed]
         costs = _per_class(sizes, measured, [runtime.blocks[i].wire.nbytes for i in streamed])
-        between_s = max(0.0, call_s - sum(measured) - exposed_s)
+        between_s = call.between_s
         peak = self._peak_bytes()
         # The slots at the peak's moment. Without an allocator the peak is dlo's own count, the
         # slots at their capacity; a device's measured peak may fall where each slot held the
@@ -205,7 +167,7 @@ class AutoResidency:
             budget = min(budget, self._device_limit())
         available = int(budget * (1 - HEADROOM)) - max(peak - slots_at_peak, self._beside())
         # No copies measured (every block fit in the slots): the link rate does not matter.
-        bytes_per_s = copied / load_s if copied and load_s > 0 else float("inf")
+        bytes_per_s = call.counters.link_bps
         local = {i: n for n, i in enumerate(streamed)}
         choice = choose_residency(
             costs,
@@ -218,7 +180,7 @@ class AutoResidency:
         )
         measured_report = dict(
             activation_bytes=max(0, peak - slots_at_peak - self._weight_bytes - _promoted_bytes(runtime)),
-            link_gbps=bytes_per_s / 1e9 if copied else None,
+            link_gbps=bytes_per_s / 1e9 if call.counters.bytes_streamed else None,
             block_compute_s=tuple(measured),
         )
         if choice is None:
@@ -250,7 +212,7 @@ class AutoResidency:
         logger.info(
             "dlo: resident_layers='auto': %d of %d blocks resident, %d slots, predicted %.4f s per call (measured "
             "%.4f s with every block streamed)",
-            len(chosen), len(runtime.blocks), len(runtime.slots), choice.call_s, call_s,
+            len(chosen), len(runtime.blocks), len(runtime.slots), choice.call_s, call.call_s,
         )
 
     def _apply(self, chosen: frozenset[int], num_slots: int, slot_bytes: int) -> None:
@@ -279,13 +241,8 @@ def _slot_shape(runtime: RankLocalRuntime) -> tuple[int, int]:
 
 
 def _per_class(sizes: list[int], measured: list[float], link_bytes: list[int]) -> list[BlockCost]:
-    """Each block's cost, its compute the median of its size class's (one measurement per
-    block is noisy; blocks of one size run the same kernels)."""
-    by_size: dict[int, list[float]] = {}
-    for size, seconds in zip(sizes, measured):
-        by_size.setdefault(size, []).append(seconds)
-    median = {size: statistics.median(values) for size, values in by_size.items()}
-    return [BlockCost(size, median[size], link) for size, link in zip(sizes, link_bytes)]
+    """Each block's cost, its compute the median of its size class's."""
+    return [BlockCost(size, seconds, link) for size, seconds, link in zip(sizes, class_medians(sizes, measured), link_bytes)]
 
 
 def _promoted_bytes(runtime: RankLocalRuntime) -> int:

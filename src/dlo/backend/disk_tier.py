@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,10 +43,12 @@ UNREGISTERED = "host_budget_gib: blocks beyond the budget are read from disk, an
 
 @dataclass(frozen=True)
 class DiskTier:
-    """The plan, and each block's reads (None: a block not in a file)."""
+    """The plan, each block's reads (None: a block not in a file) and what it holds in host
+    memory when it stays there."""
 
     tier: HostTier
     reads: tuple[BlockReads | None, ...]
+    host_bytes: tuple[int, ...]
 
 
 def budget_bytes(config: OffloadConfig) -> int:
@@ -107,47 +110,64 @@ def plan_from_sources(
             "dlo: host_budget_gib=%.2f GiB: %d of %d streamed blocks are read from disk on every use",
             tier.budget_bytes / GIB, len(tier.on_disk), len(refs),
         )
-    return DiskTier(tier, tuple(reads))
+    return DiskTier(tier, tuple(reads), tuple(host))
 
 
 def place_blocks(
     streamed: list[StreamedBlock], disk: DiskTier | None, pin: bool, undo: contextlib.ExitStack
-) -> list[StreamedBlock]:
+) -> tuple[list[StreamedBlock], dict[int, DiskSource]]:
     """Under an active disk tier: the blocks on disk get their disk sources, and the mapped
     blocks that stay in host memory are read once, with direct I/O like the others, into
     private (pinned) copies. Neither fills the page cache, and what the budget holds is this
-    process's own memory. See [Note: which blocks stay in RAM]"""
+    process's own memory. Also returns every file block's disk source (by index), for the
+    measured choice to move blocks between host memory and disk later. See [Note: which
+    blocks stay in RAM]"""
     if not is_active(disk):
-        return streamed
+        return streamed, {}
     assert disk is not None
     placed = list(streamed)
-    reader = DiskReader(READ_THREADS)
-    try:
-        _read_kept(placed, disk, pin, undo, reader)
-    finally:
-        reader.close()
-    return placed
+    sources = {
+        index: DiskSource(block.source, reads)
+        for index, (block, reads) in enumerate(zip(streamed, disk.reads))
+        if isinstance(block.source, MappedSource) and reads is not None
+    }
+    with HostCopies(disk.tier.read_buffer_bytes, pin) as copies:
+        for index, source in sources.items():
+            if index in disk.tier.on_disk:
+                placed[index] = replace(placed[index], source=source)
+            else:
+                placed[index] = replace(placed[index], source=copies.read(placed[index], source, undo.callback))
+    return placed, sources
 
 
-def _read_kept(
-    placed: list[StreamedBlock], disk: DiskTier, pin: bool, undo: contextlib.ExitStack, reader: DiskReader
-) -> None:
-    scratch = aligned_empty(disk.tier.read_buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
-    for index, block in enumerate(placed):
-        source, reads = block.source, disk.reads[index]
-        if not isinstance(source, MappedSource) or reads is None:
-            continue
-        read = DiskSource(source, reads)
-        if index in disk.tier.on_disk:
-            placed[index] = replace(block, source=read)
-            continue
-        with interrupts_held():  # a pinned buffer is never without its undo
-            host = HostBuffer(block.wire.nbytes, pin)
-            undo.callback(host.unpin)
-        reader.read(reads, scratch)
-        for task in read.copy_tasks(scratch, wire_targets(block.layout, block.wire, host.tensor, host.tensor[block.wire.plain_bytes :])):
+class HostCopies:
+    """Reads blocks from their files, with direct I/O, into private (pinned) copies: a
+    reader and a scratch buffer of `scratch_bytes` (one read) while open."""
+
+    def __init__(self, scratch_bytes: int, pin: bool) -> None:
+        self._scratch_bytes = scratch_bytes
+        self._pin = pin
+
+    def __enter__(self) -> HostCopies:
+        self._scratch = aligned_empty(self._scratch_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
+        self._reader = DiskReader(READ_THREADS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._reader.close()
+        del self._scratch
+
+    def read(self, block: StreamedBlock, source: DiskSource, on_release: Callable[[Callable[[], None]], Any]) -> PackedSource:
+        """Block `block`'s private copy, read from `source`; `on_release` is given its
+        release as soon as it holds pinned memory (a failed read releases it first)."""
+        with interrupts_held():  # a pinned buffer is never without its release
+            host = HostBuffer(block.wire.nbytes, self._pin)
+            on_release(host.unpin)
+        self._reader.read(source.reads, self._scratch)
+        targets = wire_targets(block.layout, block.wire, host.tensor, host.tensor[block.wire.plain_bytes :])
+        for task in source.copy_tasks(self._scratch, targets):
             task.run()
-        placed[index] = replace(block, source=PackedSource(host))
+        return PackedSource(host)
 
 
 def read_ahead(

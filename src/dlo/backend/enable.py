@@ -356,7 +356,7 @@ def enable(
                 converted=len(fp8_gemms) > 0,
                 on_host=frozenset(i for i, ref in enumerate(streamed_refs) if ref.on_host),
             )
-            streamed = disk_tier.place_blocks(streamed, disk, pin, undo)
+            streamed, disk_sources = disk_tier.place_blocks(streamed, disk, pin, undo)
             streamed = [replace(block, on_host=ref.on_host) for block, ref in zip(streamed, streamed_refs)]
             device_weight_bytes = _place_rest(rest, device, bound_plan, undo)
         if bound_plan is not None and disk_tier.is_active(disk):
@@ -418,7 +418,8 @@ def enable(
             probe=probe,
             residency=tuner,
             fp8_gemms=fp8_gemms,
-            disk_budget_bytes=disk.tier.budget_bytes if disk is not None else 0,
+            disk=disk,
+            disk_sources=disk_sources,
         )
         undo.callback(handle.abandon)
         handle.activate()

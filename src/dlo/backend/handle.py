@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo.backend.auto_residency import AutoResidency
+from dlo.backend.disk_tier import DiskTier
 from dlo.backend.fp8_compute import Fp8GemmConversion
+from dlo.backend.host_tier_choice import HostTierChoice
 from dlo.backend.lora_fusion import LoraFusion
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
@@ -22,6 +24,7 @@ from dlo.backend.state_dict_loads import StateDictLoads
 from dlo.backend.weight_changes import WeightChanges
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError, StreamingError
+from dlo.host.block_sources import DiskSource
 from dlo.host.checkpoint import Checkpoint
 from dlo.host.memory_accounting import read_smaps_rollup
 from dlo.host.registration import HostRegistration
@@ -82,7 +85,8 @@ class OffloadHandle:
         probe: OutsideUseProbe | None = None,
         residency: AutoResidency | None = None,
         fp8_gemms: Fp8GemmConversion | None = None,
-        disk_budget_bytes: int = 0,
+        disk: DiskTier | None = None,
+        disk_sources: dict[int, DiskSource] | None = None,
     ) -> None:
         self.module = module
         self.device = device
@@ -102,7 +106,7 @@ class OffloadHandle:
         self._probe = probe  # See [Note: blocks used outside their call]
         self._residency = residency  # See [Note: automatic residency]
         self._fp8_gemms = fp8_gemms  # See [Note: fp8 compute]
-        self._disk_budget = disk_budget_bytes  # host_budget_gib with blocks on disk (See [Note: the disk tier])
+        self._disk_budget = disk.tier.budget_bytes if disk is not None else 0  # See [Note: the disk tier]
         self._releases = (
             [block.source.release for block in runtime.blocks]
             + ([runtime.stager.close] if runtime.stager is not None else [])
@@ -114,6 +118,9 @@ class OffloadHandle:
         self._changes = WeightChanges(runtime, list(streamed_refs), self._releases, pin)
         self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
         self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
+        self._host_tier = None  # See [Note: which blocks stay in RAM]
+        if disk is not None and disk_sources and isinstance(runtime, RankLocalRuntime) and runtime.read_ahead is not None:
+            self._host_tier = HostTierChoice(runtime, disk, disk_sources, pin, self._releases, self._changes, residency)
         self._changes_settled: tuple[StreamingError, ...] | None = None  # by disable(): the refusal it raises
         self._finalizer: weakref.finalize | None = None
         self._streamed_calls = list(streamed_calls)
@@ -169,6 +176,8 @@ class OffloadHandle:
         self._watch_compiles()
         if self._residency is not None:
             self._residency.call_starts()
+        if self._host_tier is not None:
+            self._host_tier.call_starts()
 
     def _watch_compiles(self) -> None:
         """Warn once when one call recompiled more often than there are block classes: a
@@ -194,6 +203,8 @@ class OffloadHandle:
         self._runtime.end_call()
         if self._residency is not None:
             self._residency.call_ends()
+        if self._host_tier is not None:
+            self._host_tier.call_ends()
 
     def device_bytes(self) -> int:
         """The weights dlo holds on the device now: non-block parts, resident blocks, slots (at
@@ -327,6 +338,7 @@ class OffloadHandle:
         reads = self._runtime.read_ahead
         if reads is None:
             return None
+        assert self._host_tier is not None  # made with the reads
         return DiskStats(
             blocks=tuple(self._runtime.blocks[i].name for i in reads.blocks),
             budget_bytes=self._disk_budget,
@@ -337,6 +349,7 @@ class OffloadHandle:
             gbps=reads.bytes_read / reads.read_s / 1e9 if reads.read_s > 0 else 0.0,
             wait_s=reads.wait_s,
             direct_io=reads.direct,
+            choice=self._host_tier.report,
         )
 
     def _compile_stats(self) -> CompileStats:

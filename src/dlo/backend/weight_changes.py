@@ -87,6 +87,7 @@ class WeightChanges:
         self._versions = [self._versions_of(i) for i in range(len(refs))]
         self._stand_in_addresses = [[t.data_ptr() for t in block.placeholders] for block in runtime.blocks]
         self.rewritten_blocks = 0  # host copies rewritten since enable()
+        self.rewritten: set[int] = set()  # blocks whose host copy differs from its file now
         self.copied_bytes = 0  # private bytes made for blocks of a read-only mapping
 
     @property
@@ -195,6 +196,7 @@ class WeightChanges:
             else:
                 runtime.discard_loaded([index])
             self.rewritten_blocks += 1
+            self.rewritten.add(index)
             self.copied_bytes += done.copied_bytes
         if opened.kept and done.requantized:  # the device copy streams nothing: it must equal a load
             views = tuple(view_placement(opened.memory, p) for p in block.layout.placements)

@@ -86,7 +86,8 @@ def render_host_tier(result: MappedLoad, config: OffloadConfig) -> str:
         f"host budget:          {budget}: {len(refs) - len(names)} of {len(refs)} streamed blocks stay in host memory "
         f"(read once at enable()), {len(names)} are read from disk on every use into {tier.read_buffers} read "
         f"buffer(s) of {human_bytes(tier.read_buffer_bytes)}\n"
-        f"read from disk:       {shown}"
+        f"read from disk:       {shown}\n"
+        "                      (as enable() spreads them; chosen again from the second call's measurements)"
     )
 
 

@@ -97,12 +97,14 @@ class BlockLoads:
         self.use_landings()
 
     def use_block(self, index: int, block: StreamedBlock) -> None:
-        """Block `index` is now `block` (its source replaced between calls): a private copy, so
-        nothing made once per slot for the old source is used again."""
+        """Block `index` is now `block` (its source replaced between calls): a private copy, or
+        its files read on every use, so nothing made once per slot for the old source is used
+        again."""
         kind = self._kind(block, self._staged)
-        assert kind in (LoadKind.PACKED, LoadKind.GATHERED), kind  # direct copies are made per slot once
-        self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
-        self.kinds = (*self.kinds[:index], kind, *self.kinds[index + 1 :])
+        assert kind in (LoadKind.PACKED, LoadKind.GATHERED, LoadKind.READ), kind  # direct copies are made per slot once
+        blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
+        kinds = (*self.kinds[:index], kind, *self.kinds[index + 1 :])
+        self.blocks, self.kinds = blocks, kinds  # one line: no interrupt lands between the two
 
     @staticmethod
     def _kind(block: StreamedBlock, staged: bool) -> LoadKind:

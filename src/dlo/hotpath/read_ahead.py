@@ -81,7 +81,10 @@ class ReadAhead:
         self._order = sorted(self._sources)
         self._reader = reader
         self._buffers = [ReadBuffer(host, copied_out_event()) for host in host_buffers(count, nbytes, pin)]
-        self._cond = threading.Condition()
+        # Entered through the lock itself, not the condition: the lock's own __exit__ is C, so
+        # an interrupt at any line (even a second Ctrl-C inside a held step) never leaves it held.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._wanted: list[int] = []  # taken blocks no buffer holds or reads: read these first
         self._after: int | None = None  # the last block taken: read-ahead continues after it
         self._stopped = False
@@ -115,7 +118,7 @@ class ReadAhead:
     def wait_idle(self) -> None:
         """Wait until no read runs and none is due (every buffer holds its next block, or
         the reads stopped)."""
-        with self._cond:
+        with self._lock:
             while not self._stopped and (
                 self._next_read() is not None or any(b.state is _State.READING for b in self._buffers)
             ):
@@ -140,7 +143,7 @@ class ReadAhead:
         return held
 
     def _filled(self, index: int) -> ReadBuffer:
-        with self._cond:
+        with self._lock:
             while True:
                 held = self._holding(index)
                 if held is not None and held.state is _State.FILLED:
@@ -159,7 +162,7 @@ class ReadAhead:
         return held
 
     def give_back(self, buffer: ReadBuffer) -> None:
-        with self._cond:
+        with self._lock:
             buffer.state, buffer.block = _State.FREE, None
             self._cond.notify_all()
 
@@ -167,11 +170,11 @@ class ReadAhead:
         """Block `index` is not read from disk now (kept on the device; `remember` undoes it),
         or never again (`for_good`: its source was replaced): no read of it is kept or
         started. No load of it may be queued."""
-        with self._cond:
+        with self._lock:
+            if index in self._order:  # first: the reader takes only blocks with a source
+                self._order.remove(index)
             if for_good:
                 self._sources.pop(index, None)
-            if index in self._order:
-                self._order.remove(index)
             for buffer in self._buffers:
                 if buffer.block == index and buffer.state is _State.FILLED:
                     buffer.state, buffer.block, buffer.failure = _State.FREE, None, None
@@ -181,10 +184,18 @@ class ReadAhead:
 
     def remember(self, index: int) -> None:
         """Block `index` streams from disk again (demoted from the device)."""
-        with self._cond:
+        with self._lock:
             if index in self._sources and index not in self._order:
                 bisect.insort(self._order, index)
                 self._cond.notify_all()
+
+    def add(self, index: int, source: DiskSource, streamed: bool) -> None:
+        """Block `index` is read from `source` from now on (moved from host memory to disk);
+        `streamed`: it streams now (False: kept on the device, read only once demoted)."""
+        with self._lock:
+            self._sources[index] = source
+        if streamed:
+            self.remember(index)
 
     def _holding(self, index: int) -> ReadBuffer | None:
         """The buffer holding or reading block `index` for its next use."""
@@ -227,7 +238,7 @@ class ReadAhead:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._stopped and (chosen := self._next_read()) is None:
                     self._cond.wait()
                 if self._stopped:
@@ -235,14 +246,16 @@ class ReadAhead:
                 buffer, index = chosen
                 buffer.state, buffer.block, buffer.failure, buffer.stale = _State.READING, index, None, False
                 source = self._sources[index]
-            started = time.perf_counter()
+            started = None
             try:
                 buffer.copied_out.synchronize()  # the copies out of its last block are done
+                started = time.perf_counter()  # the read alone: its duration gives the disk's rate
                 self._reader.read(source.reads, buffer.tensor)
             except Exception as failure:  # handed to the load that takes it
                 buffer.failure = failure
-            self.read_s += time.perf_counter() - started
-            with self._cond:
+            if started is not None:
+                self.read_s += time.perf_counter() - started
+            with self._lock:
                 self.reads += 1
                 if buffer.stale:
                     buffer.state, buffer.block, buffer.failure, buffer.stale = _State.FREE, None, None, False
@@ -253,7 +266,7 @@ class ReadAhead:
     def stop(self) -> None:
         """Stop reading (a read under way finishes first); a load still waiting for a read
         fails. Idempotent; after the stager stopped (its jobs may wait for reads)."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join()

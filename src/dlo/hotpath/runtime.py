@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import BlockSource
+from dlo.host.block_sources import BlockSource, DiskSource
 from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
@@ -241,13 +241,19 @@ class StreamingRuntime:
 
     def replace_source(self, index: int, source: BlockSource) -> None:
         """Between calls: block `index` streams from `source` from its next load on (a private
-        copy of a block whose weights changed); no slot keeps what it loaded from the old one."""
+        copy of a block whose weights changed, or the disk tier's choice moving it between
+        host memory and disk); no slot keeps what it loaded from the old one."""
         self.discard_loaded([index])
-        if self.read_ahead is not None:
-            self.read_ahead.forget(index, for_good=True)  # the new source is a private copy
+        reads, to_disk = self.read_ahead, isinstance(source, DiskSource)
+        # In this order, a step cut short in between leaves at most reads of a block nobody
+        # takes, never a disk block whose load waits for reads nobody makes.
+        if reads is not None and to_disk:
+            reads.add(index, source, streamed=index not in self.promoted)
         block = replace(self.blocks[index], source=source)
         self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
         self.loads.use_block(index, block)
+        if reads is not None and not to_disk:
+            reads.forget(index, for_good=True)
 
     def drain(self) -> None:
         """Wait for every queued staged load (before synchronizing or tearing down), all of

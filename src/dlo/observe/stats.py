@@ -47,6 +47,24 @@ class ResidencyStats:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """Which blocks stay in host memory under host_budget_gib, chosen from a measured call
+    (See [Note: which blocks stay in RAM]). state: "measuring" (the blocks as enable() spread
+    them) until the measured call ended, then "chosen", or "kept" when no choice was applied
+    (`note` says why). predicted_call_s: the model's seconds per call for the choice;
+    measured_call_s: the measured call's (before it); disk_gbps: the disk's rate in it;
+    moved_to_disk / moved_to_ram: the blocks the choice moved (names)."""
+
+    state: str
+    predicted_call_s: float | None = None
+    measured_call_s: float | None = None
+    disk_gbps: float | None = None
+    moved_to_disk: tuple[str, ...] = ()
+    moved_to_ram: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class DiskStats:
     """The disk tier (See [Note: the disk tier]). blocks: the streamed blocks read from their
     files on every use (names, execution order); budget_bytes: host_budget_gib in bytes;
@@ -55,7 +73,7 @@ class DiskStats:
     duration, and gbps the rate during them; wait_s: time loads waited for a read (exposed
     when the compute stream waits on those loads: see exposed_copy_s). direct_io: every file
     read with O_DIRECT (False: the file system refused it, and pages are dropped after each
-    read instead)."""
+    read instead). choice: how the blocks on disk were chosen (HostTierStats)."""
 
     blocks: tuple[str, ...]
     budget_bytes: int
@@ -66,6 +84,7 @@ class DiskStats:
     gbps: float
     wait_s: float
     direct_io: bool
+    choice: HostTierStats = HostTierStats(state="measuring")
 
 
 @dataclass(frozen=True)

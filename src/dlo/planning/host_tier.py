@@ -4,15 +4,33 @@ their files on every use (See [Note: the disk tier] in dlo.hotpath.read_ahead).
 [Note: which blocks stay in RAM]
 The model fits: every block stays (RAM is always preferred). Otherwise the budget first holds
 the read buffers the disk blocks are read into (two, so one block's read overlaps the copy
-out of the other; one when the budget holds no more), then as many blocks as fit. The blocks
-left on disk are spread evenly over the execution order: the read of a disk block then runs
-behind the compute of the RAM blocks before it, and with blocks of one size no disk block
-has fewer RAM blocks before it than another. A block that is not in a file (a private copy)
-always stays, and counts against the budget first.
+out of the other; one when the budget holds no more), then as many blocks as fit. A block
+that is not in a file (a private copy) always stays, and counts against the budget first.
+
+At enable() nothing is measured yet: the blocks left on disk are spread evenly over the
+execution order (`plan_host_tier`), so the read of a disk block runs behind the compute of
+the RAM blocks before it. Then, as `resident_layers='auto'` does for the device, one call is
+measured (dlo.backend.host_tier_choice): each block's compute, the disk's and the link's
+rates; and the blocks on disk are chosen again (`choose_tier`) to make the predicted call the
+shortest, with a model of the hot path (`simulate_tier`):
+- blocks run in execution order, call after call, with `between_s` of other compute between
+  two calls; a block kept on the device (promoted) computes and loads nothing;
+- one reader reads the disk blocks in their order, call after call, each read taking its
+  bytes / the disk rate, into `read_buffers` buffers: a read starts once the reader is free
+  and its buffer's last block was copied out of it;
+- a load is copied as the device model of [Note: automatic residency] copies it (one copy
+  engine, `num_slots` slots), a disk block's copy not before its read ended.
+The search takes, per class of blocks alike (bytes and compute), how many of it are on disk,
+spread evenly through the class, within the budget; then, from the best of those, single
+moves (one block fewer on disk, one disk block swapped with a kept one) while one helps. Ties
+go to fewer bytes read from disk, then to the blocks on disk now (no move for nothing). A block kept on the device costs no
+read on disk, so it goes there first: its host copy only serves a later demotion.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +62,167 @@ def _spread(candidates: Sequence[int], count: int) -> tuple[int, ...]:
     """`count` of `candidates` evenly spaced over them (the middle of each of `count` equal parts)."""
     n = len(candidates)
     return tuple(candidates[(2 * i + 1) * n // (2 * count)] for i in range(count))
+
+
+@dataclass(frozen=True)
+class TierBlock:
+    """One block as the measured choice sees it: what it holds in host memory when kept
+    there, its read (None: not in a file, it stays), what a load moves over the link, its
+    measured compute, and whether it streams (False: kept on the device, never loaded)."""
+
+    host_bytes: int
+    read_bytes: int | None
+    load_bytes: int
+    compute_s: float
+    streamed: bool = True
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    on_disk: tuple[int, ...]
+    call_s: float  # predicted seconds per call
+    read_bytes: int  # read from disk per call
+
+
+# Calls simulated from empty slots and buffers; the last is the steady state.
+_SIMULATED_CALLS = 4
+# Choices searched at most (per-class counts): beyond it the choice of enable() is kept.
+MAX_CHOICES = 20_000
+_IMPROVEMENT = 1e-9  # a choice must be faster by more than this fraction
+
+
+def simulate_tier(
+    blocks: Sequence[TierBlock],
+    on_disk: Sequence[int],
+    num_slots: int,
+    link_bps: float,
+    disk_bps: float,
+    read_buffers: int,
+    between_s: float = 0.0,
+    overlap: bool = True,
+) -> float:
+    """Predicted seconds per call in the steady state; `overlap`: copies run beside compute
+    (False on the CPU: each copy runs as its block starts). See [Note: which blocks stay in RAM]"""
+    disk = set(on_disk)
+    streamed = [i for i, b in enumerate(blocks) if b.streamed]
+    compute_s = between_s + sum(b.compute_s for b in blocks)
+    if len(streamed) <= num_slots:  # each keeps a slot of its own after the first call
+        return compute_s
+    copy_s = [blocks[i].load_bytes / link_bps for i in streamed]
+    on_disk_runs = [n for n, i in enumerate(streamed) if i in disk]  # positions in the streamed order
+    read_s = {n: (blocks[streamed[n]].read_bytes or 0) / disk_bps for n in on_disk_runs}
+    landed: list[float] = []  # landed[n]: when load n (loads in run order, across calls) finished
+    released: list[float] = []  # released[n]: when run n finished, freeing its slot
+    read_done: list[float] = []  # read_done[m]: when the m-th disk read finished
+    disk_loads: list[int] = []  # disk_loads[m]: the load the m-th read serves
+
+    def read(m: int) -> float:
+        while len(read_done) <= m:
+            k = len(read_done)
+            cycle, at = divmod(k, len(on_disk_runs))
+            disk_loads.append(cycle * len(streamed) + on_disk_runs[at])
+            buffer_free = land(disk_loads[k - read_buffers]) if k >= read_buffers else 0.0
+            read_done.append(max(read_done[-1] if read_done else 0.0, buffer_free) + read_s[on_disk_runs[at]])
+        return read_done[m]
+
+    def read_of(n: int) -> float:
+        """When load n's read ended (0 for a block in host memory)."""
+        cycle, at = divmod(n, len(streamed))
+        return read(cycle * len(on_disk_runs) + on_disk_runs.index(at)) if at in read_s else 0.0
+
+    def land(load: int) -> float:
+        while len(landed) <= load:
+            n = len(landed)
+            slot_free = released[n - num_slots] if n >= num_slots else 0.0
+            landed.append(max(landed[-1] if landed else 0.0, slot_free, read_of(n)) + copy_s[n % len(streamed)])
+        return landed[load]
+
+    done = call_start = 0.0
+    for _ in range(_SIMULATED_CALLS):
+        call_start = done
+        done += between_s
+        for block in blocks:
+            if block.streamed and overlap:
+                done = max(done, land(len(released)))
+            elif block.streamed:  # the copy runs on the compute stream, once its read ended
+                n = len(released)
+                done = max(done, read_of(n)) + copy_s[n % len(streamed)]
+                landed.append(done)
+            done += block.compute_s
+            if block.streamed:
+                released.append(done)
+    return done - call_start
+
+
+def choose_tier(
+    blocks: Sequence[TierBlock],
+    room: int,
+    current: Sequence[int],
+    num_slots: int,
+    link_bps: float,
+    disk_bps: float,
+    read_buffers: int,
+    between_s: float = 0.0,
+    overlap: bool = True,
+) -> TierChoice | None:
+    """The blocks to read from disk so the predicted call is the shortest, the others' host
+    bytes within `room` (the budget less what must stay and the read buffers). `current`:
+    the blocks on disk now, taken on a tie. None when the classes would take more than
+    MAX_CHOICES evaluations. See [Note: which blocks stay in RAM]"""
+    readable = [i for i, b in enumerate(blocks) if b.read_bytes is not None]
+    classes: dict[tuple, list[int]] = {}
+    for i in readable:
+        b = blocks[i]
+        classes.setdefault((b.host_bytes, b.read_bytes, b.load_bytes, b.compute_s, b.streamed), []).append(i)
+    members = list(classes.values())
+    if math.prod(len(m) + 1 for m in members) > MAX_CHOICES:
+        return None
+    now = tuple(sorted(current))
+
+    def evaluate(on_disk: tuple[int, ...]) -> TierChoice | None:
+        kept = sum(blocks[i].host_bytes for i in readable if i not in on_disk)
+        if kept > room:
+            return None
+        call_s = simulate_tier(blocks, on_disk, num_slots, link_bps, disk_bps, read_buffers, between_s, overlap)
+        read = sum(blocks[i].read_bytes or 0 for i in on_disk if blocks[i].streamed)
+        return TierChoice(on_disk, call_s, read)
+
+    best = evaluate(now)
+    evaluations = 1
+
+    def consider(on_disk: tuple[int, ...]) -> None:
+        nonlocal best, evaluations
+        evaluations += 1
+        choice = evaluate(on_disk)
+        if choice is not None and (best is None or _better(choice, best)):
+            best = choice
+
+    for counts in itertools.product(*(range(len(m) + 1) for m in members)):
+        consider(tuple(sorted(i for m, count in zip(members, counts) for i in _spread(m, count))))
+    while best is not None and evaluations < MAX_CHOICES:  # single moves from the best, while one helps
+        current_best = best
+        for on_disk in _moves(best.on_disk, readable):
+            consider(on_disk)
+        if best is current_best:
+            break
+    return best
+
+
+def _moves(on_disk: tuple[int, ...], readable: list[int]) -> list[tuple[int, ...]]:
+    """One block fewer on disk, or one disk block swapped with a block kept in RAM."""
+    disk = set(on_disk)
+    fewer = [tuple(sorted(disk - {i})) for i in on_disk]
+    return fewer + [tuple(sorted(disk - {i} | {j})) for i in on_disk for j in readable if j not in disk]
+
+
+def _better(a: TierChoice, b: TierChoice) -> bool:
+    """Faster; at the same predicted speed, fewer bytes read from disk (the model leaves out
+    a disk shared with other readers and per-read waits: they only cost bytes read)."""
+    if a.call_s < b.call_s * (1 - _IMPROVEMENT):
+        return True
+    if a.call_s > b.call_s * (1 + _IMPROVEMENT):
+        return False
+    return a.read_bytes < b.read_bytes
 
 
 def plan_host_tier(

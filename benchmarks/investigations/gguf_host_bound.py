@@ -1,0 +1,96 @@
+"""Is a Flux-shaped Q8_0 GGUF forward bound by the host's kernel launches? (issue 31: streamed
+with diffusers' dequantization it takes 1.17-1.26x the resident forward, with only ~6 ms of
+exposed copy wait a forward.)
+
+Per variant (bench_gguf.py's sessions on diffusers' GGUF model, a private copy), after two
+warm-up forwards, --iters times each:
+  wall     the forward from a synchronized device to its end on the device;
+  enqueue  from the same start until the Python call returns (what the host spends issuing it);
+  device   the forward issued while the device sleeps (torch.cuda._sleep): CUDA events around
+           it then time the device's own work with every launch queued ahead, as long as the
+           host finished issuing before the sleep ended ("ahead" column; if not, the host
+           waited for the device inside the call and the number is not the device's alone).
+enqueue close to wall and device well below it: the forward waits for the host's launches.
+
+  python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_gguf import VARIANTS, load_gguf, write_gguf  # noqa: E402
+from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
+
+SLEEP_CYCLES = 2_000_000_000  # about a second at the H200's clock: longer than any issue here
+
+
+def timed(model, inputs, iters: int) -> tuple[float, float, float, int]:
+    """Median wall, enqueue and device seconds, and how many device timings were issued ahead."""
+    walls, enqueues, devices, ahead = [], [], [], 0
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model(**inputs)
+        enqueues.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - started)
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        begin.record()
+        model(**inputs)
+        end.record()
+        ahead += not begin.query()  # the sleep still runs: every launch was queued before it ended
+        torch.cuda.synchronize()
+        devices.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(walls), statistics.median(enqueues), statistics.median(devices), ahead
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tmp", default=None)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--variants", default="resident,dlo,resident + kernels,dlo + kernels")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    shape = SHAPES["flux"]
+    directory = Path(tempfile.mkdtemp(prefix="gguf_host_bound_", dir=args.tmp))
+    model = build_model(shape, 0, device)
+    model.save_config(directory)
+    path = directory / "Q8_0.gguf"
+    write_gguf(model, path, "Q8_0", 2)
+    del model
+    inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
+    rows = []
+    for variant in args.variants.split(","):
+        session = VARIANTS[variant](load_gguf(path, directory, shape.class_name), device)
+        try:
+            with torch.inference_mode():
+                for _ in range(2):
+                    session.model(**inputs)
+                session.start_window()
+                rows.append((variant, *timed(session.model, inputs, args.iters)))
+                session.streaming(2 * args.iters)  # a dlo session's close prints its CPU seconds from it
+        finally:
+            session.close()
+        del session
+        torch.cuda.empty_cache()
+    print(f"\nFlux-shaped Q8_0, median of {args.iters}, ms a forward")
+    print("| variant | wall | enqueue | device (issued ahead) | ahead |")
+    print("|---|---|---|---|---|")
+    for variant, wall, enqueue, device_s, ahead in rows:
+        print(f"| {variant} | {wall * 1e3:.1f} | {enqueue * 1e3:.1f} | {device_s * 1e3:.1f} | {ahead}/{args.iters} |")
+
+
+if __name__ == "__main__":
+    main()
