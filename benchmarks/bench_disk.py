@@ -11,7 +11,8 @@ random bf16 weights from one seed, saved with save_pretrained; files fsynced):
                --budgets B ("1" GiB; "2/3": two thirds of the streamed blocks' bytes), one
                warm-up forward and the forward dlo measures to choose which blocks stay in
                host memory (its "spread s" column: that call's time with enable()'s even
-               spread, before the moves), then --iters forwards on the chosen split, each
+               spread, before the moves, and dlo's prediction for it), then --iters forwards
+               on the chosen split ("predicted s": dlo's prediction for it), each
                after dropping the page cache (/proc/sys/vm/drop_caches as root, else
                POSIX_FADV_DONTNEED on the files).
 
@@ -238,7 +239,7 @@ def main() -> None:
     lines = [
         f"resident {resident:.3f} s/forward; disk O_DIRECT {gbps:.2f} GB/s; blocks {blocks_bytes / GB:.2f} GB",
         "",
-        "| host_budget_gib | blocks on disk | moved to disk / RAM | spread s | predicted s | read GB/fwd | s/forward "
+        "| host_budget_gib | blocks on disk | moved to disk / RAM | spread s (predicted) | predicted s | read GB/fwd | s/forward "
         "| floor s | x floor | reader GB/s | RSS + cached GiB | budget + buffers GiB | output vs resident |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -247,6 +248,7 @@ def main() -> None:
         moved = f"{len(choice['moved_to_disk'])} / {len(choice['moved_to_ram'])}" if choice["state"] == "chosen" else choice["state"]
         lines.append(
             f"| {r['budget_gib']:.2f} | {r['disk_blocks']} | {moved} | {choice['measured_call_s'] or 0:.3f} "
+            f"({choice['predicted_before_s'] or 0:.3f}) "
             f"| {choice['predicted_call_s'] or 0:.3f} | {r['read_bytes_per_forward'] / GB:.2f} | {r['median_s']:.3f} "
             f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
             f"| {r['budget_gib'] + r['read_buffer_bytes'] / GIB:.2f} | {'bit-identical' if r['equal_to_resident'] else 'DIFFERS'} |"

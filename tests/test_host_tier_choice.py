@@ -83,7 +83,7 @@ def test_the_choice_is_as_fast_as_the_best_of_every_subset(seed):
         )
         room = randomness.randint(0, sum(b.host_bytes for b in blocks))
         readable = [i for i, b in enumerate(blocks) if b.read_bytes is not None]
-        choice = choose_tier(blocks, room, readable, *args)
+        choice = choose_tier(blocks, room, readable, *args, min_gain=0.0)
         assert choice is not None
         assert sum(blocks[i].host_bytes for i in readable if i not in choice.on_disk) <= room
         assert choice.call_s == pytest.approx(simulate_tier(blocks, choice.on_disk, *args))
@@ -98,6 +98,16 @@ def test_on_a_tie_fewer_bytes_are_read_then_nothing_moves():
     alike = [TierBlock(4, 4, 4, 10.0) for _ in range(4)]
     assert choose_tier(alike, 8, (0, 3), 2, 100.0, 100.0, 2).on_disk == (0, 3)
     assert choose_tier(alike, 8, (1, 2), 2, 100.0, 100.0, 2).on_disk == (1, 2)
+
+
+def test_blocks_move_only_for_a_gain_beyond_the_models_error():
+    blocks = [TierBlock(4, 4, 4, s) for s in (0.25, 2.0, 1.5, 1.0, 0.75, 4.25)]
+    model = (2, 1.0, 1.0, 1, 1.0)  # slots, link and disk rates, read buffers, between calls
+    in_place, other = (0, 2, 3, 4), (0, 2, 4, 5)
+    assert simulate_tier(blocks, in_place, *model) == 32.25 and simulate_tier(blocks, other, *model) == 32.0
+    # Two blocks fit in host memory. The other split is 0.8 % faster: not worth a move.
+    assert choose_tier(blocks, 8, in_place, *model).on_disk == in_place
+    assert choose_tier(blocks, 8, in_place, *model, min_gain=0.0).on_disk == other
 
 
 def test_a_block_not_in_a_file_stays_and_a_budget_nothing_fits_in_has_no_choice():

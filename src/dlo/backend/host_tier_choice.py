@@ -15,7 +15,7 @@ from dlo.host.block_sources import BlockSource, DiskSource, PackedSource
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.observe.stats import HostTierStats
-from dlo.planning.host_tier import GIB, TierBlock, choose_tier
+from dlo.planning.host_tier import GIB, TierBlock, choose_tier, simulate_tier
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +104,16 @@ class HostTierChoice:
         tier = disk.tier
         room = tier.budget_bytes - staying - tier.read_buffers * tier.read_buffer_bytes
         disk_bps = counters.bytes_read / counters.read_s
-        choice = choose_tier(
-            blocks, room, [i for i in on_disk if i in movable], len(runtime.slots), counters.link_bps, disk_bps,
-            tier.read_buffers, call.between_s, runtime.executor.overlaps_compute,
-        )
+        now = [i for i in on_disk if i in movable]
+        model = (len(runtime.slots), counters.link_bps, disk_bps, tier.read_buffers, call.between_s,
+                 runtime.executor.overlaps_compute)
+        choice = choose_tier(blocks, room, now, *model)
         if choice is None:
             self._keep("no choice fits the budget, or too many block classes to search; kept the blocks of enable()")
             return
-        now = {i for i in on_disk if i in movable}
-        to_disk = sorted(set(choice.on_disk) - now)
-        to_ram = sorted(now - set(choice.on_disk))
+        predicted_before = simulate_tier(blocks, on_disk, *model)
+        to_disk = sorted(set(choice.on_disk) - set(now))
+        to_ram = sorted(set(now) - set(choice.on_disk))
         try:
             for index in to_disk:  # first: what they free makes room for the others
                 self._to_disk(index)
@@ -127,15 +127,17 @@ class HostTierChoice:
         self.report = HostTierStats(
             state="chosen",
             predicted_call_s=choice.call_s,
+            predicted_before_s=predicted_before,
             measured_call_s=call.call_s,
             disk_gbps=disk_bps / 1e9,
             moved_to_disk=tuple(runtime.blocks[i].name for i in to_disk),
             moved_to_ram=tuple(runtime.blocks[i].name for i in to_ram),
         )
         logger.info(
-            "dlo: host_budget_gib=%.3g GiB: measured %.4f s per call (disk %.2f GB/s); %d blocks moved to disk, %d "
-            "to host memory; predicted %.4f s per call",
-            tier.budget_bytes / GIB, call.call_s, disk_bps / 1e9, len(to_disk), len(to_ram), choice.call_s,
+            "dlo: host_budget_gib=%.3g GiB: measured %.4f s per call (predicted %.4f s; disk %.2f GB/s); %d blocks "
+            "moved to disk, %d to host memory; predicted %.4f s per call",
+            tier.budget_bytes / GIB, call.call_s, predicted_before, disk_bps / 1e9, len(to_disk), len(to_ram),
+            choice.call_s,
         )
 
     def _to_disk(self, index: int) -> None:

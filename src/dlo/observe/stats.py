@@ -52,11 +52,13 @@ class HostTierStats:
     (See [Note: which blocks stay in RAM]). state: "measuring" (the blocks as enable() spread
     them) until the measured call ended, then "chosen", or "kept" when no choice was applied
     (`note` says why). predicted_call_s: the model's seconds per call for the choice;
-    measured_call_s: the measured call's (before it); disk_gbps: the disk's rate in it;
-    moved_to_disk / moved_to_ram: the blocks the choice moved (names)."""
+    measured_call_s: the measured call's, on the blocks of before, and predicted_before_s the
+    model's for those; disk_gbps: the disk's rate in it; moved_to_disk / moved_to_ram: the
+    blocks the choice moved (names; none when no split was predicted faster enough)."""
 
     state: str
     predicted_call_s: float | None = None
+    predicted_before_s: float | None = None
     measured_call_s: float | None = None
     disk_gbps: float | None = None
     moved_to_disk: tuple[str, ...] = ()
