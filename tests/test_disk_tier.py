@@ -122,7 +122,6 @@ def test_blocks_beyond_the_budget_stream_from_disk_bit_identical(tmp_path, name,
     # those chosen; beyond them, reads ahead for the next call (at most the two buffers and
     # the prefetch of its first block), also before the choice (then dropped).
     uses = 2 * len(spread) + len(disk.blocks)
-    print(uses, disk.reads)
     assert uses <= disk.reads <= uses + 6
     assert disk.direct_io and disk.read_bytes > 0
     assert stats.registration_fallback.startswith("host_budget_gib")

@@ -6,6 +6,7 @@ import torch
 
 import dlo
 from dlo.models.tiny import TINY_MODELS
+from test_host_tier_choice import double_kept  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 diffusers = pytest.importorskip("diffusers")
@@ -36,9 +37,10 @@ def test_disk_tier_matches_resident_on_cuda(tmp_path, name, torch_dtype, fractio
     assert stats.registered_bytes == 0 and stats.registration_fallback.startswith("host_budget_gib")
 
 
-def test_blocks_moved_between_pinned_host_memory_and_disk_on_cuda(tmp_path):
-    """The tiny Flux at 0.9 of its files: the measured choice moves a double block into a new
-    pinned copy and a single block's pinned copy out; every call equals resident."""
+def test_blocks_moved_between_pinned_host_memory_and_disk_on_cuda(tmp_path, double_kept):
+    """The tiny Flux at 0.9 of its files, the choice made DOUBLE_KEPT: a double block moves
+    into a new pinned copy and a single block's pinned copy is released; every call equals
+    resident."""
     TINY_MODELS["flux"].build(seed=2).save_pretrained(tmp_path)
     cls = getattr(diffusers, TINY_MODELS["flux"].class_name)
     expected = run(cls.from_pretrained(tmp_path).eval().cuda(), "flux", torch.float32, range(5))

@@ -131,7 +131,8 @@ def place_blocks(
         for index, (block, reads) in enumerate(zip(streamed, disk.reads))
         if isinstance(block.source, MappedSource) and reads is not None
     }
-    with HostCopies(disk.tier.read_buffer_bytes, pin) as copies:
+    scratch = aligned_empty(disk.tier.read_buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
+    with HostCopies(scratch, pin) as copies:
         for index, source in sources.items():
             if index in disk.tier.on_disk:
                 placed[index] = replace(placed[index], source=source)
@@ -141,21 +142,19 @@ def place_blocks(
 
 
 class HostCopies:
-    """Reads blocks from their files, with direct I/O, into private (pinned) copies: a
-    reader and a scratch buffer of `scratch_bytes` (one read) while open."""
+    """Reads blocks from their files, with direct I/O, through `scratch` (aligned for it, one
+    read's bytes) into private (pinned) copies; a reader while open."""
 
-    def __init__(self, scratch_bytes: int, pin: bool) -> None:
-        self._scratch_bytes = scratch_bytes
+    def __init__(self, scratch: torch.Tensor, pin: bool) -> None:
+        self._scratch = scratch
         self._pin = pin
 
     def __enter__(self) -> HostCopies:
-        self._scratch = aligned_empty(self._scratch_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
         self._reader = DiskReader(READ_THREADS)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._reader.close()
-        del self._scratch
 
     def read(self, block: StreamedBlock, source: DiskSource, on_release: Callable[[Callable[[], None]], Any]) -> PackedSource:
         """Block `block`'s private copy, read from `source`; `on_release` is given its

@@ -87,7 +87,7 @@ class WeightChanges:
         self._versions = [self._versions_of(i) for i in range(len(refs))]
         self._stand_in_addresses = [[t.data_ptr() for t in block.placeholders] for block in runtime.blocks]
         self.rewritten_blocks = 0  # host copies rewritten since enable()
-        self.rewritten: set[int] = set()  # blocks whose host copy differs from its file now
+        self.rewritten: set[int] = set()  # blocks whose host copy may differ from its file
         self.copied_bytes = 0  # private bytes made for blocks of a read-only mapping
 
     @property
@@ -178,6 +178,7 @@ class WeightChanges:
         block = runtime.blocks[index]
         _gather_assigned(block, opened.memory)
         in_place = isinstance(block.source, PackedSource) and not block.wire.quantized
+        self.rewritten.add(index)  # first: its host copy may differ from its file from here on
         with interrupts_held():  # a private copy made is either streamed and released, or never made
             try:
                 if in_place:
@@ -196,7 +197,6 @@ class WeightChanges:
             else:
                 runtime.discard_loaded([index])
             self.rewritten_blocks += 1
-            self.rewritten.add(index)
             self.copied_bytes += done.copied_bytes
         if opened.kept and done.requantized:  # the device copy streams nothing: it must equal a load
             views = tuple(view_placement(opened.memory, p) for p in block.layout.placements)

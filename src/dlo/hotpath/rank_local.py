@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import PackedSource, ShardSource
+from dlo.host.block_sources import DiskSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.executors import DeviceSlot, Executor
@@ -74,6 +74,11 @@ class RankLocalRuntime(StreamingRuntime):
         self.planner.forget(*range(len(self.queues)))
         self.planner.set_resident(self.promoted.keys())
         for index, block in enumerate(self.blocks):
+            cut_short = self.loads.blocks[index] is not block or (  # replace_source() stopped midway
+                self.read_ahead is not None and index in self.read_ahead.blocks and not isinstance(block.source, DiskSource)
+            )
+            if cut_short:
+                self._use_source(index)
             memory = self.promoted.get(index)
             block.point_at(block.placeholders if memory is None else self._views_of(index, memory))
 

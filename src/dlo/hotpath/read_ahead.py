@@ -27,9 +27,11 @@ is read again at its next use.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +162,27 @@ class ReadAhead:
             self._after = index
             self._cond.notify_all()
         return held
+
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[torch.Tensor]:
+        """Between calls: one read buffer's memory, for a read outside the read-ahead (no read
+        goes into it meanwhile; a block it held is read again when needed)."""
+        with self._lock:
+            while True:
+                if self._stopped:
+                    raise StreamingError("a read buffer was asked for after the reads stopped")
+                held = next((b for b in self._buffers if b.state is _State.FREE), None) or next(
+                    (b for b in self._buffers if b.state is _State.FILLED and b.block not in self._wanted), None
+                )
+                if held is not None:
+                    break
+                self._cond.wait()
+            held.state, held.block, held.failure = _State.TAKEN, None, None
+        try:
+            held.copied_out.synchronize()  # the copies out of its last block are done
+            yield held.tensor
+        finally:
+            self.give_back(held)
 
     def give_back(self, buffer: ReadBuffer) -> None:
         with self._lock:

@@ -243,16 +243,22 @@ class StreamingRuntime:
         """Between calls: block `index` streams from `source` from its next load on (a private
         copy of a block whose weights changed, or the disk tier's choice moving it between
         host memory and disk); no slot keeps what it loaded from the old one."""
-        self.discard_loaded([index])
-        reads, to_disk = self.read_ahead, isinstance(source, DiskSource)
-        # In this order, a step cut short in between leaves at most reads of a block nobody
-        # takes, never a disk block whose load waits for reads nobody makes.
-        if reads is not None and to_disk:
-            reads.add(index, source, streamed=index not in self.promoted)
-        block = replace(self.blocks[index], source=source)
-        self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
+        with self._step():  # cut short (a second Ctrl-C), the next step matches the rest to self.blocks
+            self.discard_loaded([index])
+            block = replace(self.blocks[index], source=source)
+            self.blocks = (*self.blocks[:index], block, *self.blocks[index + 1 :])
+            self._use_source(index)
+
+    def _use_source(self, index: int) -> None:
+        """The loads and the disk tier's reads of block `index` follow its source in self.blocks.
+        In this order, a step cut short in between leaves the loads on the old source (matched
+        again by the next step) or reads of a block nobody takes, never a disk block whose load
+        waits for reads nobody makes."""
+        block, reads = self.blocks[index], self.read_ahead
+        if reads is not None and isinstance(block.source, DiskSource):
+            reads.add(index, block.source, streamed=index not in self.promoted)
         self.loads.use_block(index, block)
-        if reads is not None and not to_disk:
+        if reads is not None and not isinstance(block.source, DiskSource):
             reads.forget(index, for_good=True)
 
     def drain(self) -> None:

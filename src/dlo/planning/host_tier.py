@@ -24,9 +24,10 @@ The search takes, per class of blocks alike (bytes and compute), how many of it 
 spread evenly through the class, within the budget; then, from the best of those, single
 moves (one block fewer on disk, one disk block swapped with a kept one) while one helps. Ties
 go to fewer bytes read from disk. Blocks move only for a predicted gain of more than
-`MIN_GAIN` of the call, or, as fast, for fewer bytes read: the model is not exact (on the
-H200 host's virtio disk it predicted calls 3-11 % longer than they ran), and a move costs
-reads. Blocks kept on the device, and blocks whose host copy a weight change rewrote, are not
+`MIN_GAIN` of the call, or else to the split reading the fewest bytes of those predicted as
+fast as the one in place: the model is not exact (on the H200 host's virtio disk it predicted
+calls 3-11 % longer than they ran; it lands copies in load order, where a RAM block's copy
+may overtake a disk block's that waits for its read), and a move costs reads. Blocks kept on the device, and blocks whose host copy a weight change rewrote, are not
 moved: they stay where they are and count as such.
 """
 
@@ -89,8 +90,9 @@ class TierChoice:
 
 # Calls simulated from empty slots and buffers; the last is the steady state.
 _SIMULATED_CALLS = 4
-# Choices searched at most (per-class counts): beyond it the choice of enable() is kept.
-MAX_CHOICES = 20_000
+# Splits evaluated at most (a 60-block model simulates in about a millisecond each): per-class
+# counts beyond it keep the blocks as they are; single moves stop at it.
+MAX_CHOICES = 2_000
 _IMPROVEMENT = 1e-9  # a choice must be faster by more than this fraction
 # Blocks move only for a predicted gain beyond the model's error: more than this fraction of
 # the call (or, as fast, fewer bytes read).
@@ -197,28 +199,34 @@ def choose_tier(
 
     in_place = evaluate(now)
     best = in_place
+    lightest = in_place  # the fewest bytes read of the splits as fast as the one in place
     evaluations = 1
 
     def consider(on_disk: tuple[int, ...]) -> None:
-        nonlocal best, evaluations
+        nonlocal best, lightest, evaluations
         evaluations += 1
         choice = evaluate(on_disk)
-        if choice is not None and (best is None or _better(choice, best)):
+        if choice is None:
+            return
+        if best is None or _better(choice, best):
             best = choice
+        as_fast = in_place is not None and choice.call_s <= in_place.call_s * (1 + _IMPROVEMENT)
+        if as_fast and lightest is not None and choice.read_bytes < lightest.read_bytes:
+            lightest = choice
 
     for counts in itertools.product(*(range(len(m) + 1) for m in members)):
         consider(tuple(sorted(i for m, count in zip(members, counts) for i in _spread(m, count))))
     while best is not None and evaluations < MAX_CHOICES:  # single moves from the best, while one helps
         current_best = best
         for on_disk in _moves(best.on_disk, readable):
+            if evaluations >= MAX_CHOICES:
+                break
             consider(on_disk)
         if best is current_best:
             break
     if in_place is None or best is None:
         return best
-    faster = best.call_s < in_place.call_s * (1 - min_gain)
-    lighter = best.call_s <= in_place.call_s * (1 + _IMPROVEMENT) and best.read_bytes < in_place.read_bytes
-    return best if faster or lighter else in_place
+    return best if best.call_s < in_place.call_s * (1 - min_gain) else lightest
 
 
 def _moves(on_disk: tuple[int, ...], readable: list[int]) -> list[tuple[int, ...]]:
