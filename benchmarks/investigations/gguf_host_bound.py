@@ -11,13 +11,17 @@ warm-up forwards, --iters times each:
            host finished issuing before the sleep ended ("ahead" column; if not, the host
            waited for the device inside the call and the number is not the device's alone).
 enqueue close to wall and device well below it: the forward waits for the host's launches.
+With --cprofile, the dlo variants' forwards also run under cProfile (wall time per Python
+function, blocking C calls included) and the functions that took the most are printed.
 
-  python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp
+  python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
@@ -56,11 +60,24 @@ def timed(model, inputs, iters: int) -> tuple[float, float, float, int]:
     return statistics.median(walls), statistics.median(enqueues), statistics.median(devices), ahead
 
 
+def profile_forwards(variant: str, model, inputs, iters: int) -> None:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(iters):
+        model(**inputs)
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"\n== {variant}: cProfile of {iters} forwards (seconds over all of them)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tmp", default=None)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--variants", default="resident,dlo,resident + kernels,dlo + kernels")
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     shape = SHAPES["flux"]
@@ -81,6 +98,8 @@ def main() -> None:
                 session.start_window()
                 rows.append((variant, *timed(session.model, inputs, args.iters)))
                 session.streaming(2 * args.iters)  # a dlo session's close prints its CPU seconds from it
+                if args.cprofile:
+                    profile_forwards(variant, session.model, inputs, args.iters)
         finally:
             session.close()
         del session
