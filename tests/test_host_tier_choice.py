@@ -14,7 +14,7 @@ import dlo
 from dlo.host.block_sources import DiskSource, PackedSource
 from dlo.backend import host_tier_choice
 from dlo.planning import host_tier
-from dlo.planning.host_tier import TierBlock, TierChoice, choose_tier, simulate_tier
+from dlo.planning.host_tier import TierBlock, TierChoice, TierModel, choose_tier, simulate_tier
 from dlo.planning.residency import BlockCost, simulate
 from test_disk_tier import budget_gib, ordinary, outputs, save
 from test_one_load_path import PACKAGE, _LineInterrupt
@@ -35,35 +35,35 @@ def test_with_every_block_in_host_memory_it_is_the_device_model():
         costs = [BlockCost(b.load_bytes, b.compute_s) for b in blocks]
         for overlap in (True, False):
             expected = simulate(costs, resident, slots, rate, between_s, overlap)
-            assert simulate_tier(blocks, (), slots, rate, 1.0, 2, between_s, overlap) == pytest.approx(expected)
+            assert simulate_tier(blocks, (), TierModel(slots, rate, 1.0, 2, between_s, overlap)) == pytest.approx(expected)
 
 
 def test_a_disk_bound_call_costs_its_reads_and_a_compute_bound_one_its_compute():
     idle = [TierBlock(10, 10, 1, 0.0) for _ in range(6)]
     # 1 s reads, copies of 0.01 s, nothing to compute: the reader never idles.
-    assert simulate_tier(idle, range(6), 2, 100.0, 10.0, 2) == pytest.approx(6.0)
-    assert simulate_tier(idle, (0, 2, 4), 2, 100.0, 10.0, 2) == pytest.approx(3.0)
+    assert simulate_tier(idle, range(6), TierModel(2, 100.0, 10.0, 2)) == pytest.approx(6.0)
+    assert simulate_tier(idle, (0, 2, 4), TierModel(2, 100.0, 10.0, 2)) == pytest.approx(3.0)
     busy = [TierBlock(10, 10, 1, 5.0) for _ in range(6)]
     # 5 s blocks hide every 1 s read behind them.
-    assert simulate_tier(busy, range(6), 2, 100.0, 10.0, 2) == pytest.approx(30.0)
+    assert simulate_tier(busy, range(6), TierModel(2, 100.0, 10.0, 2)) == pytest.approx(30.0)
 
 
 def test_one_read_buffer_waits_for_the_copy_out_of_it():
     blocks = [TierBlock(10, 10, 10, 0.0) for _ in range(4)]
     # 1 s reads and 1 s copies: with two buffers each read overlaps the copy of the block
     # before it (the reader never idles); with one, reads and copies take turns.
-    two = simulate_tier(blocks, range(4), 2, 10.0, 10.0, 2)
-    one = simulate_tier(blocks, range(4), 2, 10.0, 10.0, 1)
+    two = simulate_tier(blocks, range(4), TierModel(2, 10.0, 10.0, 2))
+    one = simulate_tier(blocks, range(4), TierModel(2, 10.0, 10.0, 1))
     assert two == pytest.approx(4.0) and one == pytest.approx(8.0)
 
 
-def brute_force(blocks, room, slots, link, disk, buffers, between_s):
+def brute_force(blocks, room, model):
     readable = [i for i, b in enumerate(blocks) if b.read_bytes is not None]
     best = None
     for count in range(len(readable) + 1):
         for on_disk in itertools.combinations(readable, count):
             if sum(blocks[i].host_bytes for i in readable if i not in on_disk) <= room:
-                seconds = simulate_tier(blocks, on_disk, slots, link, disk, buffers, between_s)
+                seconds = simulate_tier(blocks, on_disk, model)
                 best = seconds if best is None else min(best, seconds)
     return best
 
@@ -79,51 +79,51 @@ def test_the_choice_is_as_fast_as_the_best_of_every_subset(seed):
             nbytes, compute_s = randomness.choice(kinds)
             in_file = randomness.random() > 0.1
             blocks.append(TierBlock(nbytes, nbytes if in_file else None, nbytes, compute_s, randomness.random() > 0.15))
-        args = (
+        model = TierModel(
             randomness.choice([2, 3]), randomness.choice([1.0, 4.0, 16.0]), randomness.choice([0.5, 1.0, 4.0]),
             randomness.choice([1, 2]), randomness.choice([0.0, 3.0]),
         )
         room = randomness.randint(0, sum(b.host_bytes for b in blocks))
         readable = [i for i, b in enumerate(blocks) if b.read_bytes is not None]
-        choice = choose_tier(blocks, room, readable, *args, min_gain=0.0)
+        choice = choose_tier(blocks, room, readable, model, min_gain=0.0)
         assert choice is not None
         assert sum(blocks[i].host_bytes for i in readable if i not in choice.on_disk) <= room
-        assert choice.call_s == pytest.approx(simulate_tier(blocks, choice.on_disk, *args))
-        assert choice.call_s <= brute_force(blocks, room, *args) * (1 + 1e-9), (blocks, room, args)
+        assert choice.call_s == pytest.approx(simulate_tier(blocks, choice.on_disk, model))
+        assert choice.call_s <= brute_force(blocks, room, model) * (1 + 1e-9), (blocks, room, model)
 
 
 def test_on_a_tie_fewer_bytes_are_read_then_nothing_moves():
     # Compute-bound: any choice hides its reads. The big block stays (fewer bytes read) ...
     blocks = [TierBlock(8, 8, 8, 10.0), TierBlock(4, 4, 4, 10.0), TierBlock(4, 4, 4, 10.0)]
-    assert choose_tier(blocks, 8, (0, 1), 2, 100.0, 100.0, 2).on_disk == (1, 2)
+    assert choose_tier(blocks, 8, (0, 1), TierModel(2, 100.0, 100.0, 2)).on_disk == (1, 2)
     # ... and of two choices alike, the one in place now.
     alike = [TierBlock(4, 4, 4, 10.0) for _ in range(4)]
-    assert choose_tier(alike, 8, (0, 3), 2, 100.0, 100.0, 2).on_disk == (0, 3)
-    assert choose_tier(alike, 8, (1, 2), 2, 100.0, 100.0, 2).on_disk == (1, 2)
+    assert choose_tier(alike, 8, (0, 3), TierModel(2, 100.0, 100.0, 2)).on_disk == (0, 3)
+    assert choose_tier(alike, 8, (1, 2), TierModel(2, 100.0, 100.0, 2)).on_disk == (1, 2)
 
 
 def test_blocks_move_only_for_a_gain_beyond_the_models_error():
     blocks = [TierBlock(4, 4, 4, s) for s in (0.25, 2.0, 1.5, 1.0, 0.75, 4.25)]
-    model = (2, 1.0, 1.0, 1, 1.0)  # slots, link and disk rates, read buffers, between calls
+    model = TierModel(2, 1.0, 1.0, 1, 1.0)
     in_place, other = (0, 2, 3, 4), (0, 2, 4, 5)
-    assert simulate_tier(blocks, in_place, *model) == 32.25 and simulate_tier(blocks, other, *model) == 32.0
+    assert simulate_tier(blocks, in_place, model) == 32.25 and simulate_tier(blocks, other, model) == 32.0
     # Two blocks fit in host memory. The other split is 0.8 % faster: not worth a move.
-    assert choose_tier(blocks, 8, in_place, *model).on_disk == in_place
-    assert choose_tier(blocks, 8, in_place, *model, min_gain=0.0).on_disk == other
+    assert choose_tier(blocks, 8, in_place, model).on_disk == in_place
+    assert choose_tier(blocks, 8, in_place, model, min_gain=0.0).on_disk == other
 
 
 def test_a_block_not_in_a_file_stays_and_a_budget_nothing_fits_in_has_no_choice():
     blocks = [TierBlock(4, None, 4, 1.0), TierBlock(4, 4, 4, 1.0)]
-    assert choose_tier(blocks, 0, (1,), 2, 1.0, 1.0, 2).on_disk == (1,)
-    assert choose_tier([TierBlock(4, 4, 4, 1.0)], -1, (0,), 2, 1.0, 1.0, 2) is None
+    assert choose_tier(blocks, 0, (1,), TierModel(2, 1.0, 1.0, 2)).on_disk == (1,)
+    assert choose_tier([TierBlock(4, 4, 4, 1.0)], -1, (0,), TierModel(2, 1.0, 1.0, 2)) is None
 
 
 def test_too_many_block_classes_to_search_keep_the_blocks_as_they_are(monkeypatch):
     blocks = [TierBlock(4 + i, 4 + i, 4, 1.0) for i in range(5)]  # five classes: 2**5 choices
     monkeypatch.setattr(host_tier, "MAX_CHOICES", 31)
-    assert choose_tier(blocks, 100, (0,), 2, 1.0, 1.0, 2) is None
+    assert choose_tier(blocks, 100, (0,), TierModel(2, 1.0, 1.0, 2)) is None
     monkeypatch.setattr(host_tier, "MAX_CHOICES", 32)
-    assert choose_tier(blocks, 100, (0,), 2, 1.0, 1.0, 2) is not None
+    assert choose_tier(blocks, 100, (0,), TierModel(2, 1.0, 1.0, 2)) is not None
 
 
 # The tiny Flux's blocks at 0.9 of its files: enable() spreads four of five blocks onto disk
@@ -140,8 +140,8 @@ def double_kept(monkeypatch):
     may go either way): the tests using it are about the moves, the tests above about the
     choice."""
 
-    def choose(blocks, room, current, *model, **options):
-        return TierChoice(DOUBLE_KEPT, simulate_tier(blocks, DOUBLE_KEPT, *model), 0)
+    def choose(blocks, room, current, model, **options):
+        return TierChoice(DOUBLE_KEPT, simulate_tier(blocks, DOUBLE_KEPT, model), 0)
 
     monkeypatch.setattr(host_tier_choice, "choose_tier", choose)
 

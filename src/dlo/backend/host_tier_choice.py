@@ -15,7 +15,7 @@ from dlo.host.block_sources import DiskSource, PackedSource
 from dlo.hotpath.interrupts import interrupts_held
 from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.observe.stats import HostTierStats
-from dlo.planning.host_tier import GIB, TierBlock, choose_tier, simulate_tier
+from dlo.planning.host_tier import GIB, TierBlock, TierModel, choose_tier, simulate_tier
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +133,15 @@ class HostTierChoice:
         room = tier.budget_bytes - staying - tier.read_buffers * tier.read_buffer_bytes
         disk_bps = counters.bytes_read / counters.read_s
         now = [i for i in on_disk if i in movable]
-        model = (len(runtime.slots), counters.link_bps, disk_bps, tier.read_buffers, call.between_s,
-                 runtime.executor.overlaps_compute)
-        choice = choose_tier(blocks, room, now, *model)
+        model = TierModel(
+            len(runtime.slots), counters.link_bps, disk_bps, tier.read_buffers, call.between_s,
+            runtime.executor.overlaps_compute,
+        )
+        choice = choose_tier(blocks, room, now, model)
         if choice is None:
             self._keep("no choice fits the budget, or too many block classes to search; kept the blocks of enable()")
             return
-        predicted_before = simulate_tier(blocks, on_disk, *model)
+        predicted_before = simulate_tier(blocks, on_disk, model)
         to_disk = sorted(set(choice.on_disk) & movable - set(now))
         to_ram = sorted(set(now) - set(choice.on_disk))
         reads = runtime.read_ahead

@@ -99,26 +99,32 @@ _IMPROVEMENT = 1e-9  # a choice must be faster by more than this fraction
 MIN_GAIN = 0.05
 
 
-def simulate_tier(
-    blocks: Sequence[TierBlock],
-    on_disk: Sequence[int],
-    num_slots: int,
-    link_bps: float,
-    disk_bps: float,
-    read_buffers: int,
-    between_s: float = 0.0,
-    overlap: bool = True,
-) -> float:
-    """Predicted seconds per call in the steady state; `overlap`: copies run beside compute
-    (False on the CPU: each copy runs as its block starts). See [Note: which blocks stay in RAM]"""
+@dataclass(frozen=True)
+class TierModel:
+    """The hot path as the model sees it: `num_slots` slots, the link's and the disk's rates
+    (bytes a second), `read_buffers` read buffers, `between_s` of compute between two calls
+    outside the blocks; `overlap`: copies run beside compute (False on the CPU: each copy runs
+    as its block starts)."""
+
+    num_slots: int
+    link_bps: float
+    disk_bps: float
+    read_buffers: int
+    between_s: float = 0.0
+    overlap: bool = True
+
+
+def simulate_tier(blocks: Sequence[TierBlock], on_disk: Sequence[int], model: TierModel) -> float:
+    """Predicted seconds per call in the steady state. See [Note: which blocks stay in RAM]"""
+    num_slots, read_buffers, between_s = model.num_slots, model.read_buffers, model.between_s
     disk = set(on_disk)
     streamed = [i for i, b in enumerate(blocks) if b.streamed]
     compute_s = between_s + sum(b.compute_s for b in blocks)
     if len(streamed) <= num_slots:  # each keeps a slot of its own after the first call
         return compute_s
-    copy_s = [blocks[i].load_bytes / link_bps for i in streamed]
+    copy_s = [blocks[i].load_bytes / model.link_bps for i in streamed]
     on_disk_runs = [n for n, i in enumerate(streamed) if i in disk]  # positions in the streamed order
-    read_s = {n: (blocks[streamed[n]].read_bytes or 0) / disk_bps for n in on_disk_runs}
+    read_s = {n: (blocks[streamed[n]].read_bytes or 0) / model.disk_bps for n in on_disk_runs}
     landed: list[float] = []  # landed[n]: when load n (loads in run order, across calls) finished
     released: list[float] = []  # released[n]: when run n finished, freeing its slot
     read_done: list[float] = []  # read_done[m]: when the m-th disk read finished
@@ -150,7 +156,7 @@ def simulate_tier(
         call_start = done
         done += between_s
         for block in blocks:
-            if block.streamed and overlap:
+            if block.streamed and model.overlap:
                 done = max(done, land(len(released)))
             elif block.streamed:  # the copy runs on the compute stream, once its read ended
                 n = len(released)
@@ -163,16 +169,7 @@ def simulate_tier(
 
 
 def choose_tier(
-    blocks: Sequence[TierBlock],
-    room: int,
-    current: Sequence[int],
-    num_slots: int,
-    link_bps: float,
-    disk_bps: float,
-    read_buffers: int,
-    between_s: float = 0.0,
-    overlap: bool = True,
-    min_gain: float = MIN_GAIN,
+    blocks: Sequence[TierBlock], room: int, current: Sequence[int], model: TierModel, min_gain: float = MIN_GAIN
 ) -> TierChoice | None:
     """The blocks to read from disk so the predicted call is the shortest, the others' host
     bytes within `room` (the budget less what must stay and the read buffers). `current`:
@@ -193,7 +190,7 @@ def choose_tier(
         kept = sum(blocks[i].host_bytes for i in readable if i not in on_disk)
         if kept > room:
             return None
-        call_s = simulate_tier(blocks, on_disk, num_slots, link_bps, disk_bps, read_buffers, between_s, overlap)
+        call_s = simulate_tier(blocks, on_disk, model)
         read = sum(blocks[i].read_bytes or 0 for i in on_disk if blocks[i].streamed)
         return TierChoice(on_disk, call_s, read)
 
