@@ -2,7 +2,12 @@
 the bf16 checkpoint in DIR (KIND "mapped": dlo.load_transformer; "private": diffusers'
 from_pretrained, its tensors copied into private memory), enables it on the CPU with stream_dtype="fp8" while a thread samples this
 process's anonymous resident memory (RssAnon), runs one forward, and prints a JSON line:
-baseline, peak during enable(), and after it (freed heap returned first), in bytes."""
+baseline, peak during enable(), and after it (freed heap returned first), in bytes.
+
+KIND "moves": the checkpoint mapped under host_budget_gib=BUDGET (a third argument, GiB), the
+choice made from the measured call forced to swap two blocks on disk with two kept in host
+memory; RssAnon sampled during that call (its moves included): before, peak, after, and the
+blocks moved."""
 
 from __future__ import annotations
 
@@ -40,9 +45,45 @@ class Sampler(threading.Thread):
             time.sleep(0.0005)
 
 
+def swap_two(blocks, room, current, model, **options):
+    """The measured choice, forced: the first two disk blocks kept, the first two kept ones on disk."""
+    from dlo.planning.host_tier import TierChoice
+
+    kept = [i for i, b in enumerate(blocks) if b.read_bytes is not None and i not in current]
+    on_disk = tuple(sorted(set(current) - set(current[:2]) | set(kept[:2])))
+    return TierChoice(on_disk, 0.0, 0)
+
+
+def moves(directory: str, budget_gib: float) -> None:
+    from dlo.backend import host_tier_choice
+
+    host_tier_choice.choose_tier = swap_two
+    model, plan = dlo.load_transformer(directory)
+    inputs = TINY_MODELS["wan"].inputs(1, torch.bfloat16)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib), plan=plan) as handle:
+        with torch.inference_mode():
+            model(**inputs)  # the warm-up call
+            gc.collect()
+            ctypes.CDLL(None).malloc_trim(0)
+            before = rss_anon()
+            sampler = Sampler()
+            sampler.start()
+            finite = bool(torch.isfinite(model(**inputs)[0]).all())  # measured, then the moves
+            sampler.stop.set()
+            sampler.join()
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)
+        choice = handle.stats().disk.choice
+        print(json.dumps(dict(before=before, peak=sampler.peak, after=rss_anon(), finite=finite,
+                              moved=len(choice.moved_to_disk) + len(choice.moved_to_ram))))
+
+
 def main() -> None:
     directory, kind = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
+    if kind == "moves":
+        moves(directory, float(sys.argv[3]))
+        return
     if kind == "mapped":
         model, plan = dlo.load_transformer(directory)
     else:  # private: every tensor copied out of the file diffusers' loader maps
