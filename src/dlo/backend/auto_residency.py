@@ -242,7 +242,8 @@ def _slot_shape(runtime: RankLocalRuntime) -> tuple[int, int]:
 
 def _per_class(sizes: list[int], measured: list[float], link_bytes: list[int]) -> list[BlockCost]:
     """Each block's cost, its compute the median of its size class's."""
-    return [BlockCost(size, seconds, link) for size, seconds, link in zip(sizes, class_medians(sizes, measured), link_bytes)]
+    medians = class_medians(sizes, measured)
+    return [BlockCost(size, seconds, link) for size, seconds, link in zip(sizes, medians, link_bytes)]
 
 
 def _promoted_bytes(runtime: RankLocalRuntime) -> int:

@@ -156,7 +156,9 @@ class HostCopies:
     def __exit__(self, *exc: object) -> None:
         self._reader.close()
 
-    def read(self, block: StreamedBlock, source: DiskSource, on_release: Callable[[Callable[[], None]], Any]) -> PackedSource:
+    def read(
+        self, block: StreamedBlock, source: DiskSource, on_release: Callable[[Callable[[], None]], Any]
+    ) -> PackedSource:
         """Block `block`'s private copy, read from `source`; `on_release` is given its
         release as soon as it holds pinned memory (a failed read releases it first)."""
         with interrupts_held():  # a pinned buffer is never without its release

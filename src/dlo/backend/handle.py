@@ -119,7 +119,8 @@ class OffloadHandle:
         self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
         self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
         self._host_tier = None  # See [Note: which blocks stay in RAM]
-        if disk is not None and disk_sources and isinstance(runtime, RankLocalRuntime) and runtime.read_ahead is not None:
+        if isinstance(runtime, RankLocalRuntime) and runtime.read_ahead is not None:  # an active disk tier
+            assert disk is not None and disk_sources
             self._host_tier = HostTierChoice(runtime, disk, disk_sources, pin, self._releases, self._changes, residency)
         self._changes_settled: tuple[StreamingError, ...] | None = None  # by disable(): the refusal it raises
         self._finalizer: weakref.finalize | None = None

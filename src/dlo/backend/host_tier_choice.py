@@ -112,11 +112,11 @@ class HostTierChoice:
         # largest of their host and read bytes (those differ by the file's alignment padding,
         # which would split a class of identical blocks into several).
         kinds = [(b.layout.nbytes, b.wire.nbytes) for b in runtime.blocks]
-        compute = dict(zip(streamed, class_medians([kinds[i] for i in streamed], [call.block_compute_s[i] for i in streamed])))
+        medians = class_medians([kinds[i] for i in streamed], [call.block_compute_s[i] for i in streamed])
+        compute = dict(zip(streamed, medians))
         movable = {i for i in range(len(runtime.blocks)) if self._movable(i)}
-        host_bytes, read_bytes = _class_maxima(kinds, list(disk.host_bytes)), _class_maxima(
-            kinds, [self._sources[i].reads.nbytes if i in self._sources else 0 for i in range(len(kinds))]
-        )
+        host_bytes = _class_maxima(kinds, list(disk.host_bytes))
+        read_bytes = _class_maxima(kinds, [s.reads.nbytes if (s := self._sources.get(i)) else 0 for i in range(len(kinds))])
         blocks = [
             TierBlock(
                 host_bytes=host_bytes[i],

@@ -27,7 +27,8 @@ go to fewer bytes read from disk. Blocks move only for a predicted gain of more 
 `MIN_GAIN` of the call, or else to the split reading the fewest bytes of those predicted as
 fast as the one in place: the model is not exact (on the H200 host's virtio disk it predicted
 calls 1-28 % longer than they ran, benchmarks/RESULTS.md; it lands copies in load order, where
-a RAM block's copy may overtake a disk block's that waits for its read), and a move costs reads. Blocks kept on the device, and blocks whose host copy a weight change rewrote, are not
+a RAM block's copy may overtake a disk block's that waits for its read), and a move costs
+reads. Blocks kept on the device, and blocks whose host copy a weight change rewrote, are not
 moved: they stay where they are and count as such.
 """
 
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlo.errors import ConfigError
+from dlo.planning.residency import spread_evenly
 
 GIB = 2**30
 
@@ -60,12 +62,6 @@ class HostTier:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.3g} GiB"
-
-
-def _spread(candidates: Sequence[int], count: int) -> tuple[int, ...]:
-    """`count` of `candidates` evenly spaced over them (the middle of each of `count` equal parts)."""
-    n = len(candidates)
-    return tuple(candidates[(2 * i + 1) * n // (2 * count)] for i in range(count))
 
 
 @dataclass(frozen=True)
@@ -212,7 +208,7 @@ def choose_tier(
             lightest = choice
 
     for counts in itertools.product(*(range(len(m) + 1) for m in members)):
-        consider(tuple(sorted(i for m, count in zip(members, counts) for i in _spread(m, count))))
+        consider(tuple(sorted(i for m, count in zip(members, counts) for i in spread_evenly(m, count))))
     while best is not None and evaluations < MAX_CHOICES:  # single moves from the best, while one helps
         current_best = best
         for on_disk in _moves(best.on_disk, readable):
@@ -271,7 +267,7 @@ def plan_host_tier(
     buffers = 2 if budget_bytes >= fixed + 2 * buffer else 1
     room = budget_bytes - fixed - buffers * buffer
     for count in range(1, len(readable) + 1):
-        on_disk = _spread(readable, count)
+        on_disk = spread_evenly(readable, count)
         kept = sum(host_bytes[i] for i in readable if i not in on_disk)
         if kept <= room:
             return HostTier(budget_bytes, on_disk, buffers, buffer)

@@ -162,7 +162,7 @@ def choose_residency(
         classes.setdefault(costs[i].nbytes, []).append(i)
     members = list(classes.values())
     for counts in itertools.product(*(range(len(m) + 1) for m in members)):
-        resident = frozenset(i for m, count in zip(members, counts) for i in _spread(m, count))
+        resident = frozenset(i for m, count in zip(members, counts) for i in spread_evenly(m, count))
         for slots in slot_counts:
             consider(evaluate(resident, slots))
     if best is None:
@@ -197,7 +197,7 @@ def _better(a: ResidencyChoice, b: ResidencyChoice) -> bool:
     return (-a.resident_bytes, a.num_slots) < (-b.resident_bytes, b.num_slots)
 
 
-def _spread(members: list[int], count: int) -> list[int]:
+def spread_evenly(members: Sequence[int], count: int) -> tuple[int, ...]:
     """`count` of `members`, evenly spaced (the middle of each of `count` equal stretches)."""
     n = len(members)
-    return [members[(2 * k + 1) * n // (2 * count)] for k in range(count)]
+    return tuple(members[(2 * k + 1) * n // (2 * count)] for k in range(count))
