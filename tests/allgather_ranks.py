@@ -784,3 +784,80 @@ def weight_changes(
 
 
 SCENARIOS["weight_changes"] = weight_changes
+
+
+def disk_shards(
+    rank: int,
+    world: int,
+    directory: str,
+    budget_gib: float,
+    reference: str | None = None,
+    gather_chunk_mib: float = 64.0,
+    cache_dir: str | None = None,
+) -> dict:
+    """All-gather under a host memory budget (See [Note: shards read from disk]): tiny Flux
+    from `directory` (a checkpoint, or with `cache_dir` the node's cache entry of it), the
+    blocks beyond the budget read per use, each rank its shard only. Calls against the
+    resident model (`reference`: a safetensors file of its state, else `directory`'s
+    weights), then a change of a block on disk's biases (its shard copied on write), then
+    disable()."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from dlo.host.block_sources import DiskShardSource
+
+    dtype = torch.float32
+    if reference is None:
+        resident = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
+        with torch.no_grad():
+            for tensor in [*resident.parameters(), *resident.buffers()]:
+                tensor.data = tensor.data.clone()
+    else:
+        from fp8_checkpoints import resident_from
+
+        resident, dtype = resident_from(load_file(reference)), torch.bfloat16
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib, gather_chunk_mib=gather_chunk_mib)
+    if cache_dir is not None:
+        config = dataclasses.replace(config, host_weight_cache=True, cache_dir=cache_dir)
+    model, plan = dlo.load_transformer(directory, config)
+    seeds = iter(range(10 * rank, 10 * rank + 10))
+
+    def same() -> bool:
+        chosen = [next(seeds), next(seeds)]
+        return all(
+            torch.equal(a, b)
+            for a, b in zip(_tiny_outputs(resident, "flux", chosen, dtype), _tiny_outputs(model, "flux", chosen, dtype))
+        )
+
+    handle = dlo.enable(model, "cpu", config, plan=plan)
+    identical = same()
+    stats = handle.stats()
+    blocks = handle._runtime.blocks
+    payload = {b.name: b.source.reads.payload_bytes for b in blocks if isinstance(b.source, DiskShardSource)}
+    changed_block = stats.disk.blocks[0]
+    # Biases: float8 checkpoints store the weights float8, which a change would requantize.
+    other = {
+        k: v * 1.5 for k, v in resident.state_dict().items() if k.startswith(f"{changed_block}.") and k.endswith("bias")
+    }
+    resident.load_state_dict(other, strict=False)
+    model.load_state_dict(other, strict=False)
+    identical_after_change = same()
+    kinds = {b.name: type(b.source).__name__ for b in handle._runtime.blocks}
+    handle.disable()
+    state, expected = model.state_dict(), resident.state_dict()
+    return dict(
+        identical=identical,
+        identical_after_change=identical_after_change,
+        identical_after_disable=state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state),
+        disk_blocks=stats.disk.blocks,
+        payload=payload,
+        reads=stats.disk.reads,
+        held_bytes=stats.host_bytes + stats.disk.read_buffer_bytes,
+        budget_bytes=stats.disk.budget_bytes,
+        choice=stats.disk.choice.state,
+        changed_block=changed_block,
+        kinds=kinds,
+    )
+
+
+SCENARIOS["disk_shards"] = disk_shards

@@ -470,3 +470,60 @@ def test_weight_changes_reach_every_ranks_shards(tmp_path, tiny_loras, stream_dt
         assert result["rewritten_blocks"] == 3 + 2 * result["blocks"]
         assert result["views_before"] == cache and result["private_after"]
         assert result["copied_on_write_bytes"] == (result["host_bytes"] if cache else 0)
+
+
+def _file_bytes_per_block(directory) -> dict[str, int]:
+    """Each block's bytes in the checkpoint's files: what the group reads of it per use."""
+    from safetensors.torch import load_file
+
+    found: dict[str, int] = {}
+    for path in Path(directory).glob("*.safetensors"):
+        for key, tensor in load_file(path).items():
+            if key.startswith(("transformer_blocks.", "single_transformer_blocks.")):
+                block = ".".join(key.split(".")[:2])
+                found[block] = found.get(block, 0) + tensor.nbytes
+    return found
+
+
+@pytest.mark.parametrize(
+    ("world", "chunk_mib", "source", "fraction"),
+    # 3 ranks in chunks of 64 KiB: pieces cut tensors anywhere, and the last rank's run into the padding.
+    # `fraction` of the blocks' file bytes over the ranks: a budget that keeps some blocks and not others.
+    [(2, 64.0, "checkpoint", 0.95), (3, 1 / 16, "checkpoint", 1.0), (2, 64.0, "fp8", 1.2), (2, 1 / 16, "cache", 0.95)],
+)
+def test_under_a_host_budget_each_rank_reads_only_its_shard_of_the_blocks_on_disk(
+    tmp_path, world, chunk_mib, source, fraction
+):
+    """Every output equals the resident model's, before and after a weight change into a block
+    on disk (copied on write) and after disable(); what a rank holds stays within the budget;
+    and the ranks' reads of a block on disk add up to its bytes in the files: each byte read
+    by one rank, once per use."""
+    from safetensors.torch import save_file
+
+    kwargs = {}
+    if source == "fp8":
+        from fp8_checkpoints import write_fp8_checkpoint
+
+        directory, dequantized = write_fp8_checkpoint(tmp_path)
+        kwargs["reference"] = str(tmp_path / "resident.safetensors")
+        save_file(dequantized, kwargs["reference"])
+    else:
+        directory = _flux_checkpoint(tmp_path)
+    if source == "cache":
+        kwargs["cache_dir"] = str(tmp_path / "cache")
+    per_block = _file_bytes_per_block(directory)
+    budget = sum(per_block.values()) / world * fraction / 2**30
+    results, _ = run_ranks(
+        tmp_path, "disk_shards", world, directory=str(directory), budget_gib=budget, gather_chunk_mib=chunk_mib, **kwargs
+    )
+    assert_no_errors(results)
+    for rank, result in results.items():
+        assert result["identical"] and result["identical_after_change"] and result["identical_after_disable"], rank
+        assert 0 < len(result["disk_blocks"]) < len(per_block) and result["choice"] == "kept"
+        assert result["held_bytes"] <= result["budget_bytes"]
+        assert result["reads"] >= 2 * len(result["disk_blocks"])  # two calls, each block read per use
+        assert result["kinds"][result["changed_block"]] == "ShardSource"  # its changed shard: a private copy
+    on_every_rank = set.intersection(*(set(r["disk_blocks"]) for r in results.values()))
+    assert on_every_rank
+    for block in on_every_rank:
+        assert sum(r["payload"][block] for r in results.values()) == per_block[block], block

@@ -382,11 +382,6 @@ def test_a_host_budget_that_is_not_a_size_is_refused(value):
         dlo.OffloadConfig(host_budget_gib=value)
 
 
-def test_a_host_budget_with_all_gather_is_refused():
-    with pytest.raises(dlo.ConfigError, match="rank-local mode only"):
-        dlo.OffloadConfig(host_budget_gib=4, use_allgather=True)
-
-
 def test_auto_is_what_the_machine_and_the_cgroup_leave_less_a_reserve(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {64 * 2**20} kB\n")  # 64 GiB

@@ -28,10 +28,11 @@ from torch import nn
 
 from dlo.backend.plan_binding import BoundPlan
 from dlo.errors import EnableError
-from dlo.host.block_sources import BlockSource, MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import BlockSource, DiskShardSource, MappedSource, PackedSource, ShardedSource, ShardSource
 from dlo.host.fp8_codec import quantize_into
+from dlo.host.image_segments import ImageSegment, image_segments
 from dlo.host.pinned_buffer import HostBuffer
-from dlo.host.tensor_source import QuantizedSource, TensorSource
+from dlo.host.tensor_source import QuantizedSource
 from dlo.hotpath.gather import GatherGroup
 from dlo.hotpath.streamed_block import Binding, StreamedBlock
 from dlo.planning.adapters import adapter_modules
@@ -228,36 +229,27 @@ def _shared_image(
     that file; else None. A rank that packs its shard privately converts dtypes; bytes taken
     as they are must need no conversion, or the ranks would gather different blocks.
     See [Note: shards from the shared entry]"""
-    checkpoint = plan.weights.checkpoint
-    quantized = {q.index: q for q in wire.quantized}
-    # (tensor of the mapping, its dtype in the image, its offset in the image, its bytes there)
-    wanted: list[tuple[str, torch.dtype, int, int]] = []
-    for i, (tensor, placement) in enumerate(zip(block.tensors, layout.placements)):
-        source = plan.planned.get(id(tensor))
-        if source is None or source.adapters(checkpoint):
-            return None
-        q = quantized.get(i)
-        if q is not None and isinstance(source, QuantizedSource):
-            wanted += [
-                (source.data_key, q.dtype, wire.plain_bytes + q.data_offset, q.data_bytes),
-                (source.scale_key, torch.float32, wire.plain_bytes + q.scale_offset, q.scale_bytes),
-            ]
-        elif q is None and isinstance(source, TensorSource) and len(source.keys) == 1:
-            wanted.append((source.keys[0], placement.spec.dtype, placement.offset, placement.spec.nbytes))
-        else:
-            return None
-    entries = [checkpoint.tensors[key] for key, _, _, _ in wanted]
-    if any((e.entry.dtype, e.entry.nbytes) != (dtype, n) for e, (_, dtype, _, n) in zip(entries, wanted)):
+    segments = block_segments(block, layout, wire, plan)
+    if segments is None or any(s.file is None for s in segments):
         return None
-    files = {id(e.file) for e in entries}
-    starts = {e.entry.begin - offset for e, (_, _, offset, _) in zip(entries, wanted)}
+    files = {id(s.file) for s in segments}
+    starts = {s.file_start - s.image_start for s in segments}
     if len(files) != 1 or len(starts) != 1:
         return None
     (start,) = starts
-    file = entries[0].file
+    file = segments[0].file
+    assert file is not None
     if start % ALIGNMENT or start < 0 or start + nbytes > file.size:
         return None
     return file.region(start, nbytes)
+
+
+def block_segments(
+    block: BlockTensors, layout: BlockLayout, wire: WireLayout, plan: BoundPlan
+) -> tuple[ImageSegment, ...] | None:
+    """`image_segments` of a bound block."""
+    sources = [plan.planned.get(id(tensor)) for tensor in block.tensors]
+    return image_segments(block.tensors, sources, layout, wire, plan.weights.checkpoint)
 
 
 def shard_block(
@@ -268,15 +260,20 @@ def shard_block(
     placeholder: dict[torch.dtype, torch.Tensor],
     fp8: Fp8Format | None,
     chunk_bytes: int,
+    from_disk: bool = False,
 ) -> StreamedBlock:
-    """This rank's shard of the block, built without touching the module. From the host
-    weight cache, views of the shared entry where it can be (See [Note: shards from the
-    shared entry]); else the block's wire image (float8 weights quantized, or as the
-    checkpoint stores them) is laid out in a temporary buffer padded as `plan_shards` says,
-    and only this rank's pieces of it are kept (See [Note: chunked gathers]). The caller
-    points the block at placeholders once every rank's setup succeeded."""
+    """This rank's shard of the block, built without touching the module. `from_disk`: read
+    from the files on every use where the block's image allows it (See [Note: shards read
+    from disk]). From the host weight cache, views of the shared entry where it can be (See
+    [Note: shards from the shared entry]); else the block's wire image (float8 weights
+    quantized, or as the checkpoint stores them) is laid out in a temporary buffer padded as
+    `plan_shards` says, and only this rank's pieces of it are kept (See [Note: chunked
+    gathers]). The caller points the block at placeholders once every rank's setup succeeded."""
     layout, wire = plan_wire_layout(block.specs, _formats(block, plan, fp8))
     shards = plan_shards(wire.nbytes, group.size, chunk_bytes)
+    segments = block_segments(block, layout, wire, plan) if from_disk and plan is not None else None
+    if segments is not None:
+        return _streamed(block, layout, wire, DiskShardSource.plan(segments, shards, group.rank), placeholder)
     # Registered (or device "cpu", or pageable by choice): the device copies from the shared pages.
     shares = plan is not None and plan.backing == "host_weight_cache" and (plan.direct or not pin)
     image = _shared_image(block, layout, wire, plan, shards.padded_bytes) if shares else None
@@ -310,6 +307,6 @@ def landing_bytes(block: StreamedBlock) -> int:
     padded shards); 0 for a block without float8 weights. See [Note: fp8 landing]"""
     if not block.wire.quantized:
         return 0
-    if isinstance(block.source, ShardSource):
+    if isinstance(block.source, ShardedSource):
         return block.source.shards.padded_bytes
     return block.wire.nbytes

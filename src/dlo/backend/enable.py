@@ -135,19 +135,21 @@ def _bind_blocks(
     chunk_bytes: int,
     converted: bool,
     on_host: frozenset[int] = frozenset(),
+    from_disk: frozenset[int] = frozenset(),
 ) -> list[StreamedBlock]:
     """Every block bound to its host source, each registering its undo. All-gather mode only
     builds the shards here (gathered in chunks of about `chunk_bytes`): the module changes
     once nothing can fail (see enable()). `converted`: Linears were made FP8 GEMMs (See
     [Note: fp8 compute]), so no block's host image holds the tensors enable() found. The
     blocks `on_host` (their indices) run from their host copy and never cross the link: not
-    pinned."""
+    pinned. All-gather mode: the shards of blocks `from_disk` are read from the files (See
+    [Note: shards read from disk])."""
     placeholder = placeholders(blocks, device)
     streamed: list[StreamedBlock] = []
     for index, block in enumerate(blocks):
         pin_block = pin and index not in on_host
         if gather_group is not None:
-            bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes)
+            bound = shard_block(block, plan, gather_group, pin, placeholder, fp8, chunk_bytes, index in from_disk)
             undo.callback(bound.source.release)
             streamed.append(bound)
             continue
@@ -316,7 +318,8 @@ def enable(
     if config.resident_layers == AUTO:  # refused here when too small: before anything moves
         budget = residency_budget(config, summarize(module, offload_plan, config), device)
     pin = config.pin_memory and device.type == "cuda"
-    disk = disk_tier.plan_disk_tier(module, streamed_refs, host_plan, config)  # refused here when too small
+    # Refused here when too small; in all-gather mode each block counts as this rank's shard.
+    disk = disk_tier.plan_disk_tier(module, streamed_refs, host_plan, config, gather_group)
 
     started = time.perf_counter()
     with contextlib.ExitStack() as undo:  # unwinds only if a step raises: see pop_all() below
@@ -355,6 +358,7 @@ def enable(
                 config.gather_chunk_bytes,
                 converted=len(fp8_gemms) > 0,
                 on_host=frozenset(i for i, ref in enumerate(streamed_refs) if ref.on_host),
+                from_disk=_from_disk(disk),
             )
             streamed, disk_sources = disk_tier.place_blocks(streamed, disk, pin, undo)
             streamed = [replace(block, on_host=ref.on_host) for block, ref in zip(streamed, streamed_refs)]
@@ -369,14 +373,14 @@ def enable(
         executor.allocate_landings(max((landing_bytes(b) for b in streamed), default=0))
         prepare_dequantization(executor.device, _dequantized_weights(streamed))
         ledger = TransferLedger(executor, config.record_timeline)
+        with interrupts_held():  # pinned buffers and a thread are never without their undo
+            reads = disk_tier.read_ahead(streamed, disk, executor, pin)
+            if reads is not None:
+                undo.callback(reads.close)  # after the stager's: its jobs may wait for reads
         runtime: StreamingRuntime
         if gather_group is not None:
-            runtime = LockstepRuntime(streamed, slots, executor, ledger, BlockGather(gather_group, executor))
+            runtime = LockstepRuntime(streamed, slots, executor, ledger, BlockGather(gather_group, executor), reads)
         else:
-            with interrupts_held():  # pinned buffers and a thread are never without their undo
-                reads = disk_tier.read_ahead(streamed, disk, executor, pin)
-                if reads is not None:
-                    undo.callback(reads.close)  # after the stager's: its jobs may wait for reads
             stager = _stager(streamed, executor, bound_plan, config, pin)
             if stager is not None:
                 undo.callback(stager.close)
@@ -388,7 +392,8 @@ def enable(
         # All-gather mode releases the mapping below unless shards view it (See [Note: shards
         # from the shared entry]): private shards do not need it.
         views = any(isinstance(b.source, ShardSource) and b.source.views_entry for b in streamed)
-        keeps_mapping = bound_plan is not None and (gather_group is None or views)
+        # Shards read from disk keep it too: a file dlo made in memory is read through it.
+        keeps_mapping = bound_plan is not None and (gather_group is None or views or disk_tier.is_active(disk))
         # Not forward hooks: they would run inside a compiled block. See [Note: compiled blocks]
         # Each undo is registered before its step: an interrupt inside a step is undone too.
         calls = [StreamedCallHandle(ref.module, runtime, index) for index, ref in enumerate(streamed_refs)]
@@ -431,9 +436,17 @@ def enable(
     if gather_group is not None:
         for block in streamed:
             block.point_at(block.placeholders)
-        if bound_plan is not None and not views:
+        if bound_plan is not None and not keeps_mapping:
             bound_plan.release()  # a failed unregister keeps the mapping open and is logged
     return handle
+
+
+def _from_disk(disk: disk_tier.DiskTier | None) -> frozenset[int]:
+    """The blocks whose files a disk tier reads (on disk, or kept after one read)."""
+    if not disk_tier.is_active(disk):
+        return frozenset()
+    assert disk is not None
+    return frozenset(i for i, reads in enumerate(disk.reads) if reads is not None)
 
 
 def _auto_residency(

@@ -33,7 +33,7 @@ from dlo.hotpath.rank_local import RankLocalRuntime
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.staging import Stager
 from dlo.hotpath.executors import Executor
-from dlo.observe.stats import CompileStats, DiskStats, OffloadStats
+from dlo.observe.stats import CompileStats, DiskStats, HostTierStats, OffloadStats
 from dlo.observe.trace import write_chrome_trace
 from dlo.planning.offload_plan import BlockRef, OffloadPlan
 from dlo.planning.wire_layout import bytes_by_dtype
@@ -339,7 +339,10 @@ class OffloadHandle:
         reads = self._runtime.read_ahead
         if reads is None:
             return None
-        assert self._host_tier is not None  # made with the reads
+        if self._host_tier is not None:
+            choice = self._host_tier.report
+        else:  # all-gather mode: every rank would have to measure alike to move blocks
+            choice = HostTierStats(state="kept", note="all-gather mode: the blocks stay where enable() spread them")
         return DiskStats(
             blocks=tuple(self._runtime.blocks[i].name for i in reads.blocks),
             budget_bytes=self._disk_budget,
@@ -350,7 +353,7 @@ class OffloadHandle:
             gbps=reads.bytes_read / reads.read_s / 1e9 if reads.read_s > 0 else 0.0,
             wait_s=reads.wait_s,
             direct_io=reads.direct,
-            choice=self._host_tier.report,
+            choice=choice,
         )
 
     def _compile_stats(self) -> CompileStats:

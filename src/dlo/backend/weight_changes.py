@@ -46,10 +46,11 @@ from torch import nn
 from dlo.backend.block_binding import stand_in_value
 from dlo.errors import StreamingError
 from dlo.host.block_rewrite import Rewrite, load_image, old_image, rewrite, rewrite_in_place
-from dlo.host.block_sources import PackedSource, ShardSource
+from dlo.host.block_sources import PackedSource, ShardedSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.interrupts import interrupts_held
+from dlo.hotpath.lockstep import LockstepRuntime
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.planning.block_layout import TensorSpec, view_placement
@@ -117,9 +118,9 @@ class WeightChanges:
             return
         runtime = self._runtime
         block = runtime.blocks[index]
-        if isinstance(block.source, ShardSource):
-            assert runtime.gather is not None
-            gathered = runtime.gather.gather_full(block.source)
+        if isinstance(block.source, ShardedSource):
+            assert isinstance(runtime, LockstepRuntime)
+            gathered = runtime.gathered(index)
             memory = aligned_empty(block.layout.nbytes, runtime.executor.device)
             views = load_image(memory, gathered, block.layout, block.wire)
             runtime.discard_loaded([index])

@@ -101,8 +101,9 @@ class OffloadConfig:
         metadata={
             "help": "GiB of host memory the streamed blocks may hold (blocks kept in RAM plus the disk tier's read "
             "buffers); the other blocks are read from their checkpoint or cache files on every use, with direct "
-            "I/O (docs/guides/disk-tier.md). 'auto': what the cgroup and the machine have available at enable(), "
-            "less a reserve. Unset: every streamed block stays in host memory"
+            "I/O (docs/guides/disk-tier.md); in all-gather mode each block counts as this rank's shard, and only "
+            "the shard is read. 'auto': what the cgroup and the machine have available at enable(), less a "
+            "reserve. Unset: every streamed block stays in host memory"
         },
     )
     pin_memory: bool = field(
@@ -274,16 +275,11 @@ class OffloadConfig:
 
     def _check_host_budget(self) -> None:
         budget = self.host_budget_gib
-        if budget is None or budget == AUTO:
-            pass
-        elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        if budget is not None and budget != AUTO and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0
+        ):
             raise ConfigError(
                 f"OffloadConfig.host_budget_gib must be a finite number of GiB > 0, 'auto' or None, got {budget!r}"
-            )
-        if budget is not None and self.use_allgather:
-            raise ConfigError(
-                "OffloadConfig.host_budget_gib reads blocks from disk in rank-local mode only: all-gather mode keeps "
-                "each rank's shard in host memory. Set use_allgather=False, or leave host_budget_gib unset"
             )
 
     def _check_fp8(self) -> None:

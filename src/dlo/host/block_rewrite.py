@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.host.block_sources import BlockSource, DiskSource, MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import BlockSource, DiskShardSource, DiskSource, MappedSource, PackedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into, dequantized, quantize_into
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.planning.block_layout import BlockLayout, view_placement
@@ -153,7 +153,7 @@ def rewrite(
     padded = torch.zeros(source.shards.padded_bytes, dtype=torch.uint8)
     padded[: wire.nbytes] = image
     copied = 0
-    if source.views_entry:
+    if isinstance(source, DiskShardSource) or source.views_entry:  # read-only: copied on write
         source = ShardSource.private(HostBuffer(source.shard_bytes, pin), source.shards, source.rank)
         copied = source.shard_bytes
     for piece, host in zip(source.shards.pieces(source.rank), source.pieces):

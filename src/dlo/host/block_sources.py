@@ -1,6 +1,21 @@
 """Where a streamed block's bytes come from: a private packed host buffer, a read-only
 mapping (packed into a staging buffer on every load, or, registered, copied from directly),
-or, under a host memory budget, the mapping's files read on every use."""
+or, under a host memory budget, the mapping's files read on every use; in all-gather mode,
+this rank's shard of the block, in host memory or read from the files on every use.
+
+[Note: shards read from disk]
+Under `host_budget_gib` in all-gather mode, a rank reads from the files only its own bytes of
+a block on disk: the pieces of the padded wire image `ShardLayout.pieces(rank)` names, cut
+out of the segments the image is made of (dlo.host.image_segments), so the node's ranks
+together read each block once per use. The ranges are read with direct I/O into a read
+buffer (dlo.host.direct_reads) and, on the reader's thread, copied into the shard's layout
+after them (its pieces one after another, as a private shard holds them), from where the
+load copies each piece into its place in the slot and the group all-gathers the rest, as
+for a shard kept in host memory. A block is read so only when every byte of its image is a
+file's byte as saved or a tensor of its own (no cast, no weight quantized at enable()); the
+others keep their shards in host memory. Bytes of a piece that no segment covers (the
+alignment gaps and the padding) are whatever the buffer held: nothing reads them.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.direct_reads import BlockReads, ReadImage
+from dlo.host.direct_reads import BlockReads, DiskReader, ReadImage
 from dlo.host.fp8_codec import dequantized
+from dlo.host.image_segments import ImageSegment
 from dlo.host.pinned_buffer import HostBuffer
 from dlo.host.tensor_source import CopyTask, MappedTensor, TensorViews, coalesced
 from dlo.planning.block_layout import BlockLayout, view_placement
@@ -130,6 +146,14 @@ class DiskSource:
     def host_bytes(self) -> int:
         return self.mapped.host_bytes
 
+    @property
+    def buffer_bytes(self) -> int:
+        """What a read buffer needs to hold the block's read."""
+        return self.reads.nbytes
+
+    def read(self, reader: DiskReader, buffer: torch.Tensor) -> None:
+        reader.read(self.reads, buffer)
+
     def copy_tasks(
         self, buffer: torch.Tensor, targets: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     ) -> list[CopyTask]:
@@ -197,4 +221,100 @@ class ShardSource:
             self.buffer.unpin()
 
 
-BlockSource = PackedSource | MappedSource | DiskSource | ShardSource
+@dataclass(frozen=True)
+class ShardFill:
+    """`nbytes` at `shard_start` of the rank's shard: from the read range `label` of the
+    block's reads, or, with `label` None, the bytes of `private`."""
+
+    shard_start: int
+    nbytes: int
+    label: int | None
+    private: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DiskShardSource:
+    """All-gather mode under a host memory budget: this rank's shard of the block, read from
+    its files on every use into a read buffer, its bytes first, the assembled shard after
+    them (See [Note: shards read from disk])."""
+
+    shards: ShardLayout
+    rank: int
+    reads: BlockReads
+    fills: tuple[ShardFill, ...]
+
+    pinned = False
+
+    @classmethod
+    def plan(cls, segments: Sequence[ImageSegment], shards: ShardLayout, rank: int) -> DiskShardSource:
+        """The ranges of the files (and of private tensors) that make up `rank`'s pieces."""
+        ranges = []
+        fills = []
+        for piece in shards.pieces(rank):
+            end = piece.image_start + piece.nbytes
+            for segment in segments:
+                low, high = max(piece.image_start, segment.image_start), min(end, segment.image_start + segment.nbytes)
+                if low >= high:
+                    continue
+                at, inner = piece.shard_start + low - piece.image_start, low - segment.image_start
+                if segment.file is None:
+                    assert segment.private is not None
+                    fills.append(ShardFill(at, high - low, None, segment.private[inner : inner + high - low]))
+                    continue
+                start = segment.file_start + inner
+                fills.append(ShardFill(at, high - low, len(ranges), None))
+                ranges.append((len(ranges), segment.file, start, start + high - low))
+        # Only the rank's own bytes: the gaps between its ranges are its peers' pieces.
+        return cls(shards, rank, BlockReads.of_ranges(ranges, merge_gap=0), tuple(fills))
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shards.shard_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """What a read buffer needs: the reads, then the assembled shard."""
+        return self.reads.nbytes + self.shard_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """The private tensors' bytes (the files' are read per use)."""
+        return sum(f.nbytes for f in self.fills if f.label is None)
+
+    def read(self, reader: DiskReader, buffer: torch.Tensor) -> None:
+        """The shard into `buffer` (at `buffer_bytes`, aligned for direct I/O): read, then
+        assembled after the reads."""
+        reader.read(self.reads, buffer)
+        shard = buffer[self.reads.nbytes : self.buffer_bytes]
+        for fill in self.fills:
+            if fill.label is None:
+                source = fill.private
+            else:
+                start = self.reads.placed[fill.label]
+                source = buffer[start : start + fill.nbytes]
+            CopyTask(shard[fill.shard_start : fill.shard_start + fill.nbytes], source).run()
+
+    def pieces_in(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The shard's pieces, as `ShardSource.pieces`, in a buffer `read` filled."""
+        base = self.reads.nbytes
+        return tuple(buffer[base + p.shard_start : base + p.shard_start + p.nbytes] for p in self.shards.pieces(self.rank))
+
+    def kept(self, buffer: torch.Tensor, host: HostBuffer) -> ShardSource:
+        """The shard a `read` left in `buffer`, copied into `host` (shard_bytes): a shard
+        kept in host memory."""
+        shard, assembled = host.tensor[: self.shard_bytes], buffer[self.reads.nbytes : self.buffer_bytes]
+        shard.zero_()  # the gaps and the padding, as a packed shard has them
+        for fill in self.fills:
+            span = slice(fill.shard_start, fill.shard_start + fill.nbytes)
+            CopyTask(shard[span], assembled[span]).run()
+        return ShardSource.private(host, self.shards, self.rank)
+
+    def release(self) -> None:
+        pass
+
+
+BlockSource = PackedSource | MappedSource | DiskSource | ShardSource | DiskShardSource
+ReadSource = DiskSource | DiskShardSource
+ShardedSource = ShardSource | DiskShardSource
+"""All-gather mode: this rank's shard, in host memory or read from disk."""
+"""A block read from its files on every use (See [Note: the disk tier] in dlo.hotpath.read_ahead)."""

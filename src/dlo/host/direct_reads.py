@@ -21,7 +21,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DIRECT_ALIGNMENT = 4096  # the largest logical block size of common disks: file offsets, lengths and addresses
 MERGE_GAP = 1 << 20  # tensors of one file closer than this are read in one span (the gap is read too)
 READ_CHUNK = 4 << 20  # bytes per read request
+READ_THREADS = 8  # read requests in flight: a disk needs several to reach its rate
 DIRECT_IO_REFUSED = "direct_io_refused"
 
 
@@ -66,7 +67,7 @@ class BlockReads:
     `payload_bytes`: the tensors' own bytes; `nbytes`: the buffer it needs (aligned spans)."""
 
     spans: tuple[Span, ...]
-    placed: dict[str, int]  # checkpoint key -> its first byte in the buffer
+    placed: dict[Hashable, int]  # checkpoint key (or a range's label) -> its first byte in the buffer
     payload_bytes: int
 
     @property
@@ -76,19 +77,35 @@ class BlockReads:
 
     @classmethod
     def plan(cls, checkpoint: Checkpoint, keys: Iterable[str]) -> BlockReads:
-        by_file: dict[int, list[tuple[int, int, str]]] = {}
+        """The reads of whole checkpoint tensors `keys`, each placed under its key."""
+        return cls.of_ranges(
+            (key, source.file, source.entry.begin, source.entry.end)
+            for key in set(keys)
+            for source in [checkpoint.tensors[key]]
+        )
+
+    @classmethod
+    def of_ranges(
+        cls, ranges: Iterable[tuple[Hashable, SafetensorsFile, int, int]], merge_gap: int = MERGE_GAP
+    ) -> BlockReads:
+        """The reads of byte ranges (label, file, begin, end): `placed[label]` is where the
+        range's first byte lands in the buffer. Ranges less than `merge_gap` apart, or whose
+        aligned spans overlap, are read as one span."""
+        by_file: dict[int, list[tuple[int, int, Hashable]]] = {}
         files: dict[int, SafetensorsFile] = {}
-        for key in set(keys):
-            source = checkpoint.tensors[key]
-            by_file.setdefault(id(source.file), []).append((source.entry.begin, source.entry.end, key))
-            files[id(source.file)] = source.file
+        for label, file, begin, end in ranges:
+            by_file.setdefault(id(file), []).append((begin, end, label))
+            files[id(file)] = file
         spans: list[Span] = []
-        placed: dict[str, int] = {}
-        for file_id, ranges in by_file.items():
-            ranges.sort()
-            groups = [[ranges[0]]]
-            for piece in ranges[1:]:
-                if piece[0] - max(end for _, end, _ in groups[-1]) < MERGE_GAP:
+        placed: dict[Hashable, int] = {}
+        payload = 0
+        for file_id, pieces in by_file.items():
+            pieces.sort(key=lambda piece: piece[:2])
+            payload += sum(end - begin for begin, end, _ in pieces)
+            groups = [[pieces[0]]]
+            for piece in pieces[1:]:
+                group_end = max(end for _, end, _ in groups[-1])
+                if piece[0] - group_end < merge_gap or _down(piece[0]) < _up(group_end):
                     groups[-1].append(piece)
                 else:
                     groups.append([piece])
@@ -96,8 +113,7 @@ class BlockReads:
                 at = spans[-1].buffer_start + spans[-1].nbytes if spans else 0
                 start, end = _down(group[0][0]), _up(max(end for _, end, _ in group))
                 spans.append(Span(files[file_id], start, end - start, at))
-                placed.update((key, at + begin - start) for begin, _, key in group)
-        payload = sum(checkpoint.tensors[key].entry.nbytes for key in placed)
+                placed.update((label, at + begin - start) for begin, _, label in group)
         return cls(tuple(spans), placed, payload)
 
 

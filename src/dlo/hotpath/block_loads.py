@@ -1,7 +1,7 @@
 """What a load of each streamed block copies where: the one place a block's host source
 becomes a `BlockLoad` for the executor.
 
-A block is loaded one of five ways, fixed at enable() by where its bytes live:
+A block is loaded one of six ways, fixed at enable() by where its bytes live:
 - packed: its wire image in a private host buffer, copied whole;
 - direct: straight from a mapping registered with the driver (or, on the CPU, any mapping
   that is not staged), as few copies as its layout allows (See [Note: one copy per block]);
@@ -9,7 +9,10 @@ A block is loaded one of five ways, fixed at enable() by where its bytes live:
   then copied whole from there (See [Note: staged loads]);
 - read: read from its files into a read buffer of the disk tier, then copied from there as
   a direct load copies from its mapping, on the stager's thread (See [Note: the disk tier]);
-- gathered: this rank's shard copied and the rest all-gathered (See [Note: chunked gathers]).
+- gathered: this rank's shard copied and the rest all-gathered (See [Note: chunked gathers]);
+- read and gathered: this rank's shard read from its files into a read buffer, then gathered
+  from there on the caller's thread, which issues every collective (See [Note: shards read
+  from disk]).
 Each of them, for a block with float8 weights, lands in a landing buffer and is finished into
 the slot from there (See [Note: fp8 landing]).
 """
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dlo.host.block_sources import DiskSource, MappedSource, PackedSource, ShardSource
+from dlo.host.block_sources import DiskShardSource, DiskSource, MappedSource, PackedSource, ShardedSource, ShardSource
 from dlo.host.fp8_codec import dequantize_into
 from dlo.host.tensor_source import CopyTask
 from dlo.hotpath.executors import BlockLoad, DeviceSlot, Executor
@@ -41,6 +44,7 @@ class LoadKind(enum.Enum):
     STAGED = "staged"
     READ = "read"
     GATHERED = "gathered"
+    READ_GATHERED = "read and gathered"
 
 
 class PerBlock:
@@ -114,12 +118,20 @@ class BlockLoads:
             return LoadKind.PACKED
         if isinstance(block.source, DiskSource):
             return LoadKind.READ
+        if isinstance(block.source, DiskShardSource):
+            return LoadKind.READ_GATHERED
         return LoadKind.STAGED if staged else LoadKind.DIRECT
 
     def link_bytes(self, index: int) -> int:
         """What a load of block `index` moves across this rank's link."""
         source = self.blocks[index].source
-        return source.shard_bytes if isinstance(source, ShardSource) else self.blocks[index].wire.nbytes
+        return source.shard_bytes if isinstance(source, ShardedSource) else self.blocks[index].wire.nbytes
+
+    def break_off(self, reason: str) -> None:
+        """All-gather mode: a load failed before its collectives, so this rank's no longer pair
+        with its peers' (See BlockGather.break_off)."""
+        assert self._gather is not None
+        self._gather.break_off(f"rank {self._gather.rank}: {reason}; its collectives no longer pair with its peers': restart the job")
 
     @torch.inference_mode(False)
     def use_landings(self) -> None:
@@ -179,7 +191,12 @@ class BlockLoads:
             return BlockLoad(state.slot, partial(self._read_copies, index, state.slot, image, finish is not None), None, finish)
         if kind is LoadKind.GATHERED:
             assert self._gather is not None and isinstance(block.source, ShardSource)
-            return self._gather.block_load(state.slot, block.source, finish, self._executor.landings)
+            source = block.source
+            return self._gather.block_load(state.slot, source.shards, source.pieces, finish, self._executor.landings)
+        if kind is LoadKind.READ_GATHERED:
+            assert self._gather is not None and isinstance(block.source, DiskShardSource) and image is not None
+            source = block.source
+            return self._gather.block_load(state.slot, source.shards, source.pieces_in(image), finish, self._executor.landings)
         if kind is LoadKind.DIRECT:
             copies = partial(self._landing_copies, index) if finish is not None else partial(_fixed, state.direct[index])
             return BlockLoad(state.slot, copies, None, finish)

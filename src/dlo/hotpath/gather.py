@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import ShardSource
+from dlo.host.block_sources import ShardedSource
 from dlo.host.tensor_source import CopyTask, coalesced
 from dlo.hotpath.executors import BlockLoad, CudaExecutor, DeviceSlot, Executor
 from dlo.hotpath.liveness import RankWatch, group_timeout_s
 from dlo.hotpath.streamed_block import StreamedBlock
+from dlo.planning.shard_layout import ShardLayout
 
 class GatherRole(enum.Enum):
     """Which of the caller's groups rebuilds blocks (docs/guides/multi-gpu.md); NONE: a group of one."""
@@ -69,7 +70,8 @@ def plan_digest(num_slots: int, blocks: Sequence[StreamedBlock]) -> int:
     lines = [f"slots {num_slots}"]
     for block in blocks:
         source = block.source
-        shards = f"{source.shards.chunks} x {source.shards.width}" if isinstance(source, ShardSource) else "whole"
+        sharded = isinstance(source, ShardedSource)
+        shards = f"{source.shards.chunks} x {source.shards.width}" if sharded else "whole"
         lines.append(f"{block.name} {shards} {block.layout.nbytes}")
         lines.extend(
             f"  {p.spec.name} {list(p.spec.shape)} {p.spec.dtype} {p.offset}" for p in block.layout.placements
@@ -105,16 +107,22 @@ class BlockGather:
             self.watch = RankWatch(self.group, self.rank, self.size, self.role.value, timeout_s, self)
 
     def block_load(
-        self, slot: DeviceSlot, shard: ShardSource, finish: Callable[[int], None] | None, landings: Sequence[torch.Tensor]
+        self,
+        slot: DeviceSlot,
+        shards: ShardLayout,
+        pieces: Sequence[torch.Tensor],
+        finish: Callable[[int], None] | None,
+        landings: Sequence[torch.Tensor],
     ) -> BlockLoad:
-        """A load of block `shard` (See [Note: chunked gathers]): this rank's pieces copied into
-        their places in `slot` (or, for a float8 block that is then `finish`ed, in landing
-        buffer k: See [Note: fp8 landing]), the others' all-gathered there chunk by chunk. One
-        host->device copy per chunk, from wherever the piece lives (private shard or cache
-        entry): the fewest that let a chunk's copy overlap the previous chunk's gather. A group
-        of one has nothing to gather: its pieces lie one after another in the image and on the
-        host (a private buffer or the cache entry), so `coalesced` makes them one copy."""
-        chunks = [self._chunks(image, shard) for image in ([slot.buffer] if finish is None else landings)]
+        """A load of a block whose shard is `pieces` on the host, laid out by `shards` (See
+        [Note: chunked gathers]): this rank's pieces copied into their places in `slot` (or,
+        for a float8 block that is then `finish`ed, in landing buffer k: See [Note: fp8
+        landing]), the others' all-gathered there chunk by chunk. One host->device copy per
+        chunk, from wherever the piece lives (a private shard, the cache entry, a read
+        buffer): the fewest that let a chunk's copy overlap the previous chunk's gather. A
+        group of one has nothing to gather: its pieces lie one after another in the image and
+        on the host, so `coalesced` makes them one copy."""
+        chunks = [self._chunks(image, shards, pieces) for image in ([slot.buffer] if finish is None else landings)]
 
         def copies(k: int) -> list[CopyTask]:
             tasks = [CopyTask(own, host) for own, _, host in chunks[k]]
@@ -126,17 +134,18 @@ class BlockGather:
 
         return BlockLoad(slot, copies, gather_chunk if self.size > 1 else None, finish)
 
-    def _chunks(self, image: torch.Tensor, shard: ShardSource) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _chunks(
+        self, image: torch.Tensor, shards: ShardLayout, pieces: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per chunk of the block in `image` (a slot, a landing buffer, the gathered block): this
-        rank's piece there, the whole chunk there, and the piece in the host shard."""
-        shards = shard.shards
+        rank's piece there, the whole chunk there, and the piece on the host."""
         return [
             (
                 image[piece.image_start : piece.image_start + piece.nbytes],
                 image[piece.chunk * shards.chunk_bytes : (piece.chunk + 1) * shards.chunk_bytes],
                 host,
             )
-            for piece, host in zip(shards.pieces(self.rank), shard.pieces)
+            for piece, host in zip(shards.pieces(self.rank), pieces)
         ]
 
     def issue_agreement(self, call_index: int, digest: int, poisoned: bool) -> torch.Tensor | None:
@@ -183,10 +192,11 @@ class BlockGather:
         if self._failed is None:
             self._failed = reason
 
-    def gather_full(self, shard: ShardSource) -> torch.Tensor:
-        """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk)."""
-        whole = torch.empty(shard.shards.padded_bytes, dtype=torch.uint8, device=self._executor.device)
-        for own, chunk, host in self._chunks(whole, shard):
+    def gather_full(self, shards: ShardLayout, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk),
+        from this rank's shard `pieces` on the host."""
+        whole = torch.empty(shards.padded_bytes, dtype=torch.uint8, device=self._executor.device)
+        for own, chunk, host in self._chunks(whole, shards, pieces):
             own.copy_(host)
             self._gather(chunk, own)
         return whole.cpu()

@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from dlo.errors import StreamingError
-from dlo.host.block_sources import ShardSource, restored_image
+from dlo.host.block_sources import DiskShardSource, ShardedSource, ShardSource, restored_image
+from dlo.host.direct_reads import DIRECT_ALIGNMENT, READ_THREADS, DiskReader
+from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
 from dlo.hotpath.interrupts import ForcedInterrupt, interrupts_held
+from dlo.hotpath.read_ahead import ReadAhead
 from dlo.hotpath.runtime import StreamingRuntime
 from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.observe.ledger import TransferLedger
@@ -27,8 +32,11 @@ class LockstepRuntime(StreamingRuntime):
         executor: Executor,
         ledger: TransferLedger,
         gather: BlockGather,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
-        super().__init__(blocks, slots, executor, ledger, gather=gather)
+        """`read_ahead`: the disk tier's reads of the shards on disk (See [Note: shards read
+        from disk])."""
+        super().__init__(blocks, slots, executor, ledger, gather=gather, read_ahead=read_ahead)
         self.gather: BlockGather = gather
         self._calls = 0  # agreements issued
         self._cursor: int | None = None  # next scheduled block of the open call; None: no call open
@@ -159,10 +167,40 @@ class LockstepRuntime(StreamingRuntime):
         closing = self._cursor is not None
         with self._step():
             self._end_call_here()
-            for block in self.blocks:
-                if isinstance(block.source, ShardSource):
-                    block.point_at(restored_image(self.gather.gather_full(block.source), block.layout, block.wire))
-                else:
-                    block.restore()
+            with self._reader() as reader:
+                for index, block in enumerate(self.blocks):
+                    if isinstance(block.source, ShardedSource):
+                        block.point_at(restored_image(self.gathered(index, reader), block.layout, block.wire))
+                    else:
+                        block.restore()
         if closing:  # the call's closing loads (float8 finished on the gather's stream) end before the slots go
             self.executor.synchronize()
+
+    def gathered(self, index: int, reader: DiskReader | None = None) -> torch.Tensor:
+        """Block `index`'s whole (padded) wire image as a CPU tensor, gathered from every
+        rank's shard (collectives: every rank calls it at the same point). A shard on disk is
+        read first, with `reader` (or one of its own), into a buffer of its own: disable()
+        gathers after the read-ahead closed. A read that fails breaks off the rank's
+        collectives."""
+        source = self.blocks[index].source
+        if isinstance(source, ShardSource):
+            return self.gather.gather_full(source.shards, source.pieces)
+        assert isinstance(source, DiskShardSource)
+        try:
+            with contextlib.ExitStack() as stack:
+                if reader is None:
+                    reader = stack.enter_context(self._reader())
+                buffer = aligned_empty(source.buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
+                source.read(reader, buffer)
+                return self.gather.gather_full(source.shards, source.pieces_in(buffer))
+        except Exception as failure:
+            self.loads.break_off(f"block {self.blocks[index].name!r}'s shard was not read and gathered ({failure})")
+            raise
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[DiskReader]:
+        reader = DiskReader(READ_THREADS)
+        try:
+            yield reader
+        finally:
+            reader.close()

@@ -31,16 +31,17 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import DiskSource
+from dlo.host.block_sources import ReadSource
 from dlo.host.direct_reads import DiskReader
 from dlo.host.pinned_buffer import HostBuffer, host_buffers
+from dlo.hotpath.executors import BlockLoad, Executor, LoadMarks
 
 
 class _State(enum.Enum):
@@ -70,7 +71,7 @@ class ReadBuffer:
 class ReadAhead:
     def __init__(
         self,
-        sources: dict[int, DiskSource],
+        sources: dict[int, ReadSource],
         reader: DiskReader,
         count: int,
         nbytes: int,
@@ -144,6 +145,16 @@ class ReadAhead:
         self.wait_s += time.perf_counter() - started
         return held
 
+    def copy_out(self, index: int, executor: Executor, load: Callable[[torch.Tensor], BlockLoad]) -> LoadMarks:
+        """Take block `index`'s buffer (`take`), run `load(buffer)`, which copies out of it,
+        then give the buffer back with the event those copies end with."""
+        buffer = self.take(index)
+        try:
+            return executor.run(load(buffer.tensor))
+        finally:  # copies enqueued before a failure still read the buffer: it is reused after them
+            executor.record_copied_out(buffer.copied_out)
+            self.give_back(buffer)
+
     def _filled(self, index: int) -> ReadBuffer:
         with self._lock:
             while True:
@@ -212,7 +223,7 @@ class ReadAhead:
                 bisect.insort(self._order, index)
                 self._cond.notify_all()
 
-    def add(self, index: int, source: DiskSource, streamed: bool) -> None:
+    def add(self, index: int, source: ReadSource, streamed: bool) -> None:
         """Block `index` is read from `source` from now on (moved from host memory to disk);
         `streamed`: it streams now (False: kept on the device, read only once demoted)."""
         with self._lock:
@@ -273,7 +284,7 @@ class ReadAhead:
             try:
                 buffer.copied_out.synchronize()  # the copies out of its last block are done
                 started = time.perf_counter()  # the read alone: its duration gives the disk's rate
-                self._reader.read(source.reads, buffer.tensor)
+                source.read(self._reader, buffer.tensor)
             except Exception as failure:  # handed to the load that takes it
                 buffer.failure = failure
             if started is not None:

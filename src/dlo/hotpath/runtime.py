@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import BlockSource, DiskSource
+from dlo.host.block_sources import BlockSource, DiskShardSource, DiskSource
 from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
@@ -255,10 +255,11 @@ class StreamingRuntime:
         again by the next step) or reads of a block nobody takes, never a disk block whose load
         waits for reads nobody makes."""
         block, reads = self.blocks[index], self.read_ahead
-        if reads is not None and isinstance(block.source, DiskSource):
+        read = isinstance(block.source, (DiskSource, DiskShardSource))
+        if reads is not None and read:
             reads.add(index, block.source, streamed=index not in self.promoted)
         self.loads.use_block(index, block)
-        if reads is not None and not isinstance(block.source, DiskSource):
+        if reads is not None and not read:
             reads.forget(index, for_good=True)
 
     def drain(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -109,15 +110,19 @@ class SlotQueue:
                 return
             if kind is LoadKind.READ:  # See [Note: the disk tier]
                 assert self._stager is not None and self._read_ahead is not None
-                read_ahead = self._read_ahead
-                future = self._stager.submit_read(
-                    lambda: read_ahead.take(index),
-                    lambda buffer: self._loads.load(index, state, buffer),
-                    read_ahead.give_back,
-                )
+                future = self._stager.submit_read(self._read_ahead, index, partial(self._loads.load, index, state))
                 self._jobs.append(_Job(block.name, self._loads.link_bytes(index), future))
                 return
             self.supersede()
+            if kind is LoadKind.READ_GATHERED:  # a collective: issued here, in plan order (See [Note: shards read from disk])
+                assert self._read_ahead is not None
+                try:
+                    marks = self._read_ahead.copy_out(index, self._executor, partial(self._loads.load, index, state))
+                except Exception as failure:
+                    self._loads.break_off(f"block {block.name!r}'s shard was not read and gathered ({failure})")
+                    raise
+                self._account(block.name, self._loads.link_bytes(index), marks)
+                return
             self._account(block.name, self._loads.link_bytes(index), self._executor.run(self._loads.load(index, state)))
 
     def settle(self) -> None:

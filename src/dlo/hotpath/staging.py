@@ -33,7 +33,7 @@ import torch
 from dlo.host.pinned_buffer import host_buffers
 from dlo.host.tensor_source import CopyTask, balanced_batches, run_batch
 from dlo.hotpath.executors import BlockLoad, Executor, LoadMarks
-from dlo.hotpath.read_ahead import ReadBuffer
+from dlo.hotpath.read_ahead import ReadAhead
 
 
 def default_pack_threads() -> int:
@@ -86,29 +86,15 @@ class Stager:
         return marks
 
     def submit_read(
-        self,
-        take: Callable[[], ReadBuffer],
-        load: Callable[[torch.Tensor], BlockLoad],
-        give_back: Callable[[ReadBuffer], None],
+        self, read_ahead: ReadAhead, index: int, load: Callable[[torch.Tensor], BlockLoad]
     ) -> Future[LoadMarks]:
-        """A disk block: wait for its read (`take()`), run `load(read buffer)`, which copies
-        from there, then `give_back` the buffer with the event those copies end with. See
-        [Note: the disk tier]"""
-        return self._sequencer.submit(self._read_load, take, load, give_back)
+        """A disk block: wait for its read, run `load(read buffer)`, which copies from there,
+        and give the buffer back (`ReadAhead.copy_out`). See [Note: the disk tier]"""
+        return self._sequencer.submit(self._read_load, read_ahead, index, load)
 
-    def _read_load(
-        self,
-        take: Callable[[], ReadBuffer],
-        load: Callable[[torch.Tensor], BlockLoad],
-        give_back: Callable[[ReadBuffer], None],
-    ) -> LoadMarks:
+    def _read_load(self, read_ahead: ReadAhead, index: int, load: Callable[[torch.Tensor], BlockLoad]) -> LoadMarks:
         with self._executor.device_context():
-            buffer = take()
-            try:
-                return self._executor.run(load(buffer.tensor))
-            finally:  # copies enqueued before a failure still read the buffer: it is reused after them
-                self._executor.record_copied_out(buffer.copied_out)
-                give_back(buffer)
+            return read_ahead.copy_out(index, self._executor, load)
 
     def wait_idle(self) -> None:
         """Wait for every job submitted so far, whether a slot's queue holds it or not (one

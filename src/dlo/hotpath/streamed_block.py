@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import BlockSource, ShardSource
+from dlo.host.block_sources import BlockSource, ShardedSource
 from dlo.planning.block_layout import BlockLayout
 from dlo.planning.wire_layout import WireLayout
 
@@ -46,7 +46,7 @@ class StreamedBlock:
         block that looks its rows up on the host (a promoted one has memory of its own)."""
         if self.on_host:
             return 0
-        if isinstance(self.source, ShardSource) and not self.wire.quantized:
+        if isinstance(self.source, ShardedSource) and not self.wire.quantized:
             return self.source.shards.padded_bytes
         return self.layout.nbytes
 
