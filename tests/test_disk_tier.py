@@ -283,6 +283,58 @@ def test_a_file_cut_short_after_enable_fails_the_call_and_the_next_call_is_exact
         assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
 
 
+def test_all_gather_in_a_group_of_one_reads_its_shards_from_disk_bit_identical(tmp_path):
+    """A group of one (no process group): every block's shard is the whole block, read per use
+    (See [Note: shards read from disk]); the page cache stays empty, the calls and the
+    module after disable() equal resident."""
+    files = save(tmp_path / "flux", "flux")
+    expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        got = outputs(model, "flux")
+        stats = handle.stats()
+        kinds = {type(b.source).__name__ for b in handle._runtime.blocks}
+        cached = sum(cached_pages(path) for path in files)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert kinds == {"DiskShardSource", "ShardSource"} and stats.gather_group_size == 1
+    assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0 and stats.disk.choice.state == "kept"
+    assert stats.host_bytes + stats.disk.read_buffer_bytes <= stats.disk.budget_bytes
+    assert cached <= 2  # the header page, and the last one of a span that ends past the file
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
+
+
+def test_a_shard_read_that_fails_breaks_off_the_rank_with_the_file_named(tmp_path):
+    """A read of a shard fails before its collective: the rank's collectives would no longer
+    pair with its peers', so this and every later call raise, naming the file, then the fix."""
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
+    handle = dlo.enable(model, "cpu", config, plan=plan)
+    outputs(model, "flux", (1,))
+    (path,) = files
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size // 8)
+    drop_pages(files)
+    with pytest.raises(dlo.StreamingError, match="ended early"):
+        outputs(model, "flux", (1,))
+    with pytest.raises(dlo.StreamingError, match="was not read and gathered .*restart the job"):
+        outputs(model, "flux", (1,))
+    with pytest.raises(dlo.StreamingError):
+        handle.disable()
+
+
+def test_all_gather_refuses_a_budget_when_no_shard_can_be_read_as_saved(tmp_path):
+    """Cast blocks (a float32 checkpoint loaded as bfloat16) cannot be read a shard at a time:
+    refused in one line that says why, before the plan is taken."""
+    save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux", torch_dtype=torch.bfloat16)
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=1e-5)
+    with pytest.raises(dlo.ConfigError, match="no streamed block's shard can be read from disk.*use_allgather=False"):
+        dlo.enable(model, "cpu", config, plan=plan)
+    assert not plan.taken
+
+
 def test_a_file_replaced_after_it_was_mapped_is_refused_by_name(tmp_path):
     """load_transformer mapped one file; another now has its name (a fresh download, say):
     the disk tier reads by name, so it refuses to read it, before any weight is used."""

@@ -67,3 +67,30 @@ def test_a_float8_checkpoint_read_from_disk_on_cuda(tmp_path):
         disk = handle.stats().disk
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert disk is not None and len(disk.blocks) > 0
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "fp8"])
+def test_all_gather_shards_read_from_disk_on_cuda(tmp_path, source):
+    """All-gather mode in a group of one (this one GPU): shards read per use into pinned read
+    buffers, copied on the copy stream, float8 ones dequantized from the landing buffers;
+    every call and the module after disable() equal resident. See [Note: shards read from disk]"""
+    from fp8_checkpoints import resident_from, write_fp8_checkpoint
+
+    if source == "fp8":
+        directory, dequantized = write_fp8_checkpoint(tmp_path)
+        resident, dtype, budget = resident_from(dequantized), torch.bfloat16, 0.00014  # 4 of 5 blocks on disk
+    else:
+        TINY_MODELS["flux"].build(seed=2).save_pretrained(tmp_path)
+        directory, dtype = tmp_path, torch.float32
+        resident = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path).eval()
+        budget = 0.9 * sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) / 2**30
+    expected = run(resident.cuda(), "flux", dtype, range(4))
+    model, plan = dlo.load_transformer(directory)
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget)
+    with dlo.enable(model, "cuda", config, plan=plan) as handle:
+        got = run(model, "flux", dtype, range(4))
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.gather_group_size == 1 and stats.pinned
+    assert stats.disk.reads >= 4 * len(stats.disk.blocks) > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(model.cuda(), "flux", dtype, range(4))))

@@ -32,7 +32,7 @@ from dlo.hotpath.streamed_block import StreamedBlock
 from dlo.planning.adapters import adapter_modules
 from dlo.planning.block_layout import ALIGNMENT, TensorSpec
 from dlo.planning.fp8_selection import fp8_format, quantized_tensors
-from dlo.planning.host_tier import GIB, HostTier, plan_host_tier
+from dlo.planning.host_tier import GIB, NOT_IN_A_FILE, HostTier, plan_host_tier
 from dlo.planning.offload_plan import BlockRef
 from dlo.planning.shard_layout import plan_shards
 from dlo.planning.tensor_walk import owned_tensors
@@ -160,13 +160,23 @@ def _shard_tier(
             continue
         reads.append(DiskShardSource.plan(segments, shards, group.rank).reads)
         buffers.append(max(DiskShardSource.plan(segments, shards, r).buffer_bytes for r in range(group.size)))
-    return _planned(refs, host, reads, buffers, config)
+    unreadable = NOT_IN_A_FILE if checkpoint is None else (
+        "no streamed block's shard can be read from disk: all-gather mode reads a shard's bytes as the files hold "
+        "them, and every block needs a cast or weights quantized at enable() (load the model in the dtype it was "
+        "saved in, or use rank-local mode: use_allgather=False)"
+    )
+    return _planned(refs, host, reads, buffers, config, unreadable)
 
 
 def _planned(
-    refs: list[BlockRef], host: list[int], reads: list[BlockReads | None], buffers: list[int | None], config: OffloadConfig
+    refs: list[BlockRef],
+    host: list[int],
+    reads: list[BlockReads | None],
+    buffers: list[int | None],
+    config: OffloadConfig,
+    unreadable: str = NOT_IN_A_FILE,
 ) -> DiskTier:
-    tier = plan_host_tier([r.name for r in refs], host, buffers, budget_bytes(config))
+    tier = plan_host_tier([r.name for r in refs], host, buffers, budget_bytes(config), unreadable)
     if tier.active:
         logger.info(
             "dlo: host_budget_gib=%.2f GiB: %d of %d streamed blocks are read from disk on every use",

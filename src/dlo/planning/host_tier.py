@@ -239,12 +239,23 @@ def _better(a: TierChoice, b: TierChoice) -> bool:
     return a.read_bytes < b.read_bytes
 
 
+NOT_IN_A_FILE = (
+    "no streamed block is in a file: load the model with dlo.load_transformer (checkpoint_mmap=True or "
+    "host_weight_cache=True) so blocks can be read from disk"
+)
+
+
 def plan_host_tier(
-    names: Sequence[str], host_bytes: Sequence[int], read_bytes: Sequence[int | None], budget_bytes: int
+    names: Sequence[str],
+    host_bytes: Sequence[int],
+    read_bytes: Sequence[int | None],
+    budget_bytes: int,
+    unreadable: str = NOT_IN_A_FILE,
 ) -> HostTier:
     """`host_bytes[i]`: what block i holds in host memory when it stays there; `read_bytes[i]`:
-    the read buffer its read needs, None for a block not in a file (it must stay). Refuses a
-    budget that cannot hold the blocks that must stay plus one read, naming the least it can."""
+    the read buffer its read needs, None for a block that cannot be read from a file (it must
+    stay). Refuses a budget that cannot hold the blocks that must stay plus one read, naming
+    the least it can, or, when no block can be read, why (`unreadable`)."""
     total = sum(host_bytes)
     if total <= budget_bytes:
         return HostTier(budget_bytes, (), 0, 0)
@@ -255,8 +266,7 @@ def plan_host_tier(
     if not readable or budget_bytes < least:
         private = f"{_gib(fixed)} of blocks that are private copies (not in a file) and " if fixed else ""
         if not readable:
-            hint = ("no streamed block is in a file: load the model with dlo.load_transformer (checkpoint_mmap=True "
-                    "or host_weight_cache=True) so blocks can be read from disk")
+            hint = unreadable
         else:
             largest = names[max(readable, key=lambda i: read_bytes[i] or 0)]
             hint = f"raise it to at least {_gib(least)} ({private}one read of the largest block, {largest!r})"
