@@ -6,6 +6,7 @@ import logging
 import mmap
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -301,6 +302,43 @@ def test_all_gather_in_a_group_of_one_reads_its_shards_from_disk_bit_identical(t
     assert stats.disk.reads >= 3 * len(stats.disk.blocks) > 0 and stats.disk.choice.state == "kept"
     assert stats.host_bytes + stats.disk.read_buffer_bytes <= stats.disk.budget_bytes
     assert cached <= 2  # the header page, and the last one of a span that ends past the file
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ctrl_c_at_any_instant_of_a_call_over_shards_on_disk_leaves_later_calls_exact(tmp_path, seed):
+    """A timer raises KeyboardInterrupt at a random instant of a call (reads, copies out of the
+    read buffers, the steps around them): the next calls equal resident and disable() gives
+    the module back whole."""
+    files = save(tmp_path / "flux", "flux")
+    expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
+    inputs = TINY_MODELS["flux"].inputs(1, torch.float32)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with dlo.enable(model, "cpu", config, plan=plan) as handle:
+            with torch.inference_mode():
+                started = time.perf_counter()
+                model(**inputs)
+                call_s = time.perf_counter() - started
+                signal.setitimer(signal.ITIMER_REAL, random.Random(seed).uniform(0.0, 1.5) * call_s)
+                try:
+                    model(**inputs)
+                    signal.setitimer(signal.ITIMER_REAL, 0)  # in the try: the timer may fire just before
+                except KeyboardInterrupt:
+                    pass
+            got = outputs(model, "flux")
+            disk = handle.stats().disk
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert disk is not None and len(disk.blocks) > 0
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
 
 
