@@ -10,7 +10,9 @@ random bf16 weights from one seed, saved with save_pretrained; files fsynced):
                cache, which drop_caches inside the guest does not empty, serves that faster).
   resident     the model on the device (the compute time and the reference output).
   dlo budget   dlo.load_transformer + dlo.enable(OffloadConfig(host_budget_gib=B)) for each
-               --budgets B ("1" GiB; "2/3": two thirds of the streamed blocks' bytes), one
+               --budgets B ("1" GiB; "2/3": two thirds of the streamed blocks' bytes) and
+               each of --modes (local: rank-local; allgather: use_allgather=True, this
+               process its group of one, its shards read on the caller's thread), one
                warm-up forward and the forward dlo measures to choose which blocks stay in
                host memory (its "spread s" column: that call's time with enable()'s even
                spread, before the moves, and dlo's prediction for it), then --iters forwards
@@ -31,7 +33,7 @@ On the GPU machine, from the repository root:
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
   python3 benchmarks/bench_disk.py --dir /tmp/bench_disk
 
-CPU smoke test: python benchmarks/bench_disk.py --device cpu --shape tiny --budgets 0.0003 --iters 1
+CPU smoke test: python benchmarks/bench_disk.py --device cpu --shape tiny --budgets 0.00012 --iters 1 --modes local,allgather
 """
 
 from __future__ import annotations
@@ -125,9 +127,10 @@ def budget_of(text: str, blocks_bytes: int) -> float:
     return float(text)
 
 
-def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, device, args, reference) -> dict:
+def run_budget(directory: Path, files: list[Path], budget_gib: float, mode: str, inputs, device, args, reference) -> dict:
     model, plan = dlo.load_transformer(directory)
-    handle = dlo.enable(model, device, dlo.OffloadConfig(host_budget_gib=budget_gib), plan=plan)
+    config = dlo.OffloadConfig(host_budget_gib=budget_gib, use_allgather=mode == "allgather")
+    handle = dlo.enable(model, device, config, plan=plan)
     seconds = []
     try:
         with torch.inference_mode():
@@ -147,6 +150,7 @@ def run_budget(directory: Path, files: list[Path], budget_gib: float, inputs, de
     read_per_forward = (disk.read_bytes - start.read_bytes) / args.iters
     return {
         "budget_gib": budget_gib,
+        "mode": mode,
         "median_s": statistics.median(seconds),
         "forward_s": seconds,
         "disk_blocks": len(disk.blocks),
@@ -202,6 +206,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=["local"],
+                        help="local (rank-local), allgather (all-gather mode, this one process as its group of one)")
     parser.add_argument("--no-diffusers", dest="diffusers", action="store_false",
                         help="skip diffusers' disk offload (needs CUDA streams; run by default on cuda)")
     add_json_flag(parser, "bench_disk")
@@ -237,24 +243,25 @@ def main() -> None:
         torch.cuda.empty_cache()
     rows = []
     for text in args.budgets:
-        row = run_budget(directory, files, budget_of(text, blocks_bytes), inputs, device, args, reference)
-        row["floor_s"] = max(resident, row["read_bytes_per_forward"] / (gbps * GB))
-        row["x_floor"] = row["median_s"] / row["floor_s"]
-        rows.append(row)
-        print(row, flush=True)
+        for mode in args.modes:
+            row = run_budget(directory, files, budget_of(text, blocks_bytes), mode, inputs, device, args, reference)
+            row["floor_s"] = max(resident, row["read_bytes_per_forward"] / (gbps * GB))
+            row["x_floor"] = row["median_s"] / row["floor_s"]
+            rows.append(row)
+            print(row, flush=True)
     lines = [
         f"resident {resident:.3f} s/forward; disk O_DIRECT {first_gbps:.2f} GB/s first read, {gbps:.2f} GB/s read "
         f"again (the floor's); blocks {blocks_bytes / GB:.2f} GB",
         "",
-        "| host_budget_gib | blocks on disk | moved to disk / RAM | spread s (predicted) | predicted s | read GB/fwd | s/forward "
+        "| host_budget_gib | mode | blocks on disk | moved to disk / RAM | spread s (predicted) | predicted s | read GB/fwd | s/forward "
         "| floor s | x floor | reader GB/s | RSS + cached GiB | budget + buffers GiB | output vs resident |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         choice = r["choice"]
         moved = f"{len(choice['moved_to_disk'])} / {len(choice['moved_to_ram'])}" if choice["state"] == "chosen" else choice["state"]
         lines.append(
-            f"| {r['budget_gib']:.2f} | {r['disk_blocks']} | {moved} | {choice['measured_call_s'] or 0:.3f} "
+            f"| {r['budget_gib']:.2f} | {r['mode']} | {r['disk_blocks']} | {moved} | {choice['measured_call_s'] or 0:.3f} "
             f"({choice['predicted_before_s'] or 0:.3f}) "
             f"| {choice['predicted_call_s'] or 0:.3f} | {r['read_bytes_per_forward'] / GB:.2f} | {r['median_s']:.3f} "
             f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
