@@ -242,9 +242,15 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows = []
+    refused = []
     for text in args.budgets:
         for mode in args.modes:
-            row = run_budget(directory, files, budget_of(text, blocks_bytes), mode, inputs, device, args, reference)
+            try:
+                row = run_budget(directory, files, budget_of(text, blocks_bytes), mode, inputs, device, args, reference)
+            except dlo.ConfigError as err:  # a budget too small for the mode: its one line, reported
+                refused.append(f"{text} GiB, {mode}: {err}")
+                print(refused[-1], flush=True)
+                continue
             row["floor_s"] = max(resident, row["read_bytes_per_forward"] / (gbps * GB))
             row["x_floor"] = row["median_s"] / row["floor_s"]
             rows.append(row)
@@ -267,6 +273,8 @@ def main() -> None:
             f"| {r['floor_s']:.3f} | {r['x_floor']:.3f} | {r['reader_gbps']:.2f} | {r['rss_plus_cached_bytes'] / GIB:.2f} "
             f"| {r['budget_gib'] + r['read_buffer_bytes'] / GIB:.2f} | {'bit-identical' if r['equal_to_resident'] else 'DIFFERS'} |"
         )
+    if refused:
+        lines += ["", *(f"refused: {line}" for line in refused)]
     diffusers_row = None
     if args.diffusers and device.type == "cuda":
         diffusers_row = run_diffusers_disk(shape, inputs, device, args, reference)

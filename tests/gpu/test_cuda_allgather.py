@@ -42,7 +42,7 @@ def test_group_of_one_is_rank_local_without_collectives(nccl_world_of_one, name)
     with dlo.enable(streamed, "cuda", config) as handle, torch.inference_mode():
         got = [streamed(**entry.inputs(s, torch.bfloat16, "cuda"))[0] for s in (1, 2, 3)]
         stats = handle.stats()
-        assert handle._runtime.gather.comm_stream is None  # no communication stream either
+        assert handle._runtime.executor.comm_stream is None  # no communication stream either
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.gather_group_size == 1 and stats.collectives == 0 and stats.copies > 0
 
