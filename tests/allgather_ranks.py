@@ -11,6 +11,7 @@ import os
 import signal
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -861,3 +862,37 @@ def disk_shards(
 
 
 SCENARIOS["disk_shards"] = disk_shards
+
+
+def shard_read_fails(rank: int, world: int, directories: list[str], budget_gib: float, stay_alive_s: float) -> dict:
+    """Each rank streams from its own copy of one checkpoint under a budget; after a call,
+    rank 1's copy is cut short, so its next shard read fails before that load's collective.
+    Rank 1 then stays alive (a server that caught the error) while its peers wait in the
+    collective it will never issue: they must be told which rank is gone."""
+    import time
+
+    from test_disk_tier import drop_pages
+
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib)
+    model, plan = dlo.load_transformer(directories[rank], config)
+    dlo.enable(model, "cpu", config, plan=plan)
+    _tiny_outputs(model, "flux", [1])
+    if rank == 1:
+        paths = sorted(Path(directories[rank]).glob("*.safetensors"))
+        for path in paths:
+            with open(path, "r+b") as file:
+                file.truncate(path.stat().st_size // 8)
+        drop_pages(paths)
+    started = time.monotonic()
+    try:
+        _tiny_outputs(model, "flux", [1])
+        outcome = ("ran", "")
+    except dlo.StreamingError as err:
+        outcome = ("raised", str(err))
+    elapsed = time.monotonic() - started
+    if rank == 1:
+        time.sleep(stay_alive_s)
+    return dict(outcome=outcome, elapsed_s=elapsed)
+
+
+SCENARIOS["shard_read_fails"] = shard_read_fails

@@ -527,3 +527,26 @@ def test_under_a_host_budget_each_rank_reads_only_its_shard_of_the_blocks_on_dis
     assert on_every_rank
     for block in on_every_rank:
         assert sum(r["payload"][block] for r in results.values()) == per_block[block], block
+
+
+def test_a_rank_whose_shard_read_fails_is_named_on_its_peers_within_the_group_timeout(tmp_path):
+    """A read failing on one rank leaves a collective its peers issued unmatched; the rank
+    stops its heartbeat as it breaks off, so a peer's error names it (not a bare timeout)."""
+    import shutil
+
+    from test_disk_tier import budget_gib
+
+    source = _flux_checkpoint(tmp_path)
+    directories = []
+    for rank in range(2):
+        shutil.copytree(source, tmp_path / f"rank{rank}")
+        directories.append(str(tmp_path / f"rank{rank}"))
+    files = sorted(Path(source).glob("*.safetensors"))
+    results, _ = run_ranks(
+        tmp_path, "shard_read_fails", 2, directories=directories, budget_gib=budget_gib(files, 0.45),
+        stay_alive_s=15.0, pg_timeout_s=10,
+    )
+    assert_no_errors(results)
+    assert results[1]["outcome"][0] == "raised" and "ended early" in results[1]["outcome"][1]
+    kind, message = results[0]["outcome"]
+    assert kind == "raised" and "rank 1" in message and "no heartbeat" in message, message

@@ -342,6 +342,34 @@ def test_ctrl_c_at_any_instant_of_a_call_over_shards_on_disk_leaves_later_calls_
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))
 
 
+def test_disable_right_after_ctrl_c_in_a_block_closes_the_call_before_the_reads_stop(tmp_path):
+    """Ctrl-C while a block computes skips the call's end; disable() then issues the rest of
+    the call's loads (shards on disk among them) before it releases the read-ahead, and gives
+    the module back whole."""
+    files = save(tmp_path / "flux", "flux")
+    reference = ordinary(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
+    handle = dlo.enable(model, "cpu", config, plan=plan)
+    outputs(model, "flux", (1,))
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    hook = model.transformer_blocks[0].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        outputs(model, "flux", (1,))
+    hook.remove()
+    handle.disable()
+    state, expected = model.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+
+
+def test_an_automatic_host_budget_is_refused_in_all_gather_mode():
+    with pytest.raises(dlo.ConfigError, match="host_budget_gib='auto' measures each rank's free memory"):
+        dlo.OffloadConfig(host_budget_gib="auto", use_allgather=True)
+
+
 def test_a_shard_read_that_fails_breaks_off_the_rank_with_the_file_named(tmp_path):
     """A read of a shard fails before its collective: the rank's collectives would no longer
     pair with its peers', so this and every later call raise, naming the file, then the fix."""

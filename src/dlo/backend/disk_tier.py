@@ -129,7 +129,8 @@ def _shard_tier(
     """All-gather mode: each block's wire image and shards laid out as binding will lay them
     (from the planned runtime shapes and dtypes), so what a rank keeps (its shard) and what a
     read of it needs (`DiskShardSource.buffer_bytes`) are exact. Every rank plans with the
-    largest read of any rank's shard, so all make the same split, or all refuse the budget
+    largest read of any rank's shard, so ranks given the same budget (a number: 'auto' is
+    refused in this mode) and the same files make the same split, or all refuse the budget
     (one refusing alone would leave its peers waiting in their first collective). See [Note:
     shards read from disk]"""
     fp8 = fp8_format(config)
@@ -203,8 +204,13 @@ def place_blocks(
         for index, (block, reads) in enumerate(zip(streamed, disk.reads))
         if isinstance(block.source, (MappedSource, DiskShardSource)) and reads is not None
     }
-    if any(source.buffer_bytes > disk.tier.read_buffer_bytes for source in sources.values()):
-        raise EnableError("a block's read does not fit the read buffers planned for it: a bug in dlo, please report it")
+    # Checks of the plan against the blocks bound (the same layouts, from the same sources).
+    packed_instead = [b.name for b, r in zip(streamed, disk.reads) if r is not None and isinstance(b.source, ShardSource)]
+    if packed_instead or any(source.buffer_bytes > disk.tier.read_buffer_bytes for source in sources.values()):
+        raise EnableError(
+            f"the blocks bound differ from the disk tier's plan ({', '.join(packed_instead) or 'a read beyond its buffer'}): "
+            "a bug in dlo, please report it"
+        )
     scratch = aligned_empty(disk.tier.read_buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
     with HostCopies(scratch, pin) as copies:
         for index, source in sources.items():

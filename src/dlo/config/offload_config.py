@@ -281,6 +281,12 @@ class OffloadConfig:
             raise ConfigError(
                 f"OffloadConfig.host_budget_gib must be a finite number of GiB > 0, 'auto' or None, got {budget!r}"
             )
+        if budget == AUTO and self.use_allgather:
+            raise ConfigError(
+                "OffloadConfig.host_budget_gib='auto' measures each rank's free memory at its own moment, so the ranks "
+                "of an all-gather group would plan different splits (and each claim the node's memory): give every "
+                "rank the same number of GiB (its share of the node), or use_allgather=False"
+            )
 
     def _check_fp8(self) -> None:
         # Frozen: the canonical spelling is stored once, here.

@@ -29,6 +29,7 @@ from dlo.host.direct_reads import BlockReads, DiskReader, ReadImage
 from dlo.host.fp8_codec import dequantized
 from dlo.host.image_segments import ImageSegment
 from dlo.host.pinned_buffer import HostBuffer
+from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.tensor_source import CopyTask, MappedTensor, TensorViews, coalesced
 from dlo.planning.block_layout import BlockLayout, view_placement
 from dlo.planning.shard_layout import ShardLayout
@@ -242,13 +243,14 @@ class DiskShardSource:
     rank: int
     reads: BlockReads
     fills: tuple[ShardFill, ...]
+    ranges: tuple[tuple[SafetensorsFile, int], ...]  # per read range label: its file and first byte
 
     pinned = False
 
     @classmethod
     def plan(cls, segments: Sequence[ImageSegment], shards: ShardLayout, rank: int) -> DiskShardSource:
         """The ranges of the files (and of private tensors) that make up `rank`'s pieces."""
-        ranges = []
+        ranges: list[tuple[int, SafetensorsFile, int, int]] = []
         fills = []
         for piece in shards.pieces(rank):
             end = piece.image_start + piece.nbytes
@@ -265,7 +267,8 @@ class DiskShardSource:
                 fills.append(ShardFill(at, high - low, len(ranges), None))
                 ranges.append((len(ranges), segment.file, start, start + high - low))
         # Only the rank's own bytes: the gaps between its ranges are its peers' pieces.
-        return cls(shards, rank, BlockReads.of_ranges(ranges, merge_gap=0), tuple(fills))
+        reads = BlockReads.of_ranges(ranges, merge_gap=0)
+        return cls(shards, rank, reads, tuple(fills), tuple((file, start) for _, file, start, _ in ranges))
 
     @property
     def shard_bytes(self) -> int:
@@ -298,6 +301,19 @@ class DiskShardSource:
         """The shard's pieces, as `ShardSource.pieces`, in a buffer `read` filled."""
         base = self.reads.nbytes
         return tuple(buffer[base + p.shard_start : base + p.shard_start + p.nbytes] for p in self.shards.pieces(self.rank))
+
+    def mapped_pieces(self) -> tuple[torch.Tensor, ...]:
+        """The shard's pieces in a new CPU tensor, filled through the files' mapping (a
+        one-off: disable(), an edit), as the mapping serves rank-local mode's restore."""
+        shard = torch.zeros(self.shard_bytes, dtype=torch.uint8)
+        for fill in self.fills:
+            if fill.label is None:
+                source = fill.private
+            else:
+                file, start = self.ranges[fill.label]
+                source = file.region(start, fill.nbytes)
+            CopyTask(shard[fill.shard_start : fill.shard_start + fill.nbytes], source).run()
+        return tuple(shard[p.shard_start : p.shard_start + p.nbytes] for p in self.shards.pieces(self.rank))
 
     def kept(self, buffer: torch.Tensor, host: HostBuffer) -> ShardSource:
         """The shard a `read` left in `buffer`, copied into `host` (shard_bytes): a shard

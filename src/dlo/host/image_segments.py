@@ -54,25 +54,27 @@ def image_segments(
             continue
         if source.adapters(checkpoint) not in ((), ("concat",)):
             return None
-        # (checkpoint key, its dtype in the image, where it starts in the image)
+        # (checkpoint key, its dtype in the image, where it starts in the image, its bytes there
+        # or None: a piece of a concatenation, whose pieces add up to the placement)
+        parts: list[tuple[str, torch.dtype, int, int | None]]
         if isinstance(source, QuantizedSource) and q is not None:
-            starts = [
-                (source.data_key, q.dtype, wire.plain_bytes + q.data_offset),
-                (source.scale_key, torch.float32, wire.plain_bytes + q.scale_offset),
+            parts = [
+                (source.data_key, q.dtype, wire.plain_bytes + q.data_offset, q.data_bytes),
+                (source.scale_key, torch.float32, wire.plain_bytes + q.scale_offset, q.scale_bytes),
             ]
-            expected = q.data_bytes + q.scale_bytes
         elif isinstance(source, TensorSource) and q is None:
-            starts, at = [], placement.offset
+            parts, at = [], placement.offset
             for key in source.keys:
-                starts.append((key, placement.spec.dtype, at))
+                parts.append((key, placement.spec.dtype, at, None))
                 at += checkpoint.tensors[key].entry.nbytes
-            expected = placement.spec.nbytes
+            if at - placement.offset != placement.spec.nbytes:
+                return None
         else:
             return None
-        entries = [checkpoint.tensors[key] for key, _, _ in starts]
-        if any(e.entry.dtype != dtype for e, (_, dtype, _) in zip(entries, starts)):
+        entries = [checkpoint.tensors[key] for key, _, _, _ in parts]
+        if any(
+            e.entry.dtype != dtype or nbytes not in (None, e.entry.nbytes) for e, (_, dtype, _, nbytes) in zip(entries, parts)
+        ):
             return None
-        if sum(e.entry.nbytes for e in entries) != expected:
-            return None
-        segments += [ImageSegment(at, e.entry.nbytes, e.file, e.entry.begin) for e, (_, _, at) in zip(entries, starts)]
+        segments += [ImageSegment(at, e.entry.nbytes, e.file, e.entry.begin) for e, (_, _, at, _) in zip(entries, parts)]
     return tuple(sorted(segments, key=lambda s: s.image_start))

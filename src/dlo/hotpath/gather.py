@@ -188,9 +188,13 @@ class BlockGather:
 
     def break_off(self, reason: str) -> None:
         """This rank is out of step with its peers: every later collective raises `reason`
-        instead of pairing with a peer's different one."""
+        instead of pairing with a peer's different one, and its heartbeat stops, so a peer
+        waiting in a collective this rank will never issue is told which rank is gone (See
+        [Note: dead ranks]) instead of waiting for the group's timeout."""
         if self._failed is None:
             self._failed = reason
+        if self.watch is not None:
+            self.watch.stop()
 
     def gather_full(self, shards: ShardLayout, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole (padded) block as a CPU tensor, on every rank (collectives, one a chunk),

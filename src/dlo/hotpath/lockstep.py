@@ -11,8 +11,6 @@ import torch
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import DiskShardSource, ShardedSource, ShardSource, restored_image
-from dlo.host.direct_reads import DIRECT_ALIGNMENT, READ_THREADS, DiskReader
-from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
 from dlo.hotpath.interrupts import ForcedInterrupt, interrupts_held
@@ -161,46 +159,34 @@ class LockstepRuntime(StreamingRuntime):
             self.executor.mark_free(self.queues[start.slot].state.slot)
             self.planner.end(index)
 
+    def close_call(self) -> None:
+        """Issue the collectives a call cut short (Ctrl-C while a block computed skips the
+        call's end) still owes its peers, while every source can still load: the read-ahead
+        of shards on disk is released before the blocks are restored."""
+        if self._cursor is not None:
+            with self._step():
+                self._end_call_here()
+
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable()): collectives, after those of a
         call Ctrl-C interrupted here, which its peers issued."""
         closing = self._cursor is not None
         with self._step():
             self._end_call_here()
-            with self._reader() as reader:
-                for index, block in enumerate(self.blocks):
-                    if isinstance(block.source, ShardedSource):
-                        block.point_at(restored_image(self.gathered(index, reader), block.layout, block.wire))
-                    else:
-                        block.restore()
+            for index, block in enumerate(self.blocks):
+                if isinstance(block.source, ShardedSource):
+                    block.point_at(restored_image(self.gathered(index), block.layout, block.wire))
+                else:
+                    block.restore()
         if closing:  # the call's closing loads (float8 finished on the gather's stream) end before the slots go
             self.executor.synchronize()
 
-    def gathered(self, index: int, reader: DiskReader | None = None) -> torch.Tensor:
+    def gathered(self, index: int) -> torch.Tensor:
         """Block `index`'s whole (padded) wire image as a CPU tensor, gathered from every
         rank's shard (collectives: every rank calls it at the same point). A shard on disk is
-        read first, with `reader` (or one of its own), into a buffer of its own: disable()
-        gathers after the read-ahead closed. A read that fails breaks off the rank's
-        collectives."""
+        read through the files' mapping (disable() gathers after the read-ahead closed)."""
         source = self.blocks[index].source
         if isinstance(source, ShardSource):
             return self.gather.gather_full(source.shards, source.pieces)
         assert isinstance(source, DiskShardSource)
-        try:
-            with contextlib.ExitStack() as stack:
-                if reader is None:
-                    reader = stack.enter_context(self._reader())
-                buffer = aligned_empty(source.buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
-                source.read(reader, buffer)
-                return self.gather.gather_full(source.shards, source.pieces_in(buffer))
-        except Exception as failure:
-            self.loads.break_off(f"block {self.blocks[index].name!r}'s shard was not read and gathered ({failure})")
-            raise
-
-    @contextlib.contextmanager
-    def _reader(self) -> Iterator[DiskReader]:
-        reader = DiskReader(READ_THREADS)
-        try:
-            yield reader
-        finally:
-            reader.close()
+        return self.gather.gather_full(source.shards, source.mapped_pieces())

@@ -148,12 +148,14 @@ class ReadAhead:
     def copy_out(self, index: int, executor: Executor, load: Callable[[torch.Tensor], BlockLoad]) -> LoadMarks:
         """Take block `index`'s buffer (`take`), run `load(buffer)`, which copies out of it,
         then give the buffer back with the event those copies end with."""
-        buffer = self.take(index)
+        buffer = None
         try:
+            buffer = self.take(index)
             return executor.run(load(buffer.tensor))
         finally:  # copies enqueued before a failure still read the buffer: it is reused after them
-            executor.record_copied_out(buffer.copied_out)
-            self.give_back(buffer)
+            if buffer is not None:
+                executor.record_copied_out(buffer.copied_out)
+                self.give_back(buffer)
 
     def _filled(self, index: int) -> ReadBuffer:
         with self._lock:

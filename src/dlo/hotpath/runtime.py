@@ -219,6 +219,10 @@ class StreamingRuntime:
             self.blocks[index].point_at(self.blocks[index].placeholders)
         self._on_host_now.clear()
 
+    def close_call(self) -> None:
+        """disable(), before anything is released: close a call an interrupt left open (See
+        LockstepRuntime); rank-local mode has nothing to close."""
+
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable())."""
         with self._step():
