@@ -150,7 +150,8 @@ def write_float8(directory: Path, target: Path, block_lists: list[str]) -> tuple
             else:
                 stored[name] = tensor
             if in_block:
-                block_bytes += sum(t.nbytes for key, t in stored.items() if key.startswith(name[: -len("weight")]))
+                scale_name = name[: -len("weight")] + "weight_scale"
+                block_bytes += stored[name].nbytes + (stored[scale_name].nbytes if scale_name in stored else 0)
         save_file(stored, target / path.name)
         weight_map.update(dict.fromkeys(stored, path.name))
     index = directory / "diffusion_pytorch_model.safetensors.index.json"
@@ -273,6 +274,7 @@ def main() -> None:
         shutil.rmtree(directory)
         directory = args.dir / f"{shape.name}-float8"
         model.load_state_dict(dequantized, strict=False)
+        del dequantized  # out of this process's RSS, which the rows report
     files = sorted(directory.glob("*.safetensors"))
     print(f"wrote {sum(f.stat().st_size for f in files) / GB:.2f} GB in {time.perf_counter() - started:.1f} s", flush=True)
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(args.seed + 1)), device)
