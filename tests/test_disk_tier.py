@@ -88,6 +88,27 @@ def ordinary(directory, name):
     return model
 
 
+def call_cut_by_a_timer(model, inputs, after_s):
+    """Call `model` with a timer that raises KeyboardInterrupt after `after_s` (as Ctrl-C
+    would), wherever the call then is; a call that ends first is simply done."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with torch.inference_mode():
+            signal.setitimer(signal.ITIMER_REAL, after_s)
+            try:
+                model(**inputs)
+                signal.setitimer(signal.ITIMER_REAL, 0)  # in the try: the timer may fire just before
+            except KeyboardInterrupt:
+                pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def budget_gib(files, fraction):
     return sum(f.stat().st_size for f in files) * fraction / GIB
 
@@ -315,28 +336,14 @@ def test_ctrl_c_at_any_instant_of_a_call_over_shards_on_disk_leaves_later_calls_
     model, plan = dlo.load_transformer(tmp_path / "flux")
     config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
     inputs = TINY_MODELS["flux"].inputs(1, torch.float32)
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        with dlo.enable(model, "cpu", config, plan=plan) as handle:
-            with torch.inference_mode():
-                started = time.perf_counter()
-                model(**inputs)
-                call_s = time.perf_counter() - started
-                signal.setitimer(signal.ITIMER_REAL, random.Random(seed).uniform(0.0, 1.5) * call_s)
-                try:
-                    model(**inputs)
-                    signal.setitimer(signal.ITIMER_REAL, 0)  # in the try: the timer may fire just before
-                except KeyboardInterrupt:
-                    pass
-            got = outputs(model, "flux")
-            disk = handle.stats().disk
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with dlo.enable(model, "cpu", config, plan=plan) as handle:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model(**inputs)
+            call_s = time.perf_counter() - started
+        call_cut_by_a_timer(model, inputs, random.Random(seed).uniform(0.0, 1.5) * call_s)
+        got = outputs(model, "flux")
+        disk = handle.stats().disk
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert disk is not None and len(disk.blocks) > 0
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, "flux"), expected))

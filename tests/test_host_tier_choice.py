@@ -4,7 +4,6 @@ calls on a real file system, bit-identical. See [Note: which blocks stay in RAM]
 
 import itertools
 import random
-import signal
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from dlo.backend import host_tier_choice
 from dlo.planning import host_tier
 from dlo.planning.host_tier import TierBlock, TierChoice, TierModel, choose_tier, simulate_tier
 from dlo.planning.residency import BlockCost, simulate
-from test_disk_tier import budget_gib, ordinary, outputs, save
+from test_disk_tier import budget_gib, call_cut_by_a_timer, ordinary, outputs, save
 from test_one_load_path import PACKAGE, _LineInterrupt
 
 pytest.importorskip("diffusers")
@@ -238,35 +237,21 @@ def test_ctrl_c_at_any_instant_of_the_measured_call_leaves_every_later_call_exac
     expected = outputs(ordinary(tmp_path / "flux", "flux"), "flux", (1, 2, 3))
     model, plan = dlo.load_transformer(tmp_path / "flux")
     inputs = dlo.models.tiny.TINY_MODELS["flux"].inputs(1, torch.float32)
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    try:
-        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, FRACTION)), plan=plan) as handle:
-            with torch.inference_mode():
-                model(**inputs)  # the warm-up call
-                started = time.perf_counter()
-                model(**inputs)
-                measured_s = time.perf_counter() - started
-            handle.disable()
-        model, plan = dlo.load_transformer(tmp_path / "flux")
-        with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, FRACTION)), plan=plan) as handle:
-            with torch.inference_mode():
-                model(**inputs)
-                signal.setitimer(signal.ITIMER_REAL, random.Random(seed).uniform(0.0, 1.5) * measured_s)
-                try:
-                    model(**inputs)
-                    signal.setitimer(signal.ITIMER_REAL, 0)  # in the try: the timer may fire just before
-                except KeyboardInterrupt:
-                    pass
-            got = outputs(model, "flux", (1, 2, 3, 1, 2, 3))
-            stats = handle.stats()
-            assert_nothing_left_behind(handle)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, FRACTION)), plan=plan) as handle:
+        with torch.inference_mode():
+            model(**inputs)  # the warm-up call
+            started = time.perf_counter()
+            model(**inputs)
+            measured_s = time.perf_counter() - started
+        handle.disable()
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib(files, FRACTION)), plan=plan) as handle:
+        with torch.inference_mode():
+            model(**inputs)
+        call_cut_by_a_timer(model, inputs, random.Random(seed).uniform(0.0, 1.5) * measured_s)
+        got = outputs(model, "flux", (1, 2, 3, 1, 2, 3))
+        stats = handle.stats()
+        assert_nothing_left_behind(handle)
     assert all(torch.equal(a, b) for a, b in zip(got, expected + expected))
     assert stats.disk.choice.state == "chosen"  # an interrupted choice is measured and made again
     assert stats.host_bytes + stats.disk.read_buffer_bytes <= stats.disk.budget_bytes
