@@ -268,7 +268,9 @@ def main() -> None:
     model = build_model(shape, args.seed, device)
     model.save_pretrained(directory)
     block_lists = list(dlo.discover(model).block_lists)
-    blocks_bytes = sum(p.numel() * p.element_size() for path in block_lists for p in model.get_submodule(path).parameters())
+    blocks_bytes = sum(
+        p.numel() * p.element_size() for path in block_lists for p in model.get_submodule(path).parameters()
+    )
     if args.float8:
         dequantized, blocks_bytes = write_float8(directory, args.dir / f"{shape.name}-float8", block_lists)
         shutil.rmtree(directory)

@@ -141,10 +141,12 @@ def _shard_tier(
         owned = list({id(o.tensor): o for o in owned_tensors(ref.module, adapter_modules(ref.module))}.values())
         sources = [bindings.get(f"{ref.name}.{o.name}") for o in owned]
         selected = quantized_tensors(module, ref, config)
-        specs = [
-            TensorSpec(o.name, tuple(s.shape), s.dtype) if s is not None else TensorSpec(o.name, tuple(o.tensor.shape), o.tensor.dtype)
+        # The runtime shape and dtype: the plan's for planned tensors (still meta here).
+        shaped = [
+            (tuple(s.shape), s.dtype) if s is not None else (tuple(o.tensor.shape), o.tensor.dtype)
             for o, s in zip(owned, sources)
         ]
+        specs = [TensorSpec(o.name, shape, dtype) for o, (shape, dtype) in zip(owned, shaped)]
         formats = [
             s.format if isinstance(s, QuantizedSource) else (fp8 if id(o.tensor) in selected else None)
             for o, s in zip(owned, sources)
@@ -159,8 +161,9 @@ def _shard_tier(
             reads.append(None)
             buffers.append(None)
             continue
-        reads.append(DiskShardSource.plan(segments, shards, group.rank).reads)
-        buffers.append(max(DiskShardSource.plan(segments, shards, r).buffer_bytes for r in range(group.size)))
+        every_rank = [DiskShardSource.plan(segments, shards, rank) for rank in range(group.size)]
+        reads.append(every_rank[group.rank].reads)
+        buffers.append(max(source.buffer_bytes for source in every_rank))
     unreadable = NOT_IN_A_FILE if checkpoint is None else (
         "no streamed block's shard can be read from disk: all-gather mode reads a shard's bytes as the files hold "
         "them, and every block needs a cast or weights quantized at enable() (load the model in the dtype it was "
@@ -242,9 +245,8 @@ class HostCopies:
         """Block `block`'s private copy (of the rank's shard, for a shard read from disk), read
         from `source`; `on_release` is given its release as soon as it holds pinned memory (a
         failed read releases it first)."""
-        shard = isinstance(source, DiskShardSource)
         with interrupts_held():  # a pinned buffer is never without its release
-            host = HostBuffer(source.shard_bytes if shard else block.wire.nbytes, self._pin)
+            host = HostBuffer(source.shard_bytes if isinstance(source, DiskShardSource) else block.wire.nbytes, self._pin)
             on_release(host.unpin)
         source.read(self._reader, self._scratch)
         if isinstance(source, DiskShardSource):

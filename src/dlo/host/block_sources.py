@@ -6,8 +6,9 @@ this rank's shard of the block, in host memory or read from the files on every u
 [Note: shards read from disk]
 Under `host_budget_gib` in all-gather mode, a rank reads from the files only its own bytes of
 a block on disk: the pieces of the padded wire image `ShardLayout.pieces(rank)` names, cut
-out of the segments the image is made of (dlo.host.image_segments), so the node's ranks
-together read each block once per use. The ranges are read with direct I/O into a read
+out of the segments the image is made of (dlo.host.image_segments), so across the group each
+byte of a block is read by one rank per use (and the 4 KiB pages at the edges of a rank's
+ranges, which direct I/O reads whole, by two). The ranges are read with direct I/O into a read
 buffer (dlo.host.direct_reads) and, on the reader's thread, copied into the shard's layout
 after them (its pieces one after another, as a private shard holds them), from where the
 load copies each piece into its place in the slot and the group all-gathers the rest, as
@@ -331,6 +332,6 @@ class DiskShardSource:
 
 BlockSource = PackedSource | MappedSource | DiskSource | ShardSource | DiskShardSource
 ReadSource = DiskSource | DiskShardSource
+"""A block read from its files on every use (See [Note: the disk tier] in dlo.hotpath.read_ahead)."""
 ShardedSource = ShardSource | DiskShardSource
 """All-gather mode: this rank's shard, in host memory or read from disk."""
-"""A block read from its files on every use (See [Note: the disk tier] in dlo.hotpath.read_ahead)."""
