@@ -13,6 +13,9 @@ warm-up forwards, --iters times each:
 enqueue close to wall and device well below it: the forward waits for the host's launches.
 With --cprofile, the dlo variants' forwards also run under cProfile (wall time per Python
 function, blocking C calls included) and the functions that took the most are printed.
+Variants beyond bench_gguf's, each removing one piece of dlo's per-block host work: "dlo fixed
+slots" (slots never shrink between size classes, so no refit after the first call), "dlo
+without probe" (no pre-hooks on the blocks' submodules).
 
   python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
 """
@@ -31,9 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gguf import VARIANTS, load_gguf, write_gguf  # noqa: E402
+from bench_gguf import VARIANTS, Dlo, load_gguf, write_gguf  # noqa: E402
 from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
 
+from dlo.hotpath import slot_queue  # noqa: E402
+
+SHRINK_BELOW = slot_queue._SHRINK_BELOW
 SLEEP_CYCLES = 2_000_000_000  # about a second at the H200's clock: longer than any issue here
 
 
@@ -70,6 +76,32 @@ def profile_forwards(variant: str, model, inputs, iters: int) -> None:
     profiler.disable()
     print(f"\n== {variant}: cProfile of {iters} forwards (seconds over all of them)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
+class DloFixedSlots(Dlo):
+    """dlo whose slots never shrink back between Flux's two size classes: no refit after the
+    first call, so each block's views in a slot are made once (the hot path's policy frees the
+    larger buffers during the smaller blocks' phase: See [Note: slots per size class])."""
+
+    def __init__(self, model, device, plan=None) -> None:
+        slot_queue._SHRINK_BELOW = 0.0  # this variant only: restored by close()
+        super().__init__(model, device, plan)
+
+    def close(self) -> None:
+        slot_queue._SHRINK_BELOW = SHRINK_BELOW
+        super().close()
+
+
+class DloWithoutProbe(Dlo):
+    """dlo without the pre-hooks on every submodule of the streamed blocks (See [Note: blocks
+    used outside their call]): what their dispatch costs the host a forward."""
+
+    def __init__(self, model, device, plan=None) -> None:
+        super().__init__(model, device, plan)
+        self.handle._probe.remove()
+
+
+VARIANTS = {**VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe}
 
 
 def main() -> None:
