@@ -15,7 +15,7 @@ With --cprofile, the dlo variants' forwards also run under cProfile (wall time p
 function, blocking C calls included) and the functions that took the most are printed.
 Variants beyond bench_gguf's, each removing one piece of dlo's per-block host work: "dlo fixed
 slots" (slots never shrink between size classes, so no refit after the first call), "dlo
-without probe" (no pre-hooks on the blocks' submodules).
+without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further ahead).
 
   python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
 """
@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import dlo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gguf import VARIANTS, Dlo, load_gguf, write_gguf  # noqa: E402
@@ -101,7 +103,15 @@ class DloWithoutProbe(Dlo):
         self.handle._probe.remove()
 
 
-VARIANTS = {**VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe}
+class DloFourSlots(Dlo):
+    """dlo with four slots (the default is two): loads may run further ahead of the compute."""
+
+    config = dlo.OffloadConfig(num_slots=4)
+
+
+VARIANTS = {
+    **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots,
+}
 
 
 def main() -> None:
