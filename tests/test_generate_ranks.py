@@ -3,6 +3,7 @@ SP writes what diffusers' own context parallelism makes without dlo, DP one outp
 equal to one process's with that rank's seed; every broken rule is refused before loading."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -83,6 +84,22 @@ def test_sequence_parallel_generate_writes_what_diffusers_context_parallelism_ma
     else:  # GIF: the same frames through the same encoder
         write_video(expected, tmp_path / "expected.gif", 16)
         assert np.array_equal(decoded(out), decoded(tmp_path / "expected.gif"))
+
+
+def test_data_parallel_generate_under_a_host_budget_reads_each_ranks_shards_from_disk(
+    tiny_flux_dir, tmp_path, capsys, forked_ranks
+):
+    """`--nproc 2 --host-budget-gib`: each rank keeps part of its shards and reads the others
+    from the transformer's files, and writes what one process makes with its seed."""
+    size = sum(f.stat().st_size for f in (tiny_flux_dir / "transformer").glob("*.safetensors"))
+    budget = f"{0.3 * size / 2**30:.9f}"
+    common = ["generate", str(tiny_flux_dir), "--prompt", "a red cube", "--device", "cpu", *flags("flux")]
+    out = tmp_path / "cube.png"
+    assert main([*common, "--seed", "5", "--nproc", "2", "--parallel", "dp", "--host-budget-gib", budget, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"shards, [1-5] of 5 from disk", printed)) == 2
+    assert main([*common, "--seed", "6", "--output", str(tmp_path / "single.png")]) == 0
+    assert np.array_equal(decoded(tmp_path / "cube.rank1.png"), decoded(tmp_path / "single.png"))
 
 
 def test_data_parallel_generate_writes_each_rank_what_one_process_makes_with_its_seed(

@@ -40,11 +40,20 @@ def render_stats(
                 h2d_text(s.h2d_gbps, device_type),
                 f"{s.exposed_copy_s / max(steps, 1) * 1e3:.1f} ms",
                 human_bytes(s.peak_device_bytes),
-                f"{s.backing} (registered)" if s.registered_bytes else s.backing,
+                _host_copy(s),
             ]
         )
     header = ["component", "blocks (+resident)", "streamed/step", "H2D", "exposed/step", "peak device", "host copy"]
     return f"{steps} steps in {seconds:.2f} s ({seconds / max(steps, 1):.3f} s/step) on {device}\n\n" + table(header, rows)
+
+
+def _host_copy(stats: dlo.OffloadStats) -> str:
+    """Where the streamed blocks' host copy lies, and under a host budget how many are read
+    from disk on every use."""
+    text = f"{stats.backing} (registered)" if stats.registered_bytes else stats.backing
+    if stats.disk is not None:
+        text += f", {len(stats.disk.blocks)} of {stats.streamed_blocks} from disk"
+    return text
 
 
 @dataclass(frozen=True)
