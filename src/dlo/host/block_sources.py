@@ -262,7 +262,8 @@ class DiskShardSource:
                 at, inner = piece.shard_start + low - piece.image_start, low - segment.image_start
                 if segment.file is None:
                     assert segment.private is not None
-                    fills.append(ShardFill(at, high - low, None, segment.private[inner : inner + high - low]))
+                    # A copy of the rank's part: a view would keep the whole tensor alive.
+                    fills.append(ShardFill(at, high - low, None, segment.private[inner : inner + high - low].clone()))
                     continue
                 start = segment.file_start + inner
                 fills.append(ShardFill(at, high - low, len(ranges), None))
