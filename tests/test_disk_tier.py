@@ -372,6 +372,23 @@ def test_disable_right_after_ctrl_c_in_a_block_closes_the_call_before_the_reads_
     assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
 
 
+def test_disable_after_a_file_was_cut_short_raises_instead_of_reading_its_mapping(tmp_path):
+    """disable() gathers the shards on disk again: read by path, a file cut short since
+    enable() fails with an error naming it (through the mapping, the read would end the process
+    with SIGBUS)."""
+    files = save(tmp_path / "flux", "flux")
+    model, plan = dlo.load_transformer(tmp_path / "flux")
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
+    handle = dlo.enable(model, "cpu", config, plan=plan)
+    outputs(model, "flux", (1,))
+    (path,) = files
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size // 8)
+    cut_short = r"diffusion_pytorch_model.safetensors is not the file dlo mapped .*resized"
+    with pytest.raises(dlo.StreamingError, match=cut_short):
+        handle.disable()
+
+
 def test_an_automatic_host_budget_is_refused_in_all_gather_mode():
     with pytest.raises(dlo.ConfigError, match="host_budget_gib='auto' measures each rank's free memory"):
         dlo.OffloadConfig(host_budget_gib="auto", use_allgather=True)

@@ -390,13 +390,13 @@ class OffloadHandle:
             except StreamingError as err:  # the module is disabled first, then it is raised
                 self._changes_settled = (err,)
             self._changes.write_back_resident()  # See [Note: editing a streamed block]
-        final = self.stats()
         runtime = self._runtime
         try:
             with torch.no_grad():
                 runtime.close_call()  # before the releases: its loads may read from disk
-        except StreamingError:  # the rank's collectives broke off: restore_blocks() raises it, after the releases
+        except StreamingError:  # the rank broke off: restore_blocks() raises why, after the releases
             pass
+        final = self.stats()  # synchronizes the device: nothing queued reads host memory after it
         registered = self._registration.registration
         errors = _release_host_memory(registered, self._releases)
         for hook in (*self._streamed_calls, *self._root_hooks):

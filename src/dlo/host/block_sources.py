@@ -244,7 +244,6 @@ class DiskShardSource:
     rank: int
     reads: BlockReads
     fills: tuple[ShardFill, ...]
-    ranges: tuple[tuple[SafetensorsFile, int], ...]  # per read range label: its file and first byte
 
     pinned = False
 
@@ -269,8 +268,7 @@ class DiskShardSource:
                 fills.append(ShardFill(at, high - low, len(ranges), None))
                 ranges.append((len(ranges), segment.file, start, start + high - low))
         # Only the rank's own bytes: the gaps between its ranges are its peers' pieces.
-        reads = BlockReads.of_ranges(ranges, merge_gap=0)
-        return cls(shards, rank, reads, tuple(fills), tuple((file, start) for _, file, start, _ in ranges))
+        return cls(shards, rank, BlockReads.of_ranges(ranges, merge_gap=0), tuple(fills))
 
     @property
     def shard_bytes(self) -> int:
@@ -303,19 +301,6 @@ class DiskShardSource:
         """The shard's pieces, as `ShardSource.pieces`, in a buffer `read` filled."""
         base = self.reads.nbytes
         return tuple(buffer[base + p.shard_start : base + p.shard_start + p.nbytes] for p in self.shards.pieces(self.rank))
-
-    def mapped_pieces(self) -> tuple[torch.Tensor, ...]:
-        """The shard's pieces in a new CPU tensor, filled through the files' mapping (a
-        one-off: disable(), an edit), as the mapping serves rank-local mode's restore."""
-        shard = torch.zeros(self.shard_bytes, dtype=torch.uint8)
-        for fill in self.fills:
-            if fill.label is None:
-                source = fill.private
-            else:
-                file, start = self.ranges[fill.label]
-                source = file.region(start, fill.nbytes)
-            CopyTask(shard[fill.shard_start : fill.shard_start + fill.nbytes], source).run()
-        return tuple(shard[p.shard_start : p.shard_start + p.nbytes] for p in self.shards.pieces(self.rank))
 
     def kept(self, buffer: torch.Tensor, host: HostBuffer) -> ShardSource:
         """The shard a `read` left in `buffer`, copied into `host` (shard_bytes): a shard

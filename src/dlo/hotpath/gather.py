@@ -190,9 +190,12 @@ class BlockGather:
         """This rank is out of step with its peers: every later collective raises `reason`
         instead of pairing with a peer's different one, and its heartbeat stops, so a peer
         waiting in a collective this rank will never issue is told which rank is gone (See
-        [Note: dead ranks]) instead of waiting for the group's timeout."""
-        if self._failed is None:
-            self._failed = reason
+        [Note: dead ranks]) instead of waiting for the group's timeout. A rank whose collective
+        already failed keeps that reason and its watch: the group is broken, and the watch
+        goes on naming lost peers."""
+        if self._failed is not None:
+            return
+        self._failed = reason
         if self.watch is not None:
             self.watch.stop()
 

@@ -11,6 +11,8 @@ import torch
 
 from dlo.errors import StreamingError
 from dlo.host.block_sources import DiskShardSource, ShardedSource, ShardSource, restored_image
+from dlo.host.direct_reads import DIRECT_ALIGNMENT, READ_THREADS, DiskReader
+from dlo.host.pinned_buffer import aligned_empty
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import Agreement, BlockGather, plan_digest
 from dlo.hotpath.interrupts import ForcedInterrupt, interrupts_held
@@ -162,17 +164,28 @@ class LockstepRuntime(StreamingRuntime):
     def close_call(self) -> None:
         """Issue the collectives a call cut short (Ctrl-C while a block computed skips the
         call's end) still owes its peers, while every source can still load: the read-ahead
-        of shards on disk is released before the blocks are restored."""
-        if self._cursor is not None:
+        of shards on disk is released before the blocks are restored. If that fails, the rank
+        breaks off, so restore_blocks() raises why."""
+        if self._cursor is None:
+            return
+        try:
             with self._step():
                 self._end_call_here()
+        except Exception as failure:
+            self.gather.break_off(f"rank {self.gather.rank} could not close the call an interrupt cut short ({failure})")
+            raise
 
     def restore_blocks(self) -> None:
         """Give every block ordinary CPU tensors (disable()): collectives, after those of a
         call Ctrl-C interrupted here, which its peers issued."""
         closing = self._cursor is not None
         with self._step():
-            self._end_call_here()
+            if self.gather.size > 1:
+                self.gather.raise_if_broken()  # first: a broken rank's loads would fail for another reason
+                self._end_call_here()
+            else:  # no peer waits for the rest of a call cut short: nothing to close
+                self.release_running()
+                self._cursor = None
             for index, block in enumerate(self.blocks):
                 if isinstance(block.source, ShardedSource):
                     block.point_at(restored_image(self.gathered(index), block.layout, block.wire))
@@ -184,9 +197,23 @@ class LockstepRuntime(StreamingRuntime):
     def gathered(self, index: int) -> torch.Tensor:
         """Block `index`'s whole (padded) wire image as a CPU tensor, gathered from every
         rank's shard (collectives: every rank calls it at the same point). A shard on disk is
-        read through the files' mapping (disable() gathers after the read-ahead closed)."""
+        read by path into a buffer of its own (disable() gathers after the read-ahead closed; a
+        file cut short since enable() then fails with an error, where its mapping would end the
+        process). A failure breaks the rank off: its peers are in that block's gather."""
+        if self.gather.size > 1:
+            self.gather.raise_if_broken()
         source = self.blocks[index].source
-        if isinstance(source, ShardSource):
-            return self.gather.gather_full(source.shards, source.pieces)
-        assert isinstance(source, DiskShardSource)
-        return self.gather.gather_full(source.shards, source.mapped_pieces())
+        try:
+            if isinstance(source, ShardSource):
+                return self.gather.gather_full(source.shards, source.pieces)
+            assert isinstance(source, DiskShardSource)
+            reader = DiskReader(READ_THREADS)
+            try:
+                buffer = aligned_empty(source.buffer_bytes, torch.device("cpu"), DIRECT_ALIGNMENT)
+                source.read(reader, buffer)
+            finally:
+                reader.close()
+            return self.gather.gather_full(source.shards, source.pieces_in(buffer))
+        except Exception as failure:
+            self.loads.break_off(f"block {self.blocks[index].name!r} was not gathered ({failure})")
+            raise
