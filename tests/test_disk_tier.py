@@ -372,10 +372,9 @@ def test_disable_right_after_ctrl_c_in_a_block_closes_the_call_before_the_reads_
     assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
 
 
-def test_disable_after_a_file_was_cut_short_raises_instead_of_reading_its_mapping(tmp_path):
-    """disable() gathers the shards on disk again: read by path, a file cut short since
-    enable() fails with an error naming it (through the mapping, the read would end the process
-    with SIGBUS)."""
+def _shards_on_disk_then_cut_short(tmp_path):
+    """All-gather in a group of one with 4 of 5 tiny Flux blocks read from disk, one call
+    made, then the checkpoint file cut to an eighth: (handle, model, files)."""
     files = save(tmp_path / "flux", "flux")
     model, plan = dlo.load_transformer(tmp_path / "flux")
     config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
@@ -384,6 +383,14 @@ def test_disable_after_a_file_was_cut_short_raises_instead_of_reading_its_mappin
     (path,) = files
     with open(path, "r+b") as file:
         file.truncate(path.stat().st_size // 8)
+    return handle, model, files
+
+
+def test_disable_after_a_file_was_cut_short_raises_instead_of_reading_its_mapping(tmp_path):
+    """disable() gathers the shards on disk again: read by path, a file cut short since
+    enable() fails with an error naming it (through the mapping, the read would end the process
+    with SIGBUS)."""
+    handle, _, _ = _shards_on_disk_then_cut_short(tmp_path)
     cut_short = r"diffusion_pytorch_model.safetensors is not the file dlo mapped .*resized"
     with pytest.raises(dlo.StreamingError, match=cut_short):
         handle.disable()
@@ -397,14 +404,7 @@ def test_an_automatic_host_budget_is_refused_in_all_gather_mode():
 def test_a_shard_read_that_fails_breaks_off_the_rank_with_the_file_named(tmp_path):
     """A read of a shard fails before its collective: the rank's collectives would no longer
     pair with its peers', so this and every later call raise, naming the file, then the fix."""
-    files = save(tmp_path / "flux", "flux")
-    model, plan = dlo.load_transformer(tmp_path / "flux")
-    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib(files, 0.9))
-    handle = dlo.enable(model, "cpu", config, plan=plan)
-    outputs(model, "flux", (1,))
-    (path,) = files
-    with open(path, "r+b") as file:
-        file.truncate(path.stat().st_size // 8)
+    handle, model, files = _shards_on_disk_then_cut_short(tmp_path)
     drop_pages(files)
     with pytest.raises(dlo.StreamingError, match="ended early"):
         outputs(model, "flux", (1,))
