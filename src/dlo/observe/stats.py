@@ -51,7 +51,7 @@ class HostTierStats:
     """Which blocks stay in host memory under host_budget_gib, chosen from a measured call
     (See [Note: which blocks stay in RAM]). state: "measuring" (the blocks as enable() spread
     them) until the measured call ended, then "chosen", or "kept" when no choice was applied
-    (`note` says why). predicted_call_s: the model's seconds per call for the choice;
+    (`note` says why; always in all-gather mode, which makes no choice). predicted_call_s: the model's seconds per call for the choice;
     measured_call_s: the measured call's, on the blocks of before, and predicted_before_s the
     model's for those; disk_gbps: the disk's rate in it; moved_to_disk / moved_to_ram: the
     blocks the choice moved (names; none when no split was predicted faster enough)."""
