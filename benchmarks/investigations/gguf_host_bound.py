@@ -16,6 +16,8 @@ function, blocking C calls included) and the functions that took the most are pr
 Variants beyond bench_gguf's, each removing one piece of dlo's per-block host work: "dlo fixed
 slots" (slots never shrink between size classes, so no refit after the first call), "dlo
 without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further ahead).
+"dlo timeline" records the device intervals and prints the last forward's blocks: copy,
+compute, the compute stream's idle time before each block, and whether its copy came late.
 
   python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
 """
@@ -109,9 +111,43 @@ class DloFourSlots(Dlo):
     config = dlo.OffloadConfig(num_slots=4)
 
 
+class DloTimeline(Dlo):
+    """dlo recording every copy's and block's device interval (`record_timeline`): after its
+    forwards, the last one's blocks are printed (see `print_block_timeline`)."""
+
+    config = dlo.OffloadConfig(record_timeline=True)
+
+
 VARIANTS = {
     **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots,
+    "dlo timeline": DloTimeline,
 }
+
+
+def print_block_timeline(handle: dlo.OffloadHandle) -> None:
+    """The last forward's streamed blocks on the device, in ms: each block's copy (the last one
+    that started before the block did) and compute, the compute stream's idle time before the
+    block, and how long after the previous block's end its copy landed (> 0: the block waited
+    for its copy)."""
+    handle.stats()  # settles the ledger
+    runtime = handle._runtime
+    timeline = runtime.ledger.timeline
+    computes = [i for i in timeline if i.track == "compute"][-len(runtime.blocks):]
+    rows, previous_end = [], None
+    for block in computes:
+        copies = [i for i in timeline if i.track == "copy" and i.name == block.name and i.start_s <= block.start_s]
+        copy = copies[-1] if copies else None
+        idle = block.start_s - previous_end if previous_end is not None else 0.0
+        late = copy.start_s + copy.duration_s - previous_end if copy and previous_end is not None else float("nan")
+        rows.append((block.name, copy.duration_s if copy else float("nan"), block.duration_s, idle, late))
+        previous_end = block.start_s + block.duration_s
+    print("\n| block | copy | compute | idle before | copy end - previous end |")
+    print("|---|---|---|---|---|")
+    for name, copy_s, compute_s, idle_s, late_s in rows:
+        print(f"| {name} | {copy_s * 1e3:.2f} | {compute_s * 1e3:.2f} | {idle_s * 1e3:.2f} | {late_s * 1e3:.2f} |")
+    span = previous_end - computes[0].start_s if computes else 0.0
+    compute_ms, idle_ms = sum(r[2] for r in rows) * 1e3, sum(r[3] for r in rows) * 1e3
+    print(f"blocks: compute {compute_ms:.1f} ms, idle between them {idle_ms:.1f} ms, first start to last end {span * 1e3:.1f} ms")
 
 
 def main() -> None:
@@ -142,6 +178,8 @@ def main() -> None:
                 session.streaming(2 * args.iters)  # a dlo session's close prints its CPU seconds from it
                 if args.cprofile:
                     profile_forwards(variant, session.model, inputs, args.iters)
+                if isinstance(session, DloTimeline):
+                    print_block_timeline(session.handle)
         finally:
             session.close()
         del session
