@@ -562,12 +562,22 @@ def cuda_cache_shards(rank: int, world: int, directory: str, cache_dir: str, chu
 SCENARIOS["cuda_cache_shards"] = cuda_cache_shards
 
 
-def interrupt_then_disable(rank: int, world: int) -> dict:
+def interrupt_then_disable(
+    rank: int, world: int, directory: str | None = None, budget_gib: float | None = None
+) -> dict:
     """Ctrl-C reaches rank 1 inside block 1 of a call (torch runs no end hook for it) while
-    rank 0 finishes the call; then each rank disables, as leaving `with dlo.enable(...)` does."""
+    rank 0 finishes the call; then each rank disables, as leaving `with dlo.enable(...)` does.
+    With `directory` and `budget_gib`: loaded from that checkpoint, shards beyond the budget
+    read from disk (the rest of rank 1's call reads them as disable() begins)."""
     reference = TINY_MODELS["sd3"].build(seed=1)
-    model = copy.deepcopy(reference)
-    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(use_allgather=True))
+    config = dlo.OffloadConfig(use_allgather=True, host_budget_gib=budget_gib)
+    if directory is None:
+        model = copy.deepcopy(reference)
+        handle = dlo.enable(model, "cpu", config)
+    else:
+        model, plan = dlo.load_transformer(directory, config)
+        handle = dlo.enable(model, "cpu", config, plan=plan)
+        assert handle.stats().disk is not None
     outcome = "ok"
     if rank == 1:
 

@@ -170,11 +170,19 @@ def test_a_block_run_after_the_last_one_fails_the_next_call_on_every_rank(tmp_pa
         assert "all-gather lockstep broken" in results[rank][2]
 
 
-def test_disable_after_ctrl_c_inside_a_call_issues_the_collectives_its_peers_issued(tmp_path):
+@pytest.mark.parametrize("shards", ["in memory", "on disk"])
+def test_disable_after_ctrl_c_inside_a_call_issues_the_collectives_its_peers_issued(tmp_path, shards):
     """disable() gathers every block (collectives): the interrupted rank first issues the rest
     of its call, as its peer did, or their collectives pair up wrongly (a crash on Gloo, wrong
-    weights or a hang on NCCL)."""
-    results, _ = run_ranks(tmp_path, "interrupt_then_disable", 2)
+    weights or a hang on NCCL). On disk: that rest reads shards before the reads stop."""
+    kwargs = {}
+    if shards == "on disk":
+        from dlo.models.tiny import TINY_MODELS
+
+        TINY_MODELS["sd3"].build(seed=1).save_pretrained(tmp_path / "sd3")
+        size = sum(f.stat().st_size for f in (tmp_path / "sd3").glob("*.safetensors"))
+        kwargs = dict(directory=str(tmp_path / "sd3"), budget_gib=0.4 * size / 2**30)
+    results, _ = run_ranks(tmp_path, "interrupt_then_disable", 2, **kwargs)
     assert_no_errors(results)
     assert [results[rank]["outcome"] for rank in (0, 1)] == ["ok", "interrupted"]
     assert results[0]["restored"] and results[1]["restored"]  # every gather paired with its peer's
