@@ -263,7 +263,7 @@ def read_ahead(
     if not is_active(disk):
         return None
     assert disk is not None
-    sources = {i: b.source for i, b in enumerate(streamed) if isinstance(b.source, (DiskSource, DiskShardSource))}
+    sources = {i: b.source for i, b in enumerate(streamed) if isinstance(b.source, ReadSource)}
     tier = disk.tier
     return ReadAhead(sources, DiskReader(READ_THREADS), tier.read_buffers, tier.read_buffer_bytes, pin, executor.staging_event)
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dlo.errors import StreamingError
-from dlo.host.block_sources import BlockSource, DiskShardSource, DiskSource
+from dlo.host.block_sources import BlockSource, ReadSource
 from dlo.hotpath.block_loads import BlockLoads
 from dlo.hotpath.executors import DeviceSlot, Executor
 from dlo.hotpath.gather import BlockGather
@@ -259,7 +259,7 @@ class StreamingRuntime:
         again by the next step) or reads of a block nobody takes, never a disk block whose load
         waits for reads nobody makes."""
         block, reads = self.blocks[index], self.read_ahead
-        read = isinstance(block.source, (DiskSource, DiskShardSource))
+        read = isinstance(block.source, ReadSource)
         if reads is not None and read:
             reads.add(index, block.source, streamed=index not in self.promoted)
         self.loads.use_block(index, block)
