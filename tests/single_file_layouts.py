@@ -93,3 +93,48 @@ def flux_original(state: dict[str, torch.Tensor], double: int, single: int) -> d
         out[f"{b}norm.query_norm.scale"] = state[f"{d}attn.norm_q.weight"]
         out[f"{b}norm.key_norm.scale"] = state[f"{d}attn.norm_k.weight"]
     return out
+
+
+MINIMAX_H3_RENAMES = [  # diffusers -> MiniMax-H3 (applied in order, on the key with a dot in front)
+    (".transformer_blocks.", ".blocks."),
+    (".token_refiner.refiner_blocks.", ".token_refiner.blocks."),
+    (".proj_in.", ".video_patch_proj."),  # before the time embedder's own proj_in is named
+    (".proj_out.", ".final_layer.video_out."),
+    (".time_embedder.linear_1.", ".time_embedder.proj_in."),
+    (".time_embedder.linear_2.", ".time_embedder.proj_out."),
+    (".audio_proj_in.", ".audio_patch_proj."),
+    (".context_embedder.", ".condition_proj."),
+    (".norm_out.norm.", ".final_layer.norm."),
+    (".norm_out.linear.", ".final_layer.adaln_proj.linear."),
+    (".audio_proj_out.", ".final_layer.audio_out."),
+    (".attn.norm_q.", ".attn.q_norm."),
+    (".attn.norm_k.", ".attn.k_norm."),
+    (".attn.to_out.0.", ".attn.out_proj."),
+    (".ff.net.0.proj.", ".mlp.fc1."),
+    (".ff.net.2.", ".mlp.fc2."),
+]
+
+
+def minimax_h3_original(state: dict[str, torch.Tensor], heads: int, head_dim: int, qkv_layout: str) -> dict[str, torch.Tensor]:
+    """MiniMax-H3's layout: q, k and v in one `qkv_proj` whose rows are `[q; k; v]` ("stacked",
+    the published single files) or `[q k v]` head by head ("interleaved", the original shards),
+    and the gated MLP's input projection `[gate; value]` where diffusers reads `[value; gate]`."""
+    out = {}
+    for key, tensor in state.items():
+        if key.endswith((".attn.to_k.weight", ".attn.to_v.weight")):
+            continue
+        if key.endswith(".attn.to_q.weight"):
+            q, k, v = (state[key.replace("to_q", f"to_{p}")] for p in "qkv")
+            if qkv_layout == "interleaved":
+                tensor = torch.stack([t.unflatten(0, (heads, head_dim)) for t in (q, k, v)], dim=1).flatten(0, 2)
+            else:
+                tensor = torch.cat([q, k, v])
+            key = key.replace("to_q", "qkv_proj")
+        elif key.endswith(".ff.net.0.proj.weight"):
+            value, gate = tensor.chunk(2, dim=0)
+            tensor = torch.cat([gate, value])
+        name = f".{key}"
+        for new, old in MINIMAX_H3_RENAMES:
+            name = name.replace(new, old)
+        out[name[1:]] = tensor.contiguous()
+    return out

@@ -86,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
     streamed = checked_components(model_dir, cls, index, dtype, args.components)
     if config.hbm_budget_gib is not None:
         plan_from_configs(model_dir, cls, index, dtype, config, call_dims(kwargs), streamed)  # refuses before any load
-    transformer_file, loras = checked_weight_files(args.transformer, args.lora, cls, transformer, cache_only)
+    transformer_file, loras = checked_weight_files(
+        args.transformer, args.lora, cls, transformer, cache_only, args.converter_option
+    )
     if args.gguf_kernels:
         check_gguf_kernels(transformer_file, device)
     job = GenerateJob(
         model_dir, cls, video, dtype, config, kwargs, args.compile, args.steps, args.fps, loras, transformer_file,
-        args.gguf_kernels, args.components,
+        args.gguf_kernels, args.components, tuple(args.converter_option or ()),
     )
     if parallel.mode is not None:
         return run_ranks(job, parallel, device.type, args.seed, output, args.verbose)

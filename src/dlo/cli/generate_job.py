@@ -73,6 +73,7 @@ class GenerateJob:
     transformer_file: Path | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
     gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
     components: tuple[str, ...] | str = ()  # --components: streamed beside the transformer ("auto", or names)
+    converter_options: tuple[tuple[str, str], ...] = ()  # --converter-option: for transformer_file's converter
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ def generate(
     output with non-finite values is refused (NonFiniteOutput) before anything is written."""
     kernels = None
     if job.transformer_file is not None:
-        transformer, plan = load_single_file(job.transformer_file, job.model_dir, job.dtype, job.config, "--transformer")
+        transformer, plan = load_single_file(
+            job.transformer_file, job.model_dir, job.dtype, job.config, "--transformer", job.converter_options
+        )
         kernels = dlo.use_gguf_kernels(transformer) if job.gguf_kernels else None
     else:
         transformer, plan = dlo.load_transformer(job.model_dir / "transformer", job.config, torch_dtype=job.dtype)

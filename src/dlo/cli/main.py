@@ -143,7 +143,21 @@ def _add_weight_files(parser: argparse.ArgumentParser, lora_type, lora_metavar: 
         help="dequantize the --transformer .gguf file's weights with dlo's Triton kernels (the same values as "
         "diffusers' torch dequantization, bit for bit, in one kernel launch per weight; needs Triton and CUDA)",
     )
+    parser.add_argument(
+        "--converter-option", action="append", type=converter_option, metavar="KEY=VALUE",
+        help="pass an option to diffusers' single-file converter of the --transformer file, one the file cannot tell "
+        "(e.g. qkv_layout=interleaved for a MiniMax-H3 file merged from its original shards); VALUE is a string; "
+        "repeat for several",
+    )
     parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
+
+
+def converter_option(text: str) -> tuple[str, str]:
+    """--converter-option KEY=VALUE."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.isidentifier() or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE, e.g. qkv_layout=interleaved")
+    return key, value
 
 
 def components_flag(text: str) -> str | tuple[str, ...]:

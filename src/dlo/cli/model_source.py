@@ -12,6 +12,7 @@ from torch import nn
 
 from dlo.cli.lora_flags import LoraFlag
 from dlo.errors import ConfigError, first_line
+from dlo.host.single_file_layout import check_converter_options
 from dlo.pipelines.lora_adapters import LORA_WEIGHTS_FILE, LoraFile, check_lora, lora_weights_file
 from dlo.pipelines.single_file import check_single_file
 
@@ -89,17 +90,32 @@ def _hub_lora_file(repo_id: str, flag: str) -> str:
 
 def checked_weight_files(
     transformer_flag: str | None, lora_flags: list[LoraFlag] | None, pipeline: type, transformer: nn.Module,
-    cache_only: str | None,
+    cache_only: str | None, converter_options: list[tuple[str, str]] | None = None,
 ) -> tuple[Path | None, tuple[LoraFile, ...]]:
-    """--transformer FILE and each --lora, found and checked against `transformer` (on the meta
-    device) before anything loads. An unnamed --lora (generate's) is adapter lora<i>."""
+    """--transformer FILE (with its --converter-option pairs) and each --lora, found and checked
+    against `transformer` (on the meta device) before anything loads. An unnamed --lora
+    (generate's) is adapter lora<i>."""
     transformer_file = Path(transformer_flag).expanduser() if transformer_flag else None
     if transformer_file is not None:
         check_single_file(transformer_file, "--transformer")
+    check_converter_flags(converter_options or [], transformer_file, type(transformer))
     loras = tuple(resolve_lora(flag, flag.name or f"lora{i}", cache_only) for i, flag in enumerate(lora_flags or ()))
     for lora in loras:
         check_lora(pipeline, transformer, lora)
     return transformer_file, loras
+
+
+def check_converter_flags(options: list[tuple[str, str]], transformer_file: Path | None, cls: type) -> None:
+    """Each --converter-option KEY once, with a --transformer file, and one its converter takes."""
+    if not options:
+        return
+    if transformer_file is None:
+        raise ConfigError("--converter-option passes options to the single-file converter of --transformer FILE; give one")
+    keys = [key for key, _ in options]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ConfigError(f"--converter-option {repeated[0]}=...: given twice; give each KEY once")
+    check_converter_options(cls, dict(options), "--converter-option")
 
 
 def check_gguf_kernels(transformer_file: Path | None, device: torch.device) -> None:

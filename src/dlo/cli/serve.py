@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if config.hbm_budget_gib is not None:  # each replica plans for the pipeline's default size
         plan_from_configs(model_dir, cls, index, dtype, config, streamed=streamed)
     transformer_file, loras = checked_weight_files(
-        args.transformer, args.lora, cls, transformer, "dlo serve does not download"
+        args.transformer, args.lora, cls, transformer, "dlo serve does not download", args.converter_option
     )
     if args.gguf_kernels:
         check_gguf_kernels(transformer_file, device)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     )
     spec = ReplicaSpec(
         str(model_dir), str(device), dtype, config, loras, str(transformer_file) if transformer_file else None,
-        args.gguf_kernels, args.components,
+        args.gguf_kernels, args.components, tuple(args.converter_option or ()),
     )
     specs = [dataclasses.replace(spec, device=d) for d in devices] if devices else [spec] * args.replicas
     server = ServerSpec(

@@ -4,6 +4,7 @@ straight from the checkpoint mapping when the preflight proves that is exact."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from dlo.host.single_file_load import (
     single_file_class,
     single_file_preflight,
 )
+from dlo.host.single_file_layout import check_converter_options
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
 from dlo.planning.gguf_weights import is_gguf_parameter, parameter_like
 from dlo.planning.offload_plan import discover
@@ -98,12 +100,14 @@ def _mapped(result: MappedLoad) -> tuple[nn.Module, HostWeightPlan]:
 
 
 def _load_single_file(
-    path: Path, config: OffloadConfig, torch_dtype: torch.dtype | None, model_config, fuse_qkv: bool, topology: Topology
+    path: Path, config: OffloadConfig, torch_dtype: torch.dtype | None, model_config, fuse_qkv: bool,
+    topology: Topology, converter_options: Mapping[str, object],
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """load_transformer of a single .safetensors or .gguf file. See [Note: single files through
     diffusers' converter] and [Note: GGUF files mapped]"""
     directory = config_directory(model_config, path)
-    single_file_class(path, directory)  # refuses another suffix or a class without a converter first
+    cls, _ = single_file_class(path, directory)  # refuses another suffix or a class without a converter first
+    check_converter_options(cls, converter_options)
     if path.suffix == GGUF_SUFFIX:
         check_gguf_file(path)  # the header, before anything maps or reads the file
         if fuse_qkv:
@@ -122,12 +126,12 @@ def _load_single_file(
             "and fp8_compute=False"
         )
     if not config.checkpoint_mmap:
-        return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv), None
+        return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv, converter_options), None
     result = topology_fallback(topology, read_model_config(directory))
     if result is None and config.fp8_compute:  # See [Note: fp8 compute]
         result = Fallback("unsupported_online_quantization", "fp8_compute quantizes the model's own weights at enable()")
     if result is None:
-        result = single_file_preflight(path, directory, torch_dtype, fuse_qkv)
+        result = single_file_preflight(path, directory, torch_dtype, fuse_qkv, converter_options)
         if isinstance(result, MappedLoad):
             return _mapped(result)
     if float8:
@@ -139,7 +143,7 @@ def _load_single_file(
         "dlo: checkpoint mmap fallback %s: %s; loading %s with diffusers' single-file loader",
         result.code, result.reason, path, extra={"dlo_fallback": result.code},
     )
-    return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv), None
+    return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv, converter_options), None
 
 
 def preflight(
@@ -178,6 +182,7 @@ def load_transformer(
     topology: Topology | None = None,
     loader_inputs: dict | None = None,
     model_config: str | Path | None = None,
+    converter_options: Mapping[str, object] | None = None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """Load a diffusers transformer (a model directory or a pipeline's `transformer/`), or a
     single `.safetensors` file (original key layout or diffusers') or `.gguf` file with
@@ -187,6 +192,8 @@ def load_transformer(
     diffusers' converter]; a GGUF file's packed bytes as they are, See [Note: GGUF files
     mapped]), else it is loaded by diffusers' `from_single_file` (fallback code logged).
     For a GGUF file, torch_dtype is the compute dtype (None: float32, as diffusers').
+    `converter_options`: options of diffusers' converter the file cannot tell (e.g. MiniMax-H3's
+    `{"qkv_layout": "interleaved"}`); one the class's converter does not take is refused.
 
     Returns `(model, plan)`. With a plan, the block tensors were NOT loaded: they stream
     from the read-only checkpoint mapping once `dlo.enable(model, device, config, plan=plan)`
@@ -210,9 +217,16 @@ def load_transformer(
     """
     config = OffloadConfig() if config is None else config
     if Path(model_dir).expanduser().is_file():
-        return _load_single_file(Path(model_dir).expanduser(), config, torch_dtype, model_config, fuse_qkv, topology or Topology())
+        return _load_single_file(
+            Path(model_dir).expanduser(), config, torch_dtype, model_config, fuse_qkv, topology or Topology(),
+            converter_options or {},
+        )
     if model_config is not None:
         raise ConfigError(f"model_config= gives a single file its config; {model_dir} is a directory with its own config.json")
+    if converter_options:
+        raise ConfigError(
+            f"converter_options= are for diffusers' single-file converter; {model_dir} is a directory in diffusers' layout"
+        )
     directory = find_transformer_dir(model_dir)
     # See [Note: fp8 streaming]. Only dlo's mapped load reads float8 weights with their
     # scales: diffusers' loader would cast the float8 values and drop the scales, so the files

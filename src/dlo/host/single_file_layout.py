@@ -19,18 +19,25 @@ So the conversion is diffusers' own, whatever the class, and a tensor is mapped 
 converter itself proved it a range of the file's bytes.
 Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
 scales, so a per-tensor scale follows its weight under every name a part of the weight took.
+A few converters take options the file cannot tell (MiniMax-H3's `qkv_layout`: its fused
+projection's rows stacked or interleaved per head); the caller's `converter_options` reach every
+run of the converter, and one it does not take is refused (diffusers would drop it unread).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dlo.errors import ConfigError
 from dlo.host.preflight import FLOAT8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
@@ -40,6 +47,7 @@ SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 # What ComfyUI's scaled fp8 files hold beside the weights and a diffusers model does not read:
 # the format marker (under the file's key prefix) and the activations' scales of its fp8 matmuls.
 IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input")
+NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,11 @@ class ConvertedLayout:
         return frozenset().union(*self.computed.values())
 
 
-def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict, model_keys: set[str]) -> ConvertedLayout:
-    """The file's tensors under the names of a model whose state dict has `model_keys`. See
-    [Note: single files through diffusers' converter]"""
+def converted_layout(
+    file: SafetensorsFile, model_cls: type, model_config: dict, model_keys: set[str], options: Mapping[str, object] = NO_OPTIONS
+) -> ConvertedLayout:
+    """The file's tensors under the names of a model whose state dict has `model_keys`, as the
+    converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not _ignored(key)}
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
         return ConvertedLayout(dict(kept), {})
@@ -65,7 +75,7 @@ def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict,
     with torch.inference_mode(False):
         stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
         with _Provenance(stand_ins, kept) as provenance:
-            converted = _convert(model_cls, model_config, dict(stand_ins))
+            converted = _convert(model_cls, model_config, dict(stand_ins), options)
     entries: dict[str, TensorEntry] = {}
     computed: dict[str, frozenset[str]] = {}
     for name, tensor in converted.items():
@@ -88,7 +98,9 @@ def converted_layout(file: SafetensorsFile, model_cls: type, model_config: dict,
     return ConvertedLayout(entries, computed)
 
 
-def computed_values(file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout) -> dict[str, torch.Tensor]:
+def computed_values(
+    file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout, options: Mapping[str, object] = NO_OPTIONS
+) -> dict[str, torch.Tensor]:
     """The tensors the converter computes, computed from the file's bytes. Only the file's
     tensors they are made of are read (copied: converters may write to their inputs); the
     others enter as stand-ins. See [Note: single files through diffusers' converter]"""
@@ -98,7 +110,7 @@ def computed_values(file: SafetensorsFile, model_cls: type, model_config: dict, 
         if not _ignored(key)
     }
     with torch.inference_mode(False):
-        converted = _convert(model_cls, model_config, inputs)
+        converted = _convert(model_cls, model_config, inputs, options)
     return {name: converted[name].contiguous() for name in layout.computed}
 
 
@@ -117,17 +129,42 @@ def private_file(values: dict[str, torch.Tensor], label: str) -> SafetensorsFile
         handle.close()  # the mapping keeps the unlinked file's pages
 
 
-def _convert(model_cls: type, model_config: dict, state_dict: dict) -> dict:
+def _converter(model_cls: type):
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-    convert = SINGLE_FILE_LOADABLE_CLASSES[model_cls.__name__]["checkpoint_mapping_fn"]
-    return convert(checkpoint=state_dict, config=model_config)
+    return SINGLE_FILE_LOADABLE_CLASSES[model_cls.__name__]["checkpoint_mapping_fn"]
+
+
+def _convert(model_cls: type, model_config: dict, state_dict: dict, options: Mapping[str, object]) -> dict:
+    return _converter(model_cls)(checkpoint=state_dict, config=model_config, **options)
 
 
 def has_converter(model_cls: type) -> bool:
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     return model_cls.__name__ in SINGLE_FILE_LOADABLE_CLASSES
+
+
+def converter_option_names(model_cls: type) -> tuple[str, ...]:
+    """The options diffusers' single-file converter of `model_cls` takes by name (none where
+    diffusers has no converter for it: loading a single file of it is refused)."""
+    if not has_converter(model_cls):
+        return ()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(_converter(model_cls)).parameters.values()
+    return tuple(p.name for p in parameters if p.kind in named and p.name not in ("checkpoint", "config"))
+
+
+def check_converter_options(model_cls: type, options: Mapping[str, object], label: str = "converter_options") -> None:
+    """Refuse in one line an option the converter does not take: diffusers passes a converter
+    only the options its signature names, so a misspelt one would be dropped unread."""
+    taken = converter_option_names(model_cls)
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        takes = f"takes {', '.join(taken)}" if taken else "takes no options"
+        raise ConfigError(
+            f"{label} {unknown[0]!r}: diffusers' single-file converter for {model_cls.__name__} {takes}"
+        )
 
 
 def _ignored(key: str) -> bool:

@@ -7,6 +7,7 @@ dlo.host.gguf_model."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def open_single_file(path: Path) -> SafetensorsFile:
 
 
 def single_file_preflight(
-    path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool
+    path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool, options: Mapping[str, object]
 ) -> MappedLoad | Fallback:
     """Like loader.preflight for a single file: a MappedLoad or the Fallback that says why
     not. The caller owns (and must close) the mapping of a MappedLoad. A GGUF file's model is
@@ -103,7 +104,7 @@ def single_file_preflight(
         names = set(skeleton(cls, model_config, False).state_dict())
         model = skeleton(cls, model_config, fuse_qkv)
         try:
-            layout = converted_layout(file, cls, model_config, names)
+            layout = converted_layout(file, cls, model_config, names, options)
         except Exception as err:  # diffusers' converters raise many kinds
             raise ConfigError(
                 f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); "
@@ -120,7 +121,7 @@ def single_file_preflight(
             )
         groups = [(file, layout.entries)]
         if layout.computed:
-            extra = private_file(computed_values(file, cls, model_config, layout), f"{path} (converted by diffusers)")
+            extra = private_file(computed_values(file, cls, model_config, layout, options), f"{path} (converted by diffusers)")
             files.append(extra)
             types = {name: {file.entries[key].ggml_type for key in keys} for name, keys in layout.computed.items()}
             mixed = [name for name, found in types.items() if len(found) > 1]
@@ -174,9 +175,11 @@ def holds_float8(path: Path) -> bool:
         file.close()
 
 
-def ordinary_single_file_load(path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool) -> nn.Module:
+def ordinary_single_file_load(
+    path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool, options: Mapping[str, object]
+) -> nn.Module:
     """diffusers' own single-file loader with the config of `directory` (a GGUF file's
-    GGUFQuantizationConfig computing in torch_dtype)."""
+    GGUFQuantizationConfig computing in torch_dtype), its converter given `options`."""
     import diffusers
 
     cls, _ = single_file_class(path, directory)
@@ -184,7 +187,7 @@ def ordinary_single_file_load(path: Path, directory: Path, torch_dtype: torch.dt
     if path.suffix == GGUF_SUFFIX:
         load["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=torch_dtype)
     try:
-        model = cls.from_single_file(str(path), config=str(directory), **load)
+        model = cls.from_single_file(str(path), config=str(directory), **load, **options)
     except Exception as err:  # diffusers' converters raise many kinds
         raise ConfigError(f"{path}: diffusers could not load it as a {cls.__name__} ({first_line(err)})") from None
     if fuse_qkv:

@@ -44,14 +44,17 @@ def check_single_file(path: Path, flag: str) -> None:
 
 
 def load_single_file(
-    path: Path, model_dir: Path, dtype: torch.dtype, config: OffloadConfig, flag: str
+    path: Path, model_dir: Path, dtype: torch.dtype, config: OffloadConfig, flag: str,
+    converter_options: tuple[tuple[str, str], ...] = (),
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """The transformer `model_dir/transformer/config.json` describes, from `path` in `dtype` (a
-    GGUF model's compute dtype), and its plan (dlo.load_transformer); a refusal is one
-    ConfigError naming `flag`."""
+    GGUF model's compute dtype), and its plan (dlo.load_transformer, its converter given
+    `converter_options`); a refusal is one ConfigError naming `flag`."""
     import dlo
 
     try:
-        return dlo.load_transformer(path, config, torch_dtype=dtype, model_config=model_dir / "transformer")
+        return dlo.load_transformer(
+            path, config, torch_dtype=dtype, model_config=model_dir / "transformer", converter_options=dict(converter_options)
+        )
     except (ConfigError, CheckpointError) as err:
         raise ConfigError(f"{flag} {err}") from None

@@ -43,6 +43,7 @@ class ReplicaSpec:
     transformer_file: str | None = None  # --transformer: a .gguf or single-file checkpoint instead of MODEL's
     gguf_kernels: bool = False  # --gguf-kernels: its GGUF weights dequantize with dlo's Triton kernels
     components: tuple[str, ...] | str = ()  # --components: streamed beside the transformer ("auto", or names)
+    converter_options: tuple[tuple[str, str], ...] = ()  # --converter-option: for transformer_file's converter
 
 
 class VideoFormat(enum.Enum):
@@ -205,7 +206,9 @@ def _load(spec: ReplicaSpec):
     model_dir = Path(spec.model_dir)
     cls, _ = pipeline_class(model_dir)
     if spec.transformer_file is not None:
-        transformer, plan = load_single_file(Path(spec.transformer_file), model_dir, spec.dtype, spec.config, "--transformer")
+        transformer, plan = load_single_file(
+            Path(spec.transformer_file), model_dir, spec.dtype, spec.config, "--transformer", spec.converter_options
+        )
         if spec.gguf_kernels:
             dlo.use_gguf_kernels(transformer)
     else:
