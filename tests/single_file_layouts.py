@@ -138,3 +138,54 @@ def minimax_h3_original(state: dict[str, torch.Tensor], heads: int, head_dim: in
             name = name.replace(new, old)
         out[name[1:]] = tensor.contiguous()
     return out
+
+
+SD3_TOP = {  # diffusers -> SD3's own names (and pos_embed.pos_embed -> pos_embed)
+    "pos_embed.proj": "x_embedder.proj",
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "context_embedder": "context_embedder",
+    "proj_out": "final_layer.linear",
+}
+SD3_BLOCK = {  # diffusers (under transformer_blocks.N.) -> SD3 (under joint_blocks.N.)
+    "attn.to_out.0": "x_block.attn.proj",
+    "attn.to_add_out": "context_block.attn.proj",
+    "norm1.linear": "x_block.adaLN_modulation.1",
+    "norm1_context.linear": "context_block.adaLN_modulation.1",
+    "ff.net.0.proj": "x_block.mlp.fc1",
+    "ff.net.2": "x_block.mlp.fc2",
+    "ff_context.net.0.proj": "context_block.mlp.fc1",
+    "ff_context.net.2": "context_block.mlp.fc2",
+}
+
+
+def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """SD3 keeps an output-norm modulation as [shift; scale], diffusers as [scale; shift]."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
+def sd3_original(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """SD3's own layout (joint blocks, fused q/k/v) without the dual attention or q/k norms."""
+    out = {}
+    for module, original in SD3_TOP.items():
+        for kind in ("weight", "bias"):
+            if f"{module}.{kind}" in state:
+                out[f"{original}.{kind}"] = state[f"{module}.{kind}"]
+    out["pos_embed"] = state["pos_embed.pos_embed"]
+    for kind in ("weight", "bias"):
+        out[f"final_layer.adaLN_modulation.1.{kind}"] = _swapped_halves(state[f"norm_out.linear.{kind}"])
+    for i in range(layers):
+        d, b = f"transformer_blocks.{i}.", f"joint_blocks.{i}."
+        last = i == layers - 1
+        for kind in ("weight", "bias"):
+            for module, original in SD3_BLOCK.items():
+                if f"{d}{module}.{kind}" in state:
+                    out[f"{b}{original}.{kind}"] = state[f"{d}{module}.{kind}"]
+            if last:  # the last block's context norm is an output norm
+                out[f"{b}context_block.adaLN_modulation.1.{kind}"] = _swapped_halves(state[f"{d}norm1_context.linear.{kind}"])
+            out[f"{b}x_block.attn.qkv.{kind}"] = torch.cat([state[f"{d}attn.to_{p}.{kind}"] for p in "qkv"])
+            out[f"{b}context_block.attn.qkv.{kind}"] = torch.cat([state[f"{d}attn.add_{p}_proj.{kind}"] for p in "qkv"])
+    return {key: tensor.contiguous() for key, tensor in out.items()}

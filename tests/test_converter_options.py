@@ -1,7 +1,9 @@
 """`dlo.load_transformer(FILE, converter_options=...)`: options of diffusers' single-file converter
 that a file cannot tell, here MiniMax-H3's `qkv_layout` (its fused q/k/v rows stacked, or
 interleaved head by head), reach the converter on every path; an option it does not take is
-refused in one line. See [Note: single files through diffusers' converter]."""
+refused in one line. MiniMax-H3's converter also swaps its gated MLP's halves (a `cat` of two
+ranges of the file), streamed from the mapping as a concatenation. See [Note: single files
+through diffusers' converter]."""
 
 import logging
 
@@ -22,7 +24,7 @@ HEADS, HEAD_DIM = 2, 16
 MINIMAX = dict(
     num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, num_layers=2,
     num_refiner_layers=1, ffn_dim=64, in_channels=4, audio_in_channels=4, text_dim=8, freq_dim=16,
-    time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=4,
+    time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2,
 )
 
 
@@ -34,31 +36,62 @@ def minimax_file(tmp_path, qkv_layout: str):
     return model, path, config_dir
 
 
-def differing(model, expected) -> list[str]:
-    got = model.state_dict()
-    return [name for name, tensor in expected.state_dict().items() if not torch.equal(got[name], tensor)]
+def minimax_inputs(seed: int) -> dict:
+    """8 video rows, 4 text rows, 3 audio rows in one packed sequence, at two timesteps."""
+    g = torch.Generator().manual_seed(seed)
+    video, text, audio = 8, 4, 3
+    rows = video + text + audio
+    return dict(
+        hidden_states=torch.randn(1, video, 16, generator=g), audio_hidden_states=torch.randn(1, audio, 4, generator=g),
+        encoder_hidden_states=torch.randn(1, text, 8, generator=g), timestep=torch.tensor([0.3, 1.0]),
+        timestep_indices=torch.tensor([0] * video + [1] * text + [0] * audio),
+        token_tags=torch.tensor([0] * video + [1] * text + [2] * audio),
+        position_ids=torch.stack([torch.zeros(rows, dtype=torch.long), torch.arange(rows) // 4, torch.arange(rows) % 4], 1),
+        video_indices=torch.arange(video), text_indices=torch.arange(video, video + text),
+        audio_indices=torch.arange(video + text, rows), return_dict=False,
+    )
+
+
+def outputs(model, plan=None) -> list[torch.Tensor]:
+    """Video and audio outputs for two inputs: resident, or streamed by dlo with `plan`."""
+    if plan is None:
+        with torch.inference_mode():
+            return [t for seed in (1, 2) for t in model(**minimax_inputs(seed))]
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan), torch.inference_mode():
+        return [t for seed in (1, 2) for t in model(**minimax_inputs(seed))]
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("qkv_layout", ["stacked", "interleaved"])
-def test_the_option_reaches_the_converter_and_the_weights_are_the_models(tmp_path, caplog, qkv_layout):
-    """A file written with either row order loads to exactly the model it was written from when
-    the option says which; the gated MLP's swap (a `cat`) makes block tensors diffusers computes,
-    so the load falls back to diffusers' single-file loader, and the option must reach it too."""
-    expected, path, config_dir = minimax_file(tmp_path, qkv_layout)
+def test_the_option_reaches_the_converter_and_the_stream_equals_diffusers(tmp_path, caplog, qkv_layout):
+    """A file written with either row order streams equal to diffusers' own single-file model
+    given the same option, and to the model it was written from. Stacked rows are ranges of the
+    file and stream from its mapping; interleaved ones are strided views of the fused tensor,
+    which diffusers' loader computes (fallback), and the option must reach it too."""
+    written, path, config_dir = minimax_file(tmp_path, qkv_layout)
+    reference = MiniMax.from_single_file(str(path), config=str(config_dir), qkv_layout=qkv_layout).eval()
+    expected = outputs(reference)
+    assert equal(expected, outputs(written))
     with caplog.at_level(logging.WARNING, logger="dlo"):
         model, plan = dlo.load_transformer(path, model_config=config_dir, converter_options={"qkv_layout": qkv_layout})
-    assert plan is None and "checkpoint_plan_incompatible" in caplog.text
-    assert differing(model, expected) == []
-    # The rows read the other way: every block's q, k and v come out wrong (so the option did matter).
+    if qkv_layout == "stacked":
+        assert plan is not None and plan.backing == "checkpoint_mmap"
+    else:
+        assert plan is None and "'transformer_blocks.0.attn.to_q.weight'" in caplog.text
+    assert equal(expected, outputs(model, plan))
+    # The rows read the other way give other outputs: the comparison can fail.
     other = "stacked" if qkv_layout == "interleaved" else "interleaved"
-    misread, _ = dlo.load_transformer(path, model_config=config_dir, converter_options={"qkv_layout": other})
-    assert {name.rsplit(".", 2)[-2] for name in differing(misread, expected)} == {"to_q", "to_k", "to_v"}
+    misread, plan = dlo.load_transformer(path, model_config=config_dir, converter_options={"qkv_layout": other})
+    assert not equal(expected, outputs(misread, plan))
 
 
 def test_a_file_left_to_the_default_reads_stacked_rows(tmp_path):
-    expected, path, config_dir = minimax_file(tmp_path, "stacked")
-    model, _ = dlo.load_transformer(path, model_config=config_dir)
-    assert differing(model, expected) == []
+    written, path, config_dir = minimax_file(tmp_path, "stacked")
+    model, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert equal(outputs(written), outputs(model, plan))
 
 
 def test_the_option_reaches_the_provenance_run(tmp_path):
@@ -77,6 +110,18 @@ def test_the_option_reaches_the_provenance_run(tmp_path):
     assert q in stacked.entries and q not in stacked.computed
     assert q in interleaved.computed and q not in interleaved.entries
     assert interleaved.computed[q] == {"blocks.0.attn.qkv_proj.weight"}
+    # The gated MLP's halves swapped ([gate; value] in the file): two ranges of it, value first.
+    ff = "transformer_blocks.0.ff.net.0.proj.weight"
+    fc1 = SafetensorsFile(path)
+    try:
+        whole = fc1.entries["blocks.0.mlp.fc1.weight"]
+    finally:
+        fc1.close()
+    value, gate = (stacked.entries[part] for part in stacked.concatenated[ff])
+    assert (value.begin, value.end, gate.begin, gate.end) == (
+        whole.begin + whole.nbytes // 2, whole.end, whole.begin, whole.begin + whole.nbytes // 2
+    )
+    assert value.shape == gate.shape == (MINIMAX["ffn_dim"], MINIMAX["hidden_size"])
 
 
 def test_an_option_the_converter_does_not_take_is_refused_naming_the_ones_it_does(tmp_path):
@@ -115,8 +160,8 @@ def test_the_command_line_passes_the_options_to_the_loader(tmp_path):
     model_dir.mkdir()
     config_dir.rename(model_dir / "transformer")
     options = (("qkv_layout", "interleaved"),)
-    model, _ = load_single_file(path, model_dir, torch.float32, dlo.OffloadConfig(), "--transformer", options)
-    assert differing(model, expected) == []
+    model, plan = load_single_file(path, model_dir, torch.float32, dlo.OffloadConfig(), "--transformer", options)
+    assert equal(outputs(expected), outputs(model, plan))
     with pytest.raises(dlo.ConfigError, match=r"^--transformer converter_options 'layout'"):
         load_single_file(path, model_dir, torch.float32, dlo.OffloadConfig(), "--transformer", (("layout", "x"),))
 

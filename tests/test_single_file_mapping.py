@@ -12,7 +12,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux_original, wan_original
+from single_file_layouts import flux_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -83,14 +83,14 @@ def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path,
 
 def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(tmp_path):
     """The BFL layout fuses q, k, v (and the MLP's input, in single blocks): diffusers' converter
-    splits them along the rows, so each part is a range of the file; its final norm is
-    rebuilt (shift and scale swapped) and held in a small converted file beside it."""
+    splits them along the rows, so each part is a range of the file; its final norm's shift and
+    scale are swapped (a `cat` of the two halves of one tensor): two ranges, concatenated."""
     cls = diffusers.FluxTransformer2DModel
     model = random_model(cls, FLUX_WIDE, torch.bfloat16)
     path, config_dir = write(tmp_path, "flux", model, lambda state: flux_original(state, 1, 1))
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
     plan, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
-    assert stats.mapped_bytes > path.stat().st_size  # and the converted norm's small file
+    assert stats.mapped_bytes == path.stat().st_size  # no converted file beside it
     file = SafetensorsFile(path)
     try:
         with torch.inference_mode():  # where a caller may be: views made in it have no base
@@ -99,9 +99,32 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
         assert layout.entries["transformer_blocks.0.attn.to_k.weight"].begin == whole.begin + whole.nbytes // 3
         linear1 = file.entries["single_blocks.0.linear1.weight"]
         assert layout.entries["single_transformer_blocks.0.proj_mlp.weight"].end == linear1.end
-        assert tuple(layout.computed) == ("norm_out.linear.weight", "norm_out.linear.bias")
+        assert layout.computed == {}
+        norm = file.entries["final_layer.adaLN_modulation.1.weight"]  # [shift; scale]
+        scale, shift = (layout.entries[part] for part in layout.concatenated["norm_out.linear.weight"])
+        assert (scale.begin, shift.begin, shift.end) == (norm.begin + norm.nbytes // 2, norm.begin, scale.begin)
     finally:
         file.close()
+
+
+def test_an_sd3_file_streams_its_last_blocks_swapped_norm_as_a_concatenation(tmp_path):
+    """SD3's converter swaps the halves of the last block's context norm (a block tensor): two
+    ranges of the file, concatenated when the block is packed, so the whole file streams from
+    its mapping (before, that one tensor left the file to diffusers' loader)."""
+    entry = TINY_MODELS["sd3"]
+    model = entry.build(seed=2)
+    layers = model.config.num_layers
+    path, config_dir = write(tmp_path, "sd3", model, lambda state: sd3_original(state, layers))
+    inputs = [entry.inputs(seed) for seed in (1, 2)]
+    assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    file = SafetensorsFile(path)
+    try:
+        layout = converted_layout(file, type(model), dict(model.config), set(model.state_dict()))
+    finally:
+        file.close()
+    assert layout.computed == {}
+    last = f"transformer_blocks.{layers - 1}.norm1_context.linear"
+    assert set(layout.concatenated) == {f"{last}.weight", f"{last}.bias", "norm_out.linear.weight", "norm_out.linear.bias"}
 
 
 def test_a_file_that_cannot_be_mapped_loads_with_diffusers_and_says_why(tmp_path, caplog):
@@ -215,11 +238,15 @@ def test_generate_with_a_single_file_transformer_streams_it_from_its_mapping(tin
     assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
 
 
-def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path):
-    """The disk tier reads a single file's blocks by the ranges the converter found."""
-    entry = TINY_MODELS["wan"]
+@pytest.mark.parametrize("name", ["wan", "sd3"])
+def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path, name):
+    """The disk tier reads a single file's blocks by the ranges the converter found (SD3's last
+    block: two of them concatenated)."""
+    entry = TINY_MODELS[name]
     model = entry.build(seed=2)
-    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    layers = model.config.num_layers
+    layout = wan_original if name == "wan" else lambda state: sd3_original(state, layers)
+    path, config_dir = write(tmp_path, name, model, layout)
     inputs = [entry.inputs(seed) for seed in (1, 2)]
     expected = run(reference(path, config_dir, type(model), torch.float32), inputs)
     loaded, plan = dlo.load_transformer(path, model_config=config_dir)
@@ -229,6 +256,8 @@ def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path):
         disk = handle.stats().disk
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert disk is not None and len(disk.blocks) > 0 and disk.read_bytes > 0
+    if name == "sd3":
+        assert f"transformer_blocks.{layers - 1}" in disk.blocks, disk.blocks
 
 
 def doubling_one_block_weight(monkeypatch, name):

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -63,11 +64,17 @@ class Fallback:
 def mapped_load(
     directory: Path, model: nn.Module, offload_plan: OffloadPlan, checkpoint: Checkpoint,
     runtime_dtype: Callable[[str, torch.dtype], torch.dtype],
+    concatenated: Mapping[str, tuple[str, ...]] = MappingProxyType({}),
 ) -> MappedLoad | Fallback:
     """The skeleton `model` with `checkpoint` planned as its sources, or why not; the checkpoint
-    is closed unless a MappedLoad (whose caller then owns it) is returned."""
+    is closed unless a MappedLoad (whose caller then owns it) is returned. `concatenated`: tensors
+    the checkpoint holds in parts (name -> the parts' keys, joined along dim 0)."""
     try:
-        sources = plan_checkpoint_sources(model, offload_plan, checkpoint, runtime_dtype, fused_projection_keys(model))
+        fused = {
+            name: tuple(part for key in keys for part in concatenated.get(key, (key,)))
+            for name, keys in fused_projection_keys(model).items()
+        }
+        sources = plan_checkpoint_sources(model, offload_plan, checkpoint, runtime_dtype, {**concatenated, **fused})
     except BaseException:
         checkpoint.close()
         raise

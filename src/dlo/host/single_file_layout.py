@@ -10,7 +10,13 @@ made of:
 - an input as it is (a rename), or a contiguous view of one (a split along the rows, a
   reshape): an entry of the file under its diffusers name, its bytes where they lie. The
   checkpoint then maps, registers and reads it as it does a diffusers file;
-- anything else (a `cat`, a transposed or strided view, a cast, a tensor written in place):
+- a `cat` along the rows of such ranges in another order (a fused projection's halves
+  swapped: SD3's last context norm, Mochi's and MiniMax-H3's gated MLPs): one entry per part
+  (`<name>#<i>`), joined by the declared "concat" adapter that fuse_qkv uses, so the block
+  still streams from the mapping (packed on the host) instead of leaving the file to diffusers'
+  loader. Parts of GGUF or float8 tensors are computed instead (their types and scales are per
+  tensor);
+- anything else (a transposed or strided view, a cast, a tensor written in place):
   computed. Computed tensors outside the blocks are computed once from the file's own bytes
   (only the tensors they are made of are read), by the same converter, and held in a small
   private file beside it; a computed block tensor leaves the file to diffusers' ordinary
@@ -56,6 +62,7 @@ class ConvertedLayout:
 
     entries: dict[str, TensorEntry]  # where each mapped tensor lies in the file
     computed: dict[str, frozenset[str]]  # converted by arithmetic (not a range of the file) -> the file's keys it is made of
+    concatenated: dict[str, tuple[str, ...]]  # a cat of ranges -> its parts' entries, in order (dim 0)
 
     @property
     def made_from(self) -> frozenset[str]:
@@ -70,7 +77,7 @@ def converted_layout(
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not _ignored(key)}
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
-        return ConvertedLayout(dict(kept), {})
+        return ConvertedLayout(dict(kept), {}, {})
     # Outside inference mode: views of inference tensors have no `_base` to follow.
     with torch.inference_mode(False):
         stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
@@ -78,8 +85,15 @@ def converted_layout(
             converted = _convert(model_cls, model_config, dict(stand_ins), options)
     entries: dict[str, TensorEntry] = {}
     computed: dict[str, frozenset[str]] = {}
+    concatenated: dict[str, tuple[str, ...]] = {}
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
+        parts = provenance.parts_of(tensor) if where is None else None
+        if parts is not None and all(kept[r.key].ggml_type is None and kept[r.key].dtype not in FLOAT8 for r, _ in parts):
+            concatenated[name] = tuple(f"{name}#{i}" for i in range(len(parts)))
+            for part, (held, shape) in zip(concatenated[name], parts):
+                entries[part] = TensorEntry(part, tensor.dtype, shape, held.begin, held.begin + math.prod(shape) * tensor.element_size())
+            continue
         float8 = where is not None and kept[where.key].dtype in FLOAT8
         scale_key = _scale_key(kept, where.key) if float8 else None
         scale = kept.get(scale_key) if scale_key is not None else None
@@ -95,7 +109,7 @@ def converted_layout(
             named = name.rsplit(".", 1)[0] + scale_key[len(where.key.rsplit(".", 1)[0]):]
             if named not in converted:
                 entries[named] = scale
-    return ConvertedLayout(entries, computed)
+    return ConvertedLayout(entries, computed, concatenated)
 
 
 def computed_values(
@@ -187,7 +201,8 @@ class _Provenance(TorchDispatchMode):
     """While the converter runs on stand-ins: what each tensor is made of (the file's keys),
     and which tensors hold, in order, a contiguous range of the file's bytes. Views carry a
     range (their base's, moved by their offset), and so do the copies converters make of one
-    (`torch.cat([part])`, a clone) or of adjacent ranges concatenated along the rows; anything
+    (`torch.cat([part])`, a clone) or of adjacent ranges concatenated along the rows. A `cat`
+    along the rows of ranges that do not follow each other holds its parts' ranges. Anything
     else, and any tensor written in place (or a view of one), holds none."""
 
     _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.cat.default, torch.ops.aten._to_copy.default)
@@ -195,6 +210,7 @@ class _Provenance(TorchDispatchMode):
     def __init__(self, stand_ins: dict[str, torch.Tensor], entries: dict[str, TensorEntry]) -> None:
         super().__init__()
         self._ranges = {id(t): _Range(key, entries[key].begin) for key, t in stand_ins.items()}
+        self._parts: dict[int, tuple[tuple[_Range, tuple[int, ...]], ...]] = {}
         self._keys = {id(t): frozenset((key,)) for key, t in stand_ins.items()}
         self._written: set[int] = set()
         self._alive: list[torch.Tensor] = list(stand_ins.values())  # keeps the ids above from being reused
@@ -210,6 +226,12 @@ class _Provenance(TorchDispatchMode):
             return None
         start = self._ranges[id(base)]
         return _Range(start.key, start.begin + tensor.storage_offset() * tensor.element_size())
+
+    def parts_of(self, tensor: torch.Tensor) -> tuple[tuple[_Range, tuple[int, ...]], ...] | None:
+        """The ranges, with their shapes, a `cat` of ranges holds one after another, or None."""
+        if id(tensor) in self._written:
+            return None
+        return self._parts.get(id(tensor))
 
     def made_from(self, tensor: torch.Tensor) -> frozenset[str]:
         base = tensor if tensor._base is None else tensor._base
@@ -237,8 +259,11 @@ class _Provenance(TorchDispatchMode):
             dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) if cat else 0
             ranges = [self.range_of(part) for part in parts]
             same = all(part.dtype == out.dtype for part in parts) and out.device.type == "meta"
-            if same and dim in (0, -out.dim()) and None not in ranges and _adjacent(parts, ranges):
-                self._ranges[id(out)] = ranges[0]
+            if same and dim in (0, -out.dim()) and None not in ranges:
+                if _adjacent(parts, ranges):
+                    self._ranges[id(out)] = ranges[0]
+                elif len(parts) > 1:
+                    self._parts[id(out)] = tuple((r, tuple(part.shape)) for r, part in zip(ranges, parts))
         return out
 
 

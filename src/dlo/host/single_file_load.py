@@ -148,7 +148,7 @@ def single_file_preflight(
         for opened in files:
             opened.close()
         raise
-    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype)
+    return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype, layout.concatenated)
 
 
 def _float_dtype(path: Path) -> torch.dtype | None:
