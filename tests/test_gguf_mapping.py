@@ -13,7 +13,7 @@ import dlo
 from dlo.host.gguf_file import GgufFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux_original, wan_original
+from single_file_layouts import flux_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
@@ -208,6 +208,33 @@ def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(tmp_
     finally:
         file.close()
     assert mapping.tensors["transformer_blocks.0.attn.to_k.weight"].file.path == path
+
+
+@pytest.mark.parametrize("quant_type", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_an_sd3_gguf_file_streams_its_last_blocks_swapped_norm_as_packed_parts(tmp_path, quant_type):
+    """SD3's converter swaps the halves of the last block's context norm: with its Linear weight
+    packed, the two halves are packed rows of the file (a quant block never spans rows), joined
+    as they are; diffusers' loader joins the same bytes before it dequantizes them."""
+    torch.manual_seed(0)
+    entry = TINY_MODELS["sd3"]
+    width = 256 if quant_type == Q.Q4_K else None  # the K-quants' 256-value blocks
+    config = dict(entry.config, **({"attention_head_dim": 128, "caption_projection_dim": width,
+                                    "joint_attention_dim": width} if width else {}))
+    model = diffusers.SD3Transformer2DModel(**config)
+    model.save_config(tmp_path)
+    layers = model.config.num_layers
+    path = write_gguf(model, tmp_path / "sd3.gguf", quant_type, layout=lambda state: sd3_original(state, layers))
+    del model
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    if width:
+        inputs = [dict(kwargs, encoder_hidden_states=torch.randn(1, 4, width, dtype=torch.bfloat16)) for kwargs in inputs]
+    expected = run(load_gguf(path, tmp_path, "SD3Transformer2DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    norm = f"transformer_blocks.{layers - 1}.norm1_context.linear.weight"
+    parts = [mapping.tensors[f"{norm}#{i}"] for i in range(2)]
+    assert {(part.entry.ggml_type, part.file.path) for part in parts} == {(quant_type.name, path)}
+    assert adapters == {"concat": 2}  # the norm's weight and bias
 
 
 def test_a_float16_gguf_file_computed_in_bfloat16_streams_its_casts_as_adapters(tmp_path):

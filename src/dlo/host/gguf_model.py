@@ -52,26 +52,27 @@ def dequantized(view: torch.Tensor, ggml_type: str) -> torch.Tensor:
     return dequantize_gguf_tensor(GGUFParameter(view.clone(), quant_type=_quant(ggml_type))).to(torch.float32)
 
 
-def as_gguf_skeleton(model: nn.Module, entries: dict[str, TensorEntry], compute_dtype: torch.dtype) -> None:
-    """Turn the meta skeleton `model` into diffusers' GGUF model of a file whose tensors (by
-    diffusers name) are `entries`: each Linear whose weight is packed becomes a GGUFLinear with
-    a meta GGUFParameter weight of the packed shape its quant type gives the layer's shape (a
-    file whose bytes disagree fails the preflight; diffusers' loader, given it then, refuses it)."""
+def as_gguf_skeleton(model: nn.Module, packed: dict[str, tuple[tuple[int, ...], str]], compute_dtype: torch.dtype) -> None:
+    """Turn the meta skeleton `model` into diffusers' GGUF model of a file whose packed tensors
+    (by diffusers name) are `packed` (packed shape, ggml type): each Linear whose weight is
+    packed becomes a GGUFLinear with a meta GGUFParameter weight of the packed shape its quant
+    type gives the layer's shape (a file whose bytes disagree fails the preflight; diffusers'
+    loader, given it then, refuses it)."""
     import gguf
     from diffusers import GGUFQuantizationConfig
     from diffusers.quantizers import DiffusersAutoQuantizer
     from diffusers.quantizers.gguf.utils import GGUFLinear
 
-    packed = {name: packed_stand_in(entry.shape, entry.ggml_type) for name, entry in entries.items() if entry.ggml_type}
+    stand_ins = {name: packed_stand_in(shape, ggml_type) for name, (shape, ggml_type) in packed.items()}
     # diffusers' own quantizer, as its loader runs it: the Linears replaced, and the model
     # marked quantized (diffusers then refuses to cast it, as it refuses its own GGUF model).
     quantizer = DiffusersAutoQuantizer.from_config(GGUFQuantizationConfig(compute_dtype=compute_dtype))
-    quantizer.preprocess_model(model=model, device_map=None, state_dict=packed, keep_in_fp32_modules=kept_in_fp32(type(model)))
+    quantizer.preprocess_model(model=model, device_map=None, state_dict=stand_ins, keep_in_fp32_modules=kept_in_fp32(type(model)))
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     for name, module in model.named_modules():
         if isinstance(module, GGUFLinear):
-            ggml_type = entries[f"{name}.weight"].ggml_type
+            _, ggml_type = packed[f"{name}.weight"]
             block, type_bytes = gguf.GGML_QUANT_SIZES[_quant(ggml_type)]
             shape = (module.out_features, module.in_features // block * type_bytes)
             module._parameters["weight"] = packed_stand_in(shape, ggml_type)

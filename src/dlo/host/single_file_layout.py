@@ -14,8 +14,9 @@ made of:
   swapped: SD3's last context norm, Mochi's and MiniMax-H3's gated MLPs): one entry per part
   (`<name>#<i>`), joined by the declared "concat" adapter that fuse_qkv uses, so the block
   still streams from the mapping (packed on the host) instead of leaving the file to diffusers'
-  loader. Parts of GGUF or float8 tensors are computed instead (their types and scales are per
-  tensor);
+  loader. A GGUF file's packed parts join too when they are of one quant type (its blocks
+  never span rows); parts of float8 tensors (a scale per tensor or row) or of GGUF tensors of
+  different types are computed instead;
 - anything else (a transposed or strided view, a cast, a tensor written in place):
   computed. Computed tensors outside the blocks are computed once from the file's own bytes
   (only the tensors they are made of are read), by the same converter, and held in a small
@@ -89,10 +90,13 @@ def converted_layout(
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
         parts = provenance.parts_of(tensor) if where is None else None
-        if parts is not None and all(kept[r.key].ggml_type is None and kept[r.key].dtype not in FLOAT8 for r, _ in parts):
+        types = {kept[r.key].ggml_type for r, _ in parts or ()}
+        if parts is not None and len(types) == 1 and not any(kept[r.key].dtype in FLOAT8 for r, _ in parts):
             concatenated[name] = tuple(f"{name}#{i}" for i in range(len(parts)))
+            ggml_type = types.pop()
             for part, (held, shape) in zip(concatenated[name], parts):
-                entries[part] = TensorEntry(part, tensor.dtype, shape, held.begin, held.begin + math.prod(shape) * tensor.element_size())
+                end = held.begin + math.prod(shape) * tensor.element_size()
+                entries[part] = TensorEntry(part, tensor.dtype, shape, held.begin, end, ggml_type)
             continue
         float8 = where is not None and kept[where.key].dtype in FLOAT8
         scale_key = _scale_key(kept, where.key) if float8 else None

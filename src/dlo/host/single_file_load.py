@@ -137,7 +137,7 @@ def single_file_preflight(
         runtime_dtype = runtime_dtype_rule(cls, torch_dtype)
         checkpoint = Checkpoint.of_entries(path.parent, groups)
         if is_gguf:
-            as_gguf_skeleton(model, {n: s.entry for n, s in checkpoint.tensors.items()}, torch_dtype)
+            as_gguf_skeleton(model, _packed_tensors(checkpoint, layout.concatenated), torch_dtype)
             conversions = private_conversions(checkpoint, model, prefixes, runtime_dtype)
             if conversions:
                 converted = private_file(conversions, f"{path} (converted as diffusers' GGUF loader does)")
@@ -149,6 +149,17 @@ def single_file_preflight(
             opened.close()
         raise
     return mapped_load(directory, model, offload_plan, checkpoint, runtime_dtype, layout.concatenated)
+
+
+def _packed_tensors(checkpoint: Checkpoint, concatenated: dict[str, tuple[str, ...]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A GGUF checkpoint's packed tensors by diffusers name: (packed shape, ggml type); a
+    concatenation's parts joined along their rows."""
+    packed = {name: (s.entry.shape, s.entry.ggml_type) for name, s in checkpoint.tensors.items() if s.entry.ggml_type}
+    for name, parts in concatenated.items():
+        entries = [packed.pop(part) for part in parts if part in packed]
+        if entries:
+            packed[name] = ((sum(shape[0] for shape, _ in entries), *entries[0][0][1:]), entries[0][1])
+    return packed
 
 
 def _float_dtype(path: Path) -> torch.dtype | None:
