@@ -180,7 +180,7 @@ def test_the_command_line_refuses_an_option_it_cannot_pass_before_loading(tiny_f
     if command == "generate":
         argv = ["generate", str(tiny_flux_dir), "--prompt", "a cube", "--device", "cpu", *flags("flux"), "--output", str(out)]
     else:
-        argv = ["serve", str(tiny_flux_dir), "--device", "cpu", "--no-host-weight-cache"]
+        argv = ["serve", str(tiny_flux_dir), "--device", "cpu"]
     for given, says in [
         (["--converter-option", "qkv_layout=stacked"], "--converter-option passes options to the single-file converter of "
          "--transformer FILE; give one"),

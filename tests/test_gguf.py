@@ -255,7 +255,7 @@ def test_generate_with_gguf_kernels_equals_the_plain_pipeline_and_refuses_what_i
 def test_a_serve_replica_holds_the_gguf_transformer_file_and_serve_refuses_what_it_cannot_take(tiny_flux_dir, tmp_path, capsys):
     """The replica's load (in this process: what each replica process runs) with --transformer:
     its image equals the plain pipeline holding the same GGUF transformer. `dlo serve` refuses,
-    before anything loads, the file with its default host weight cache, and a damaged file."""
+    before anything loads, the file with --host-weight-cache, and a damaged file."""
     import numpy as np
     from plain_pipeline import plain_pipeline
     from test_generate import reference_call
@@ -279,8 +279,9 @@ def test_a_serve_replica_holds_the_gguf_transformer_file_and_serve_refuses_what_
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 12)
     capsys.readouterr()  # the pipelines' progress bars
     for argv, says in [
-        (["--transformer", str(path)], "--transformer FILE: dlo serve loads through the host weight cache by default"),
-        (["--transformer", str(tmp_path / "bad.gguf"), "--no-host-weight-cache"], "header_invalid: GGUF version 0"),
+        (["--transformer", str(path), "--host-weight-cache"], "--host-weight-cache: the cache holds what dlo.load_"),
+        # The cache is off by default with --transformer: the file's own check speaks.
+        (["--transformer", str(tmp_path / "bad.gguf")], "header_invalid: GGUF version 0"),
     ]:
         assert main(["serve", str(tiny_flux_dir), "--device", "cpu", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

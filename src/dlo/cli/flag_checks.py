@@ -84,6 +84,13 @@ def check_serve_extra() -> None:
         ) from None
 
 
+def serve_config(args: argparse.Namespace) -> OffloadConfig:
+    """--host-weight-cache defaults to on (the replicas share one host copy of MODEL's
+    transformer), off with --transformer FILE (the replicas share the file's mapping instead)."""
+    cache = args.host_weight_cache if args.host_weight_cache is not None else not args.transformer
+    return config_from_flags(args, host_weight_cache=cache)
+
+
 def check_serve(args: argparse.Namespace) -> None:
     check_serve_extra()  # before torch: a missing extra is one line at once
     if args.max_queue < 0:
@@ -95,8 +102,8 @@ def check_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.stall_timeout_s < float("inf"):
         raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
     check_lora_names(args.lora)
-    if config_from_flags(args).host_weight_cache and args.transformer:
+    if serve_config(args).host_weight_cache and args.transformer:
         raise ConfigError(
-            "--transformer FILE: dlo serve loads through the host weight cache by default, which holds what "
-            "dlo.load_transformer loads from MODEL's transformer directory; add --no-host-weight-cache"
+            "--host-weight-cache: the cache holds what dlo.load_transformer loads from MODEL's transformer directory; "
+            "--transformer FILE is mapped as it is, shared by the replicas. Give one of them"
         )

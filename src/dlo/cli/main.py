@@ -301,7 +301,7 @@ def _add_serve(commands) -> None:
     )
     _add_weight_files(
         parser, named_lora_flag, "NAME=PATH[:SCALE]",
-        transformer=" (needs --no-host-weight-cache)",
+        transformer=" (mapped and shared by the replicas as it is: the host weight cache is then off by default)",
         lora="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
         "or a cached hub id); repeat for several. A request runs with those its \"lora\" field names "
         '([{"name": NAME, "scale": S}], S defaulting to SCALE, itself to 1), the base model without it',
@@ -319,8 +319,8 @@ def _add_serve(commands) -> None:
         "uvicorn's, from this level up; other libraries' warnings only with -v (default: info)",
     )
     _add_verbose(parser)
-    add_config_flags(parser)
-    parser.set_defaults(command="dlo.cli.serve", check=check_serve, host_weight_cache=True)
+    add_config_flags(parser, defaults={"host_weight_cache": "on, off with --transformer FILE"})
+    parser.set_defaults(command="dlo.cli.serve", check=check_serve)
 
 
 # The OffloadConfig fields that change what inspect prints (its only config flags).

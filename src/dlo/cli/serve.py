@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dlo.cli.config_flags import config_from_flags, device_and_dtype
+from dlo.cli.config_flags import device_and_dtype
+from dlo.cli.flag_checks import serve_config
 from dlo.cli.model_source import check_gguf_kernels, checked_weight_files, is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta, check_config_for_model, checked_components, plan_from_configs
 from dlo.pipelines.call_rules import read_call_rules
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model_dir, "dlo serve does not download")
     cls, index = pipeline_class(model_dir)
     device, dtype = device_and_dtype(args)
-    config = config_from_flags(args)
+    config = serve_config(args)
     transformer = build_on_meta(str(model_dir))
     check_config_for_model(transformer, config, "the transformer", dtype, device)
     check_components(model_dir, index)
