@@ -9,11 +9,12 @@ import logging
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
-from dlo.models.tiny import TINY_MODELS
+from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
 from single_file_layouts import minimax_h3_original
 from test_single_file_mapping import random_model, write
 
@@ -135,8 +136,10 @@ def test_an_option_the_converter_does_not_take_is_refused_naming_the_ones_it_doe
 
 def test_a_value_the_converter_refuses_is_one_line_naming_the_file(tmp_path):
     _, path, config_dir = minimax_file(tmp_path, "stacked")
-    with pytest.raises(dlo.ConfigError, match=r"cannot read it \(`qkv_layout` must be \"stacked\" or \"interleaved\""):
+    with pytest.raises(dlo.ConfigError) as refused:
         dlo.load_transformer(path, model_config=config_dir, converter_options={"qkv_layout": "rows"})
+    assert 'cannot read it (`qkv_layout` must be "stacked" or "interleaved"' in str(refused.value)
+    assert "are converter_options={'qkv_layout': 'rows'} right for it" in str(refused.value)
 
 
 def test_options_for_a_converter_that_takes_none_or_for_a_directory_are_refused(tmp_path):
@@ -151,8 +154,8 @@ def test_options_for_a_converter_that_takes_none_or_for_a_directory_are_refused(
 
 
 def test_the_command_line_passes_the_options_to_the_loader(tmp_path):
-    """`--converter-option` pairs reach dlo.load_transformer through the loader `dlo generate`
-    and each `dlo serve` replica run for `--transformer FILE` (the pipeline's config of it)."""
+    """`load_single_file` (what `dlo generate` and each `dlo serve` replica call for
+    `--transformer FILE`, the pipeline's config of it) passes the options on."""
     from dlo.pipelines.single_file import load_single_file
 
     expected, path, config_dir = minimax_file(tmp_path, "interleaved")
@@ -196,3 +199,88 @@ def test_the_command_line_refuses_an_option_it_cannot_pass_before_loading(tiny_f
         main([*argv, "--transformer", str(path), "--converter-option", "qkv_layout"])
     assert "'qkv_layout': give KEY=VALUE, e.g. qkv_layout=interleaved" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.fixture
+def wan_converter_with_an_option(monkeypatch):
+    """diffusers' Wan converter given an option (as MiniMax-H3's has): `swap_qk="yes"` swaps the
+    first block's q and k projections (renames: both stay ranges of the file)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+
+    def converted(checkpoint, swap_qk="no", **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        if swap_qk == "yes":
+            q, k = (f"blocks.0.attn1.to_{p}.weight" for p in "qk")
+            out[q], out[k] = out[k], out[q]
+        return out
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
+
+
+def wan_files(tiny_wan_dir, tmp_path):
+    """The tiny pipeline's transformer in Wan's own layout, and the same with the first block's q
+    and k swapped in the file itself."""
+    from single_file_layouts import wan_original
+
+    state = diffusers.WanTransformer3DModel.from_pretrained(tiny_wan_dir / "transformer").state_dict()
+    swapped = dict(state)
+    q, k = (f"blocks.0.attn1.to_{p}.weight" for p in "qk")
+    swapped[q], swapped[k] = state[k], state[q]
+    paths = tmp_path / "wan.safetensors", tmp_path / "wan-swapped.safetensors"
+    for path, weights in zip(paths, (state, swapped)):
+        save_file({key: t.contiguous() for key, t in wan_original(weights).items()}, path)
+    return paths
+
+
+def test_generate_passes_converter_options_to_the_loader(tiny_wan_dir, tmp_path, wan_converter_with_an_option):
+    """`dlo generate --transformer FILE --converter-option swap_qk=yes` streams the weights the
+    option makes: the same video as the file with those weights written in it."""
+    from test_generate import flags
+
+    from dlo.cli.main import main
+
+    path, swapped_path = wan_files(tiny_wan_dir, tmp_path)
+    argv = ["generate", str(tiny_wan_dir), "--prompt", "a cat", "--device", "cpu", *flags("wan")]
+    videos = {}
+    for name, given in [
+        ("option", [str(path), "--converter-option", "swap_qk=yes"]),
+        ("no option", [str(path)]),
+        ("swapped file", [str(swapped_path)]),
+    ]:
+        out = tmp_path / f"{name}.webp"  # lossless: the frames as generated
+        assert main([*argv, "--output", str(out), "--transformer", *given]) == 0
+        videos[name] = out.read_bytes()
+    assert videos["option"] == videos["swapped file"] != videos["no option"]
+
+
+def test_serve_gives_each_replica_the_converter_options(tiny_wan_dir, tmp_path, monkeypatch, wan_converter_with_an_option):
+    """What `dlo serve` hands its replicas carries the options, and a replica's load applies them:
+    its transformer computes what diffusers' own single-file model with the option does."""
+    pytest.importorskip("fastapi")
+    import dlo.serve.server
+    from dlo.cli.main import main
+    from dlo.serve.replica import _load
+
+    path, _ = wan_files(tiny_wan_dir, tmp_path)
+    served = []
+    monkeypatch.setattr(dlo.serve.server, "serve", lambda server, text: served.append(server))
+    argv = ["serve", str(tiny_wan_dir), "--device", "cpu", "--transformer", str(path), "--converter-option", "swap_qk=yes"]
+    assert main(argv) == 0
+    (replica,) = served[0].replicas
+    assert replica.converter_options == (("swap_qk", "yes"),)
+    reference = diffusers.WanTransformer3DModel.from_single_file(
+        str(path), config=str(tiny_wan_dir / "transformer"), swap_qk="yes"
+    ).eval()
+    pipe, handle = _load(replica)
+    try:
+        config = reference.config
+        latent, text = (1, config.in_channels, 2, 8, 8), (1, 12, config.text_dim)
+        inputs = TinyModel("pipeline-wan", "WanTransformer3DModel", dict(config), _wan_inputs(latent, text)).inputs(1)
+        with torch.inference_mode():
+            assert torch.equal(pipe.transformer(**inputs)[0], reference(**inputs)[0])
+    finally:
+        handle.disable()

@@ -77,6 +77,50 @@ def test_casts_strided_views_and_other_buffers_stay_separate_copies():
     assert len(merged) == 4 and any(task is cast for task in merged) and any(task is strided for task in merged)
 
 
+def test_a_gap_is_never_copied_over_a_part_of_a_concatenated_target():
+    """A converter's swapped halves [x1; x0] of one file tensor x: the part copied from x's end
+    lands at the start of its target, the other part after it. A later tensor y whose source
+    and target gaps happen to match must not merge with x1's copy across x0's target."""
+    half = 16
+    source = torch.randint(1, 255, (4096,), dtype=torch.uint8)
+    target = aligned_empty(4096, torch.device("cpu")).zero_()
+    spans = [(half, 0, half), (0, half, half), (ALIGNMENT + half, ALIGNMENT, 64)]  # x1, x0, then y
+    merged = coalesced(placed_tasks(source, target, spans))
+    run_all(merged)
+    assert all(torch.equal(target[t : t + n], source[s : s + n]) for s, t, n in spans)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merged_copies_write_every_target_as_its_own_copy_would(seed):
+    """Random slot-like layouts (each tensor's target ALIGNMENT-aligned, its source somewhere in
+    a file with small gaps), some tensors concatenations of parts of their source in another
+    order: after the merged copies, every target holds its source's bytes."""
+    g = torch.Generator().manual_seed(seed)
+    randint = lambda low, high: int(torch.randint(low, high, (), generator=g))  # noqa: E731
+    source = torch.randint(1, 255, (1 << 16,), dtype=torch.uint8, generator=g)
+    target = aligned_empty(1 << 16, torch.device("cpu")).zero_()
+    spans, at_source, at_target = [], 0, 0
+    while True:
+        nbytes = 4 * randint(1, 96)
+        if at_source + nbytes > len(source) - 1024 or at_target + nbytes > len(target) - ALIGNMENT:
+            break
+        cuts = sorted({0, nbytes, *(4 * randint(0, nbytes // 4 + 1) for _ in range(randint(0, 3)))})
+        parts = list(zip(cuts, cuts[1:]))
+        order = torch.randperm(len(parts), generator=g).tolist()
+        placed = 0
+        for i in order:  # the parts' sources in file order, their targets in the concatenation's
+            begin, end = parts[i]
+            spans.append((at_source + begin, at_target + placed, end - begin))
+            placed += end - begin
+        at_source += nbytes + 4 * randint(0, ALIGNMENT // 4)
+        at_target += -(-nbytes // ALIGNMENT) * ALIGNMENT
+    tasks = placed_tasks(source, target, spans)
+    merged = coalesced([tasks[i] for i in torch.randperm(len(tasks), generator=g).tolist()])
+    run_all(merged)
+    wrong = [(s, t, n) for s, t, n in spans if not torch.equal(target[t : t + n], source[s : s + n])]
+    assert not wrong, f"{len(wrong)} of {len(spans)} targets overwritten, e.g. {wrong[0]}"
+
+
 def header_of(path):
     data = path.read_bytes()
     length = struct.unpack("<Q", data[:8])[0]

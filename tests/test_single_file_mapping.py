@@ -59,15 +59,17 @@ def run(model, inputs):
 
 
 def assert_streams_equal_to_diffusers(path, config_dir, cls, dtype, inputs, **load):
+    """Returns the plan's adapter counts (read before enable() takes the plan) and the stats."""
     expected = run(reference(path, config_dir, cls, dtype), inputs)
     model, plan = dlo.load_transformer(path, torch_dtype=dtype, model_config=config_dir, **load)
     assert plan is not None and plan.backing == "checkpoint_mmap"
+    adapters = plan.adapter_counts()
     with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
         got = run(model, inputs)
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.host_bytes == 0  # every block streamed from the mapping: no private copy
-    return plan, stats
+    return adapters, stats
 
 
 @pytest.mark.parametrize("layout", ["original", "diffusers"])
@@ -76,8 +78,8 @@ def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path,
     model = entry.build(seed=2)
     path, config_dir = write(tmp_path, "wan", model, wan_original if layout == "original" else dict)
     inputs = [entry.inputs(seed) for seed in (1, 2)]
-    plan, stats = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
-    assert plan.adapter_counts() == {}  # renames only: each tensor is a range of the file as it is
+    adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    assert adapters == {}  # renames only: each tensor is a range of the file as it is
     assert stats.mapped_bytes == path.stat().st_size
 
 
@@ -89,8 +91,9 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
     model = random_model(cls, FLUX_WIDE, torch.bfloat16)
     path, config_dir = write(tmp_path, "flux", model, lambda state: flux_original(state, 1, 1))
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
-    plan, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
+    adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
     assert stats.mapped_bytes == path.stat().st_size  # no converted file beside it
+    assert adapters == {}  # in the blocks; the final norm's concatenation lies outside them
     file = SafetensorsFile(path)
     try:
         with torch.inference_mode():  # where a caller may be: views made in it have no base
@@ -116,7 +119,8 @@ def test_an_sd3_file_streams_its_last_blocks_swapped_norm_as_a_concatenation(tmp
     layers = model.config.num_layers
     path, config_dir = write(tmp_path, "sd3", model, lambda state: sd3_original(state, layers))
     inputs = [entry.inputs(seed) for seed in (1, 2)]
-    assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    adapters, _ = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    assert adapters == {"concat": 2}  # the last block's context norm: weight and bias (blocks only)
     file = SafetensorsFile(path)
     try:
         layout = converted_layout(file, type(model), dict(model.config), set(model.state_dict()))
@@ -260,9 +264,19 @@ def test_a_single_file_streams_from_disk_beyond_a_host_budget(tmp_path, name):
         assert f"transformer_blocks.{layers - 1}" in disk.blocks, disk.blocks
 
 
-def doubling_one_block_weight(monkeypatch, name):
-    """diffusers' Wan converter, then an in-place write into one converted block tensor (as a
-    future converter might): that tensor is no longer the file's bytes."""
+# Ways a converter may write a tensor: in place, through an alias that shares its storage but
+# not its `_base` (`.detach()`, `.data`), or by giving it another storage (`t.data = ...`).
+WRITES = {
+    "in place": lambda t: t.mul_(2),
+    "through detach()": lambda t: t.detach().mul_(2),
+    "through .data": lambda t: t.data.mul_(2),
+    "by .data =": lambda t: setattr(t, "data", t * 2),
+}
+
+
+def doubling_one_block_weight(monkeypatch, name, how="in place"):
+    """diffusers' Wan converter, then a write into one converted block tensor (as a future
+    converter might; `how`: one of WRITES): that tensor is no longer the file's bytes."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
@@ -270,18 +284,21 @@ def doubling_one_block_weight(monkeypatch, name):
 
     def converted(checkpoint, **kwargs):
         out = convert(checkpoint=checkpoint, **kwargs)
-        out[name].mul_(2)
+        WRITES[how](out[name])
         return out
 
     entry["checkpoint_mapping_fn"] = converted
     monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
 
 
-def test_a_block_tensor_the_converter_computes_falls_back_to_diffusers_equal_and_maps_nothing(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("how", WRITES)
+def test_a_block_tensor_the_converter_computes_falls_back_to_diffusers_equal_and_maps_nothing(
+    tmp_path, monkeypatch, caplog, how
+):
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     path, config_dir = write(tmp_path, "wan", model, wan_original)
-    doubling_one_block_weight(monkeypatch, "blocks.1.attn1.to_q.weight")
+    doubling_one_block_weight(monkeypatch, "blocks.1.attn1.to_q.weight", how)
     inputs = [entry.inputs(1, torch.bfloat16)]
     expected = run(reference(path, config_dir, type(model), torch.bfloat16), inputs)
     assert not torch.equal(expected[0], run(model, inputs)[0])  # the doubled weight changes the output
@@ -321,6 +338,44 @@ def test_ranges_follow_views_and_copies_of_the_file_and_nothing_else():
         "transposed": None, "channels_last": None, "written": None, "a.t()": None,
     }
     assert provenance.made_from(swapped) == {"a"} and provenance.made_from(channels_last) == {"b"}
+
+
+def test_parts_follow_cats_of_ranges_in_another_order_and_no_write_through_any_alias():
+    """A `cat` along the rows of ranges out of file order holds its parts, in order; not once it
+    (or what it was made of) was written, through whatever alias."""
+    from dlo.host.safetensors_file import TensorEntry
+    from dlo.host.single_file_layout import _Provenance
+
+    entries = {"a": TensorEntry("a", torch.float32, (6, 4), 1000, 1096), "b": TensorEntry("b", torch.float32, (6, 4), 2000, 2096)}
+    stand_ins = {key: torch.empty(e.shape, dtype=e.dtype, device="meta") for key, e in entries.items()}
+    a, b = stand_ins["a"], stand_ins["b"]
+    with _Provenance(stand_ins, entries) as provenance:
+        q, k, v = torch.chunk(a, 3)
+        made = {"swapped": torch.cat([k, q]), "three": torch.cat([v, q, k]), "adjacent": torch.cat([q, k])}
+        made["across tensors"] = torch.cat([b[4:], a[:2]])
+        made["made of a written source"] = torch.cat([b[2:4], b[:2]])
+        b.detach().mul_(2)  # after the cat: its copy keeps the file's bytes; b's views do not
+        for how, write in WRITES.items():
+            made[f"written {how}"] = torch.cat([k, q])
+            write(made[f"written {how}"])
+        written_source = a.clone()
+        written_source.data.mul_(2)
+        made["of a source written through .data"] = torch.cat([written_source[2:4], written_source[:2]])
+    parts = {
+        name: tuple((r.key, r.begin, shape) for r, shape in found) if (found := provenance.parts_of(t)) else None
+        for name, t in made.items()
+    }
+    assert parts == {
+        "swapped": (("a", 1032, (2, 4)), ("a", 1000, (2, 4))),
+        "three": (("a", 1064, (2, 4)), ("a", 1000, (2, 4)), ("a", 1032, (2, 4))),
+        "adjacent": None,  # one range: see range_of
+        "across tensors": (("b", 2064, (2, 4)), ("a", 1000, (2, 4))),
+        "made of a written source": (("b", 2032, (2, 4)), ("b", 2000, (2, 4))),
+        **{f"written {how}": None for how in WRITES},
+        "of a source written through .data": None,
+    }
+    assert provenance.range_of(made["adjacent"]).begin == 1000
+    assert provenance.range_of(b[2:4]) is None and provenance.range_of(k) is not None
 
 
 def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale(tmp_path):

@@ -207,7 +207,9 @@ class _Provenance(TorchDispatchMode):
     range (their base's, moved by their offset), and so do the copies converters make of one
     (`torch.cat([part])`, a clone) or of adjacent ranges concatenated along the rows. A `cat`
     along the rows of ranges that do not follow each other holds its parts' ranges. Anything
-    else, and any tensor written in place (or a view of one), holds none."""
+    else holds none, and neither does a tensor whose storage was written in place (through it,
+    a view, `.detach()` or `.data`: they share it) or swapped (`t.data = ...`, not dispatched:
+    seen as another storage than the one it was made with)."""
 
     _COPIES = (torch.ops.aten.clone.default, torch.ops.aten.cat.default, torch.ops.aten._to_copy.default)
 
@@ -216,13 +218,19 @@ class _Provenance(TorchDispatchMode):
         self._ranges = {id(t): _Range(key, entries[key].begin) for key, t in stand_ins.items()}
         self._parts: dict[int, tuple[tuple[_Range, tuple[int, ...]], ...]] = {}
         self._keys = {id(t): frozenset((key,)) for key, t in stand_ins.items()}
-        self._written: set[int] = set()
+        self._storages = {id(t): _storage(t) for t in stand_ins.values()}  # each tensor's, as made
+        self._written: set[int] = set()  # storages written in place
         self._alive: list[torch.Tensor] = list(stand_ins.values())  # keeps the ids above from being reused
+
+    def _intact(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` still has the storage it was made with, never written in place."""
+        storage = _storage(tensor)
+        return self._storages.get(id(tensor)) == storage and storage not in self._written
 
     def range_of(self, tensor: torch.Tensor) -> _Range | None:
         """The range `tensor` holds, or None."""
         base = tensor if tensor._base is None else tensor._base
-        if not tensor.is_contiguous() or id(tensor) in self._written or id(base) in self._written:
+        if not tensor.is_contiguous() or not self._intact(tensor):
             return None
         if id(tensor) in self._ranges:
             return self._ranges[id(tensor)]
@@ -233,9 +241,7 @@ class _Provenance(TorchDispatchMode):
 
     def parts_of(self, tensor: torch.Tensor) -> tuple[tuple[_Range, tuple[int, ...]], ...] | None:
         """The ranges, with their shapes, a `cat` of ranges holds one after another, or None."""
-        if id(tensor) in self._written:
-            return None
-        return self._parts.get(id(tensor))
+        return self._parts.get(id(tensor)) if self._intact(tensor) else None
 
     def made_from(self, tensor: torch.Tensor) -> frozenset[str]:
         base = tensor if tensor._base is None else tensor._base
@@ -249,13 +255,12 @@ class _Provenance(TorchDispatchMode):
         given = [*zip(schema, args), *((a, kwargs[a.name]) for a in schema if a.name in kwargs)]
         for argument, value in given:
             if argument.alias_info is not None and argument.alias_info.is_write:  # written in place
-                for t in tree_leaves(value):
-                    if isinstance(t, torch.Tensor):
-                        self._written.update((id(t), id(t if t._base is None else t._base)))
+                self._written.update(_storage(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
         keys = frozenset().union(*(self.made_from(t) for t in inputs)) if inputs else frozenset()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._keys[id(t)] = keys | self.made_from(t)
+                self._storages.setdefault(id(t), _storage(t))  # an in-place op returns its input
                 self._alive.append(t)
         if func in self._COPIES and isinstance(out, torch.Tensor) and out.is_contiguous():
             cat = func is torch.ops.aten.cat.default
@@ -269,6 +274,11 @@ class _Provenance(TorchDispatchMode):
                 elif len(parts) > 1:
                     self._parts[id(out)] = tuple((r, tuple(part.shape)) for r, part in zip(ranges, parts))
         return out
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """The storage `tensor` shares with its views and aliases."""
+    return tensor.untyped_storage()._cdata
 
 
 def _adjacent(parts: list[torch.Tensor], ranges: list[_Range]) -> bool:

@@ -106,9 +106,10 @@ def single_file_preflight(
         try:
             layout = converted_layout(file, cls, model_config, names, options)
         except Exception as err:  # diffusers' converters raise many kinds
+            check = f"are converter_options={dict(options)} right for it, and " if options else ""
             raise ConfigError(
                 f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); "
-                f"is {directory} the config of the model this file holds?"
+                f"{check}is {directory} the config of the model this file holds?"
             ) from None
         offload_plan = discover(model)
         prefixes = tuple(f"{block}." for block in offload_plan.block_lists)

@@ -7,6 +7,7 @@ checkpoint tensors along dim 0 (q, k, v -> qkv). Nothing else may transform weig
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,17 +87,48 @@ def coalesced(tasks: Iterable[CopyTask]) -> list[CopyTask]:
 
     A gap is copied over only where it ends at an ALIGNMENT-aligned target address: targets
     laid out like a slot start every tensor so, and then no other tensor can begin inside a
-    gap shorter than ALIGNMENT. Copies into other targets merge only where they touch."""
+    gap shorter than ALIGNMENT. Copies into other targets merge only where they touch. And
+    never over another task's target: the parts of a concatenated tensor (the converter's
+    swapped halves) start inside their tensor, where its other parts, copied from elsewhere
+    in the source, may lie in a gap."""
+    tasks = list(tasks)
     kept: list[CopyTask] = []
     runs: list[_Run] = []
+    targets = _Targets(tasks)
     for task in sorted(tasks, key=lambda t: t.source.data_ptr()):
         if task.source.dtype != task.target.dtype or not (task.source.is_contiguous() and task.target.is_contiguous()):
             kept.append(task)
             continue
         run = _Run(task.source, *_placed(task.source), task.target, *_placed(task.target), task.source.nbytes)
-        if not (runs and runs[-1].absorb(run)):
+        if not (runs and runs[-1].absorb(run, targets)):
             runs.append(run)
     return kept + [run.task() for run in runs]
+
+
+class _Targets:
+    """Where the tasks write: the byte extents of their targets, by storage."""
+
+    def __init__(self, tasks: list[CopyTask]) -> None:
+        spans = sorted(_extent(task.target) for task in tasks if task.target.numel())
+        self._starts = [(storage, begin) for storage, begin, _ in spans]
+        # Per storage, the furthest any extent so far reaches: extents may interleave (strided
+        # targets), so the last one to start is not the only one that can reach a range.
+        self._reach: list[int] = []
+        for i, (storage, _, end) in enumerate(spans):
+            same = i and spans[i - 1][0] == storage
+            self._reach.append(max(end, self._reach[-1]) if same else end)
+
+    def any_within(self, storage: int, begin: int, end: int) -> bool:
+        """Whether a task writes a byte of [begin, end) in `storage`."""
+        i = bisect.bisect_left(self._starts, (storage, end)) - 1
+        return i >= 0 and self._starts[i][0] == storage and self._reach[i] > begin
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first byte, end) of the bytes `tensor` spans in its storage."""
+    storage, at = _placed(tensor)
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return storage, at, at + (last + 1) * tensor.element_size()
 
 
 @dataclass
@@ -112,14 +144,17 @@ class _Run:
     target_at: int
     nbytes: int
 
-    def absorb(self, other: _Run) -> bool:
-        """Extend this run to the end of `other` if it follows at the same distance in both."""
+    def absorb(self, other: _Run, targets: _Targets) -> bool:
+        """Extend this run to the end of `other` if it follows at the same distance in both,
+        over a gap no task writes (See `coalesced`)."""
         gap = other.source_at - (self.source_at + self.nbytes)
+        end = self.target_at + self.nbytes
         if (
             (other.source_storage, other.target_storage) != (self.source_storage, self.target_storage)
             or not 0 <= gap < ALIGNMENT
-            or other.target_at - (self.target_at + self.nbytes) != gap
-            or (gap and (other.target_storage + other.target_at) % ALIGNMENT)  # see `coalesced`
+            or other.target_at - end != gap
+            or (gap and (other.target_storage + other.target_at) % ALIGNMENT)
+            or (gap and targets.any_within(self.target_storage, end, other.target_at))
         ):
             return False
         self.nbytes = other.source_at + other.nbytes - self.source_at
