@@ -121,6 +121,17 @@ def test_merged_copies_write_every_target_as_its_own_copy_would(seed):
     assert not wrong, f"{len(wrong)} of {len(spans)} targets overwritten, e.g. {wrong[0]}"
 
 
+def test_an_empty_copy_is_dropped_from_the_merged_copies():
+    """A zero-element tensor copies nothing (its view may have no address at all)."""
+    source = torch.randint(1, 255, (4096,), dtype=torch.uint8)
+    target = aligned_empty(4096, torch.device("cpu")).zero_()
+    tasks = placed_tasks(source, target, [(0, 0, 0), (4, ALIGNMENT, 16)])
+    merged = coalesced(tasks)
+    assert len(merged) == 1
+    run_all(merged)
+    assert torch.equal(target[ALIGNMENT : ALIGNMENT + 16], source[4:20])
+
+
 def header_of(path):
     data = path.read_bytes()
     length = struct.unpack("<Q", data[:8])[0]

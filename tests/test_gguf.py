@@ -188,6 +188,8 @@ def test_generate_with_a_gguf_transformer_file_equals_the_plain_pipeline_with_it
         assert len(err) == 1 and err[0].startswith(f"dlo: error: --transformer {given}: {says}"), err
     assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", str(path), "--host-weight-cache"]) == 2
     assert "--transformer FILE is mapped as it is" in capsys.readouterr().err
+    assert main([*argv, "--output", str(tmp_path / "x.png"), "--transformer", ""]) == 2  # not taken for no flag
+    assert capsys.readouterr().err.strip() == "dlo: error: --transformer .: no such file"
     assert not (tmp_path / "x.png").exists()
 
 

@@ -95,7 +95,7 @@ def checked_weight_files(
     """--transformer FILE (with its --converter-option pairs) and each --lora, found and checked
     against `transformer` (on the meta device) before anything loads. An unnamed --lora
     (generate's) is adapter lora<i>."""
-    transformer_file = Path(transformer_flag).expanduser() if transformer_flag else None
+    transformer_file = Path(transformer_flag).expanduser() if transformer_flag is not None else None
     if transformer_file is not None:
         check_single_file(transformer_file, "--transformer")
     check_converter_flags(converter_options or [], transformer_file, type(transformer))

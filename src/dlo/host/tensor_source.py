@@ -96,6 +96,8 @@ def coalesced(tasks: Iterable[CopyTask]) -> list[CopyTask]:
     runs: list[_Run] = []
     targets = _Targets(tasks)
     for task in sorted(tasks, key=lambda t: t.source.data_ptr()):
+        if not task.target.numel():  # nothing to copy (and an empty view may have no address)
+            continue
         if task.source.dtype != task.target.dtype or not (task.source.is_contiguous() and task.target.is_contiguous()):
             kept.append(task)
             continue
