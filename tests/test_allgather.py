@@ -500,12 +500,12 @@ def _file_bytes_per_block(directory) -> dict[str, int]:
     [(2, 64.0, "checkpoint", 0.95), (3, 1 / 16, "checkpoint", 1.0), (2, 64.0, "fp8", 1.2), (2, 1 / 16, "cache", 0.95)],
 )
 def test_under_a_host_budget_each_rank_reads_only_its_shard_of_the_blocks_on_disk(
-    tmp_path, world, chunk_mib, source, fraction
+    tmp_path, capsys, world, chunk_mib, source, fraction
 ):
     """Every output equals the resident model's, before and after a weight change into a block
     on disk (copied on write) and after disable(); what a rank holds stays within the budget;
-    and the ranks' reads of a block on disk add up to its bytes in the files: each byte read
-    by one rank, once per use."""
+    the ranks' reads of a block on disk add up to its bytes in the files: each byte read by one
+    rank, once per use; and `dlo inspect --nproc` shows the split the ranks made."""
     from safetensors.torch import save_file
 
     kwargs = {}
@@ -535,6 +535,14 @@ def test_under_a_host_budget_each_rank_reads_only_its_shard_of_the_blocks_on_dis
     assert on_every_rank
     for block in on_every_rank:
         assert sum(r["payload"][block] for r in results.values()) == per_block[block], block
+    assert all(r["disk_blocks"] == results[0]["disk_blocks"] for r in results.values())  # one split
+    if source != "cache":  # `dlo inspect` plans from the directory's files, before anything loads
+        from dlo.cli.main import main
+
+        flags = ["--host-budget-gib", str(budget), "--nproc", str(world), "--gather-chunk-mib", str(chunk_mib)]
+        assert main(["inspect", str(directory), *flags]) == 0
+        shown = capsys.readouterr().out.split("read from disk:", 1)[1].splitlines()[0].strip().split(", ")
+        assert shown == list(results[0]["disk_blocks"])
 
 
 def test_a_rank_whose_shard_read_fails_is_named_on_its_peers_within_the_group_timeout(tmp_path):

@@ -610,6 +610,14 @@ def test_dlo_inspect_shows_which_blocks_a_budget_reads_from_disk(tmp_path, capsy
     assert len(err) == 1 and "--host-budget-gib" in err[0] and "raise it to at least" in err[0]
     assert main(["inspect", "FluxTransformer2DModel", "--host-budget-gib", "1"]) == 0
     assert "not applicable: FluxTransformer2DModel has no checkpoint" in capsys.readouterr().out
+    for flags, says in [
+        (["--nproc", "2"], "--nproc 2 shows the split of --host-budget-gib each all-gather rank makes; give"),
+        (["--nproc", "2", "--host-budget-gib", "1", "--no-use-allgather"], "a rank-local rank makes the split one"),
+        (["--nproc", "2", "--host-budget-gib", "auto"], "--host-budget-gib auto measures each rank's free memory"),
+    ]:
+        assert main(["inspect", str(tmp_path / "flux"), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
 
 
 def test_the_host_weight_cache_entry_is_read_from_disk_under_a_budget(tmp_path):

@@ -54,6 +54,24 @@ def check_generate(args: argparse.Namespace) -> None:
         )
 
 
+def inspect_config(args: argparse.Namespace) -> OffloadConfig:
+    """--use-allgather defaults to on with --nproc (the host budget's split is then a rank's)."""
+    use_allgather = args.use_allgather if args.use_allgather is not None else args.nproc > 1
+    return config_from_flags(args, use_allgather=use_allgather)
+
+
+def check_inspect(args: argparse.Namespace) -> None:
+    config = inspect_config(args)
+    if args.nproc > 1 and config.host_budget_gib is None:
+        raise ConfigError(
+            f"--nproc {args.nproc} shows the split of --host-budget-gib each all-gather rank makes; give --host-budget-gib"
+        )
+    if args.nproc > 1 and not config.use_allgather:
+        raise ConfigError(
+            f"--nproc {args.nproc} with --no-use-allgather: a rank-local rank makes the split one process makes; drop --nproc"
+        )
+
+
 def demo_config(args: argparse.Namespace) -> OffloadConfig:
     """--nproc N > 1 runs the all-gather demo."""
     return config_from_flags(args, **({"use_allgather": True} if args.nproc > 1 else {}))

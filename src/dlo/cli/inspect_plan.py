@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlo.backend.disk_tier import plan_from_sources
-from dlo.cli.config_flags import config_from_flags, in_flag_terms, torch_dtype
+from dlo.cli.config_flags import in_flag_terms, torch_dtype
+from dlo.cli.flag_checks import inspect_config
 from dlo.cli.format import human_bytes, table
 from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
 from dlo.cli.model_source import is_hub_id, resolve_model
@@ -16,6 +17,7 @@ from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
 from dlo.host.tensor_source import count_adapters
+from dlo.hotpath.gather import GatherGroup, GatherRole
 from dlo.config import OffloadConfig
 from dlo.config.offload_config import AUTO
 from dlo.errors import ConfigError
@@ -67,34 +69,38 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
     )
 
 
-def render_host_tier(result: MappedLoad, config: OffloadConfig) -> str:
-    """Under config.host_budget_gib: which blocks stay in host memory, which are read from disk."""
+def render_host_tier(result: MappedLoad, config: OffloadConfig, ranks: int) -> str:
+    """Under config.host_budget_gib: which blocks stay in host memory, which are read from disk
+    (in all-gather mode, each of `ranks` ranks' split: the same on every rank)."""
     resident = 0 if config.resident_layers == AUTO else config.resident_layers
     refs = resolve_blocks(result.skeleton, result.offload_plan)[resident:]
+    group = GatherGroup(None, 0, ranks, GatherRole.DP if ranks > 1 else GatherRole.NONE) if config.use_allgather else None
     try:
-        disk = plan_from_sources(result.skeleton, refs, result.checkpoint, result.sources.planned, config)
+        disk = plan_from_sources(result.skeleton, refs, result.checkpoint, result.sources.planned, config, group)
     except ConfigError as err:
-        raise ConfigError(in_flag_terms(str(err), {"host_budget_gib"})) from None
+        raise ConfigError(in_flag_terms(str(err), {"host_budget_gib", "use_allgather"})) from None
     assert disk is not None
     tier = disk.tier
-    budget = human_bytes(tier.budget_bytes)
+    budget = human_bytes(tier.budget_bytes) + (f" per rank ({ranks} all-gather ranks)" if group is not None else "")
     if not tier.active:
         return f"host budget:          {budget} holds every streamed block: nothing is read from disk"
     names = [refs[i].name for i in tier.on_disk]
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    held = f"blocks' shards (1/{ranks} of a block each)" if group is not None else "blocks"
+    chosen = "kept in all-gather mode" if group is not None else "chosen again from the second call's measurements"
     return (
-        f"host budget:          {budget}: {len(refs) - len(names)} of {len(refs)} streamed blocks stay in host memory "
+        f"host budget:          {budget}: {len(refs) - len(names)} of {len(refs)} streamed {held} stay in host memory "
         f"(read once at enable()), {len(names)} are read from disk on every use into {tier.read_buffers} read "
         f"buffer(s) of {human_bytes(tier.read_buffer_bytes)}\n"
         f"read from disk:       {shown}\n"
-        "                      (as enable() spreads them; chosen again from the second call's measurements)"
+        f"                      (as enable() spreads them; {chosen})"
     )
 
 
 def _plan_text(module, args: argparse.Namespace) -> str:
     if args.dtype:
         module = module.to(torch_dtype(args.dtype))
-    return render(summarize(module, discover(module), config_from_flags(args)), payload_bytes(module))
+    return render(summarize(module, discover(module), inspect_config(args)), payload_bytes(module))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,14 +116,14 @@ def run(args: argparse.Namespace) -> int:
         if args.hbm_budget_gib is not None:
             print(f"pipeline budget:      not applicable: {target} is not a pipeline directory")
         return 0
-    config = config_from_flags(args)
+    config = inspect_config(args)
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
     try:
         print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
         print(render_preflight(result))
         if config.host_budget_gib is not None:
             print(
-                render_host_tier(result, config) if isinstance(result, MappedLoad)
+                render_host_tier(result, config, args.nproc) if isinstance(result, MappedLoad)
                 else "host budget:          not applicable: the checkpoint cannot be mapped, so no block can be read "
                 "from disk"
             )

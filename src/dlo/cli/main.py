@@ -13,7 +13,7 @@ from dlo.cli import cache_flags
 from dlo.cli.compile_flag import add_compile_flag
 from dlo.cli.config_flags import DTYPES, add_config_flags, add_device_flags
 from dlo.cli.exit_status import INTERRUPTED_STATUS
-from dlo.cli.flag_checks import check_demo, check_generate, check_serve
+from dlo.cli.flag_checks import check_demo, check_generate, check_inspect, check_serve
 from dlo.cli.lora_flags import lora_flag, named_lora_flag
 from dlo.cli.parallel_run import Parallel
 from dlo.errors import DloError
@@ -324,7 +324,9 @@ def _add_serve(commands) -> None:
 
 
 # The OffloadConfig fields that change what inspect prints (its only config flags).
-INSPECT_CONFIG_FIELDS = ("num_slots", "resident_layers", "hbm_budget_gib", "host_budget_gib")
+INSPECT_CONFIG_FIELDS = (
+    "num_slots", "resident_layers", "hbm_budget_gib", "host_budget_gib", "use_allgather", "gather_chunk_mib"
+)
 
 
 def _add_inspect(commands) -> None:
@@ -343,9 +345,14 @@ def _add_inspect(commands) -> None:
         "and bytes per block)",
     )
     parser.add_argument("--dtype", choices=DTYPES, help="size the weights in this dtype")
+    parser.add_argument(
+        "--nproc", type=positive_int, default=1, metavar="N",
+        help="with --host-budget-gib: the split each of N all-gather ranks makes (a rank's budget holds its "
+        "shard of each block kept, 1/N of it) (default: 1)",
+    )
     _add_verbose(parser)
-    add_config_flags(parser, only=INSPECT_CONFIG_FIELDS)
-    parser.set_defaults(command="dlo.cli.inspect_plan")
+    add_config_flags(parser, only=INSPECT_CONFIG_FIELDS, defaults={"use_allgather": "on with --nproc, else off"})
+    parser.set_defaults(command="dlo.cli.inspect_plan", check=check_inspect)
 
 
 def _add_make_tiny(commands) -> None:
