@@ -94,7 +94,7 @@ def _options(command: str) -> set[str]:
 def test_inspect_takes_only_flags_that_change_what_it_prints():
     assert _options("inspect") == {
         "-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers", "--resident",
-        "--hbm-budget-gib", "--host-budget-gib",
+        "--hbm-budget-gib", "--host-budget-gib", "--nproc", "--use-allgather", "--no-use-allgather", "--gather-chunk-mib",
     }
 
 
