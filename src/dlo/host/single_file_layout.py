@@ -230,7 +230,11 @@ class _Provenance(TorchDispatchMode):
     def range_of(self, tensor: torch.Tensor) -> _Range | None:
         """The range `tensor` holds, or None."""
         base = tensor if tensor._base is None else tensor._base
-        if not tensor.is_contiguous() or not self._intact(tensor):
+        # A view holds its base's bytes only while it shares its base's storage and both keep
+        # the one they were made with (`x.data = ...` gives x another, and views made of x
+        # after that still name x's old base as theirs).
+        intact = self._intact(tensor) and self._intact(base) and _storage(tensor) == _storage(base)
+        if not tensor.is_contiguous() or not intact:
             return None
         if id(tensor) in self._ranges:
             return self._ranges[id(tensor)]
