@@ -104,7 +104,30 @@ def op_write(live, u, p):
             t.data = t * 2
 
 
-OPS = [op_chunk, op_rows, op_cat, op_copy, op_transpose, op_reshape, op_write]
+def op_flat_slice(live, u, p):
+    i = _pick(live, u[0], lambda t: t.is_contiguous() and t.numel() > 1)
+    if i is not None:
+        flat = live[i].view(-1)
+        begin = int(p[0] * flat.numel())
+        live.append(flat[begin : begin + 1 + int(p[1] * (flat.numel() - begin - 1))])
+
+
+def op_unbind(live, u, p):
+    i = _pick(live, u[0], rows_of)
+    if i is not None:
+        rows = live[i].unbind(0)
+        live.append(rows[int(p[0] * len(rows))])
+
+
+def op_split(live, u, p):
+    i = _pick(live, u[0], lambda t: rows_of(t) and t.shape[0] >= 3)
+    if i is not None:
+        first = 1 + int(p[0] * (live[i].shape[0] - 2))
+        parts = torch.split(live[i], [first, live[i].shape[0] - first])
+        live.append(parts[int(p[1] * 2)])
+
+
+OPS = [op_chunk, op_rows, op_cat, op_copy, op_transpose, op_reshape, op_write, op_flat_slice, op_unbind, op_split]
 
 
 def run(ops, start: list[torch.Tensor]) -> list[torch.Tensor]:
