@@ -95,6 +95,7 @@ def test_inspect_takes_only_flags_that_change_what_it_prints():
     assert _options("inspect") == {
         "-h", "--help", "-v", "--verbose", "--dtype", "--num-slots", "--resident-layers", "--resident",
         "--hbm-budget-gib", "--host-budget-gib", "--nproc", "--use-allgather", "--no-use-allgather", "--gather-chunk-mib",
+        "--model-config", "--converter-option",
     }
 
 

@@ -284,3 +284,33 @@ def test_serve_gives_each_replica_the_converter_options(tiny_wan_dir, tmp_path, 
             assert torch.equal(pipe.transformer(**inputs)[0], reference(**inputs)[0])
     finally:
         handle.disable()
+
+
+def test_dlo_inspect_says_whether_a_single_file_streams_from_its_mapping(tmp_path, capsys):
+    """`dlo inspect FILE --model-config DIR`: the preflight dlo.load_transformer runs, before
+    anything loads: mapped (and with which adapters), or the fallback; with a budget, the
+    blocks enable() reads from disk. The flags that need the config are refused without it."""
+    from dlo.cli.main import main
+
+    _, stacked, config_dir = minimax_file(tmp_path, "stacked")
+    assert main(["inspect", str(stacked), "--model-config", str(config_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint mmap:      yes" in out and "(adapters: 2 concat)" in out  # the gated MLP's swapped halves
+    assert main(["inspect", str(stacked), "--model-config", str(config_dir), "--converter-option", "qkv_layout=interleaved"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint mmap:      no, falls back to the ordinary loader (checkpoint_plan_incompatible" in out
+    budget = 0.5 * stacked.stat().st_size / 2**30
+    assert main(["inspect", str(stacked), "--model-config", str(config_dir), "--host-budget-gib", str(budget)]) == 0
+    shown = capsys.readouterr().out.split("read from disk:", 1)[1].splitlines()[0].strip().split(", ")
+    model, plan = dlo.load_transformer(stacked, model_config=config_dir)
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget), plan=plan) as handle:
+        assert list(handle.stats().disk.blocks) == shown
+    for argv, says in [
+        ([str(stacked), "--host-budget-gib", "1"], "--host-budget-gib: inspecting a single file's plan needs its model's"),
+        ([str(stacked), "--converter-option", "qkv_layout=stacked"], "--converter-option: inspecting a single file's"),
+        ([str(config_dir), "--model-config", str(config_dir)], "--model-config is for a .gguf or single-file"),
+        ([str(stacked), "--model-config", str(config_dir), "--converter-option", "rows=1"], "takes qkv_layout"),
+    ]:
+        assert main(["inspect", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

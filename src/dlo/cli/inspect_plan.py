@@ -11,11 +11,12 @@ from dlo.cli.config_flags import in_flag_terms, torch_dtype
 from dlo.cli.flag_checks import inspect_config
 from dlo.cli.format import human_bytes, table
 from dlo.cli.inspect_file import FILE_SUFFIXES, render_file
-from dlo.cli.model_source import is_hub_id, resolve_model
+from dlo.cli.model_source import check_converter_flags, is_hub_id, resolve_model
 from dlo.cli.model_target import build_on_meta, plan_from_configs
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
+from dlo.host.single_file_load import GGUF_SUFFIX, check_gguf_file, config_directory, single_file_class, single_file_preflight
 from dlo.host.tensor_source import count_adapters
 from dlo.hotpath.gather import GatherGroup, GatherRole
 from dlo.config import OffloadConfig
@@ -97,6 +98,53 @@ def render_host_tier(result: MappedLoad, config: OffloadConfig, ranks: int) -> s
     )
 
 
+def _print_mapping(result: MappedLoad | Fallback, config: OffloadConfig, ranks: int) -> None:
+    """Whether the checkpoint stands in for the blocks, and under a host budget which blocks are
+    read from disk; the mapping of a MappedLoad closed after."""
+    try:
+        print(render_preflight(result))
+        if config.host_budget_gib is not None:
+            print(
+                render_host_tier(result, config, ranks) if isinstance(result, MappedLoad)
+                else "host budget:          not applicable: the checkpoint cannot be mapped, so no block can be read "
+                "from disk"
+            )
+    finally:
+        if isinstance(result, MappedLoad):
+            result.checkpoint.close()
+
+
+def _inspect_file(path: Path, args: argparse.Namespace) -> int:
+    """A .gguf or single .safetensors file: its tensors per block from the header; with
+    --model-config, whether it streams from its mapping, as dlo.load_transformer would load it."""
+    if args.model_config is None:
+        needing = {
+            "--host-budget-gib": args.host_budget_gib is not None, "--hbm-budget-gib": args.hbm_budget_gib is not None,
+            "--converter-option": bool(args.converter_option), "--nproc": args.nproc > 1,
+        }
+        given = [flag for flag, present in needing.items() if present]
+        if given:
+            raise ConfigError(f"{given[0]}: inspecting a single file's plan needs its model's config: give --model-config DIR")
+        print(render_file(path))
+        return 0
+    if args.hbm_budget_gib is not None:
+        raise ConfigError(f"--hbm-budget-gib plans a pipeline directory's components; {path} is a single file")
+    directory = config_directory(args.model_config, path)
+    cls, _ = single_file_class(path, directory)
+    check_converter_flags(args.converter_option or [], path, cls)
+    dtype = torch_dtype(args.dtype) if args.dtype else None
+    if path.suffix == GGUF_SUFFIX:
+        import torch
+
+        check_gguf_file(path)
+        dtype = torch.float32 if dtype is None else dtype  # diffusers' GGUF loader's default compute dtype
+    config = inspect_config(args)
+    result = single_file_preflight(path, directory, dtype, False, dict(args.converter_option or ()))
+    print(render_file(path))
+    _print_mapping(result, config, args.nproc)
+    return 0
+
+
 def _plan_text(module, args: argparse.Namespace) -> str:
     if args.dtype:
         module = module.to(torch_dtype(args.dtype))
@@ -105,8 +153,10 @@ def _plan_text(module, args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if Path(args.target).suffix in FILE_SUFFIXES and Path(args.target).is_file():
-        print(render_file(Path(args.target)))
-        return 0
+        return _inspect_file(Path(args.target), args)
+    if args.model_config is not None or args.converter_option:
+        flag = "--model-config" if args.model_config is not None else "--converter-option"
+        raise ConfigError(f"{flag} is for a .gguf or single-file .safetensors MODEL; {args.target} is not one")
     cached = is_hub_id(args.target)
     target = str(resolve_model(args.target, "dlo inspect never downloads")) if cached else args.target
     if not Path(target).expanduser().is_dir():
@@ -118,18 +168,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = inspect_config(args)
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
-    try:
-        print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
-        print(render_preflight(result))
-        if config.host_budget_gib is not None:
-            print(
-                render_host_tier(result, config, args.nproc) if isinstance(result, MappedLoad)
-                else "host budget:          not applicable: the checkpoint cannot be mapped, so no block can be read "
-                "from disk"
-            )
-    finally:
-        if isinstance(result, MappedLoad):
-            result.checkpoint.close()
+    print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
+    _print_mapping(result, config, args.nproc)
     if config.hbm_budget_gib is not None:
         dtype = torch_dtype(args.dtype or "bfloat16")
         print(render_pipeline_plan(Path(target).expanduser(), config, dtype, mapped=isinstance(result, MappedLoad)))

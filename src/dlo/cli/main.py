@@ -143,13 +143,17 @@ def _add_weight_files(parser: argparse.ArgumentParser, lora_type, lora_metavar: 
         help="dequantize the --transformer .gguf file's weights with dlo's Triton kernels (the same values as "
         "diffusers' torch dequantization, bit for bit, in one kernel launch per weight; needs Triton and CUDA)",
     )
+    _add_converter_option(parser, "the --transformer file")
+    parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
+
+
+def _add_converter_option(parser: argparse.ArgumentParser, of: str) -> None:
     parser.add_argument(
         "--converter-option", action="append", type=converter_option, metavar="KEY=VALUE",
-        help="pass an option to diffusers' single-file converter of the --transformer file, one the file cannot tell "
-        "(e.g. qkv_layout=interleaved for a MiniMax-H3 file merged from its original shards); VALUE is a string; "
+        help=f"pass an option to diffusers' single-file converter of {of}, one the file cannot tell (e.g. "
+        "qkv_layout=interleaved for a MiniMax-H3 file merged from its original shards); VALUE is a string; "
         "repeat for several",
     )
-    parser.add_argument("--lora", action="append", type=lora_type, metavar=lora_metavar, help=lora)
 
 
 def converter_option(text: str) -> tuple[str, str]:
@@ -350,6 +354,14 @@ def _add_inspect(commands) -> None:
         help="with --host-budget-gib: the split each of N all-gather ranks makes (a rank's budget holds its "
         "shard of each block kept, 1/N of it) (default: 1)",
     )
+    parser.add_argument(
+        "--model-config", metavar="DIR",
+        help="for a .gguf or single-file .safetensors MODEL: the transformer's config (its directory, its "
+        "pipeline's, or a hub id in the Hugging Face cache); inspect then also says whether the file streams "
+        "from its mapping (and with which adapters) or which fallback applies, and, with --host-budget-gib, "
+        "which blocks are read from disk",
+    )
+    _add_converter_option(parser, "the --model-config file")
     _add_verbose(parser)
     add_config_flags(parser, only=INSPECT_CONFIG_FIELDS, defaults={"use_allgather": "on with --nproc, else off"})
     parser.set_defaults(command="dlo.cli.inspect_plan", check=check_inspect)
