@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,10 +99,13 @@ def render_host_tier(result: MappedLoad, config: OffloadConfig, ranks: int) -> s
     )
 
 
-def _print_mapping(result: MappedLoad | Fallback, config: OffloadConfig, ranks: int) -> None:
-    """Whether the checkpoint stands in for the blocks, and under a host budget which blocks are
-    read from disk; the mapping of a MappedLoad closed after."""
+def _print_mapping(
+    result: MappedLoad | Fallback, config: OffloadConfig, ranks: int, heading: Callable[[], str]
+) -> None:
+    """`heading()`, whether the checkpoint stands in for the blocks, and under a host budget which
+    blocks are read from disk; the mapping of a MappedLoad closed after, whatever raised."""
     try:
+        print(heading())
         print(render_preflight(result))
         if config.host_budget_gib is not None:
             print(
@@ -140,8 +144,7 @@ def _inspect_file(path: Path, args: argparse.Namespace) -> int:
         dtype = torch.float32 if dtype is None else dtype  # diffusers' GGUF loader's default compute dtype
     config = inspect_config(args)
     result = single_file_preflight(path, directory, dtype, False, dict(args.converter_option or ()))
-    print(render_file(path))
-    _print_mapping(result, config, args.nproc)
+    _print_mapping(result, config, args.nproc, lambda: render_file(path))
     return 0
 
 
@@ -168,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = inspect_config(args)
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
-    print(_plan_text(result.skeleton if isinstance(result, MappedLoad) else build_on_meta(target), args))
-    _print_mapping(result, config, args.nproc)
+    skeleton = result.skeleton if isinstance(result, MappedLoad) else None
+    _print_mapping(result, config, args.nproc, lambda: _plan_text(skeleton if skeleton is not None else build_on_meta(target), args))
     if config.hbm_budget_gib is not None:
         dtype = torch_dtype(args.dtype or "bfloat16")
         print(render_pipeline_plan(Path(target).expanduser(), config, dtype, mapped=isinstance(result, MappedLoad)))

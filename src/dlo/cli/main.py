@@ -361,7 +361,7 @@ def _add_inspect(commands) -> None:
         "from its mapping (and with which adapters) or which fallback applies, and, with --host-budget-gib, "
         "which blocks are read from disk",
     )
-    _add_converter_option(parser, "the --model-config file")
+    _add_converter_option(parser, "a single-file MODEL (with --model-config)")
     _add_verbose(parser)
     add_config_flags(parser, only=INSPECT_CONFIG_FIELDS, defaults={"use_allgather": "on with --nproc, else off"})
     parser.set_defaults(command="dlo.cli.inspect_plan", check=check_inspect)
