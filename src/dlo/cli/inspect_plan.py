@@ -171,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = inspect_config(args)
     result = preflight(target, torch_dtype(args.dtype) if args.dtype else None)
-    skeleton = result.skeleton if isinstance(result, MappedLoad) else None
-    _print_mapping(result, config, args.nproc, lambda: _plan_text(skeleton if skeleton is not None else build_on_meta(target), args))
+    model = (lambda: result.skeleton) if isinstance(result, MappedLoad) else (lambda: build_on_meta(target))
+    _print_mapping(result, config, args.nproc, lambda: _plan_text(model(), args))
     if config.hbm_budget_gib is not None:
         dtype = torch_dtype(args.dtype or "bfloat16")
         print(render_pipeline_plan(Path(target).expanduser(), config, dtype, mapped=isinstance(result, MappedLoad)))
