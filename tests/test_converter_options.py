@@ -305,8 +305,15 @@ def test_dlo_inspect_says_whether_a_single_file_streams_from_its_mapping(tmp_pat
     model, plan = dlo.load_transformer(stacked, model_config=config_dir)
     with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget), plan=plan) as handle:
         assert list(handle.stats().disk.blocks) == shown
+    assert main(["inspect", str(stacked), "--model-config", str(config_dir), "--host-budget-gib", "1e-9"]) == 2
+    captured = capsys.readouterr()  # a budget too small: one line, not the file's table first
+    assert captured.out == "" and "raise it to at least" in captured.err
     for argv, says in [
         ([str(stacked), "--host-budget-gib", "1"], "--host-budget-gib: inspecting a single file's plan needs its model's"),
+        ([str(stacked), "--num-slots", "3"], "--num-slots: inspecting a single file's plan needs its model's config"),
+        ([str(stacked), "--dtype", "bfloat16"], "--dtype: inspecting a single file's plan needs its model's config"),
+        ([str(tmp_path / "absent.safetensors"), "--model-config", str(config_dir)], "absent.safetensors: no such file"),
+        ([str(stacked), "--model-config", str(config_dir), "--hbm-budget-gib", "10"], "is a single file"),
         ([str(stacked), "--converter-option", "qkv_layout=stacked"], "--converter-option: inspecting a single file's"),
         ([str(config_dir), "--model-config", str(config_dir)], "--model-config is for a .gguf or single-file"),
         ([str(stacked), "--model-config", str(config_dir), "--converter-option", "rows=1"], "takes qkv_layout"),

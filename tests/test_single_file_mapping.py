@@ -413,3 +413,30 @@ def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_
         got = run(loaded, inputs)
         assert handle.stats().host_bytes == 0
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_dlo_inspect_refuses_a_float8_file_it_cannot_map_as_the_loader_does(tmp_path, capsys):
+    """A float8 file whose mapping is refused cannot be loaded (diffusers' loader would drop its
+    scales): `dlo inspect FILE --model-config` says so in the loader's own words, not that it
+    would fall back."""
+    from dlo.cli.main import main
+
+    model = TINY_MODELS["wan"].build(seed=2, dtype=torch.bfloat16)
+    stored = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("blocks.") and name.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
+            stored[name] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            stored[name[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            stored[name] = tensor.contiguous()
+    stored["extra.weight"] = torch.zeros(4)  # no runtime tensor: the mapping is refused
+    config_dir, path = tmp_path / "config", tmp_path / "wan_fp8_scaled.safetensors"
+    model.save_config(config_dir)
+    save_file(wan_original(stored), path)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    assert "holds float8 weights" in str(refused.value) and "checkpoint_plan_incompatible" in str(refused.value)
+    assert main(["inspect", str(path), "--model-config", str(config_dir)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == f"dlo: error: {refused.value}"

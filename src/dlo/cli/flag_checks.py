@@ -61,6 +61,8 @@ def inspect_config(args: argparse.Namespace) -> OffloadConfig:
 
 
 def check_inspect(args: argparse.Namespace) -> None:
+    if args.hbm_budget_gib is not None and Path(args.target).suffix in (".gguf", ".safetensors"):  # single files
+        raise ConfigError(f"--hbm-budget-gib plans a pipeline directory's components; {args.target} is a single file")
     config = inspect_config(args)
     if args.nproc > 1 and config.host_budget_gib is None:
         raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,15 @@ from dlo.cli.model_target import build_on_meta, plan_from_configs
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
-from dlo.host.single_file_load import GGUF_SUFFIX, check_gguf_file, config_directory, single_file_class, single_file_preflight
+from dlo.host.single_file_load import (
+    GGUF_SUFFIX,
+    check_gguf_file,
+    config_directory,
+    float8_refused,
+    holds_float8,
+    single_file_class,
+    single_file_preflight,
+)
 from dlo.host.tensor_source import count_adapters
 from dlo.hotpath.gather import GatherGroup, GatherRole
 from dlo.config import OffloadConfig
@@ -83,12 +92,14 @@ def render_host_tier(result: MappedLoad, config: OffloadConfig, ranks: int) -> s
         raise ConfigError(in_flag_terms(str(err), {"host_budget_gib", "use_allgather"})) from None
     assert disk is not None
     tier = disk.tier
-    budget = human_bytes(tier.budget_bytes) + (f" per rank ({ranks} all-gather ranks)" if group is not None else "")
+    budget = human_bytes(tier.budget_bytes) + (
+        f" per rank ({ranks} all-gather ranks)" if ranks > 1 else " (all-gather mode, a group of one)" if group else ""
+    )
     if not tier.active:
         return f"host budget:          {budget} holds every streamed block: nothing is read from disk"
     names = [refs[i].name for i in tier.on_disk]
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    held = f"blocks' shards (1/{ranks} of a block each)" if group is not None else "blocks"
+    held = f"blocks' shards (1/{ranks} of a block each)" if ranks > 1 else "blocks"
     chosen = "kept in all-gather mode" if group is not None else "chosen again from the second call's measurements"
     return (
         f"host budget:          {budget}: {len(refs) - len(names)} of {len(refs)} streamed {held} stay in host memory "
@@ -103,16 +114,17 @@ def _print_mapping(
     result: MappedLoad | Fallback, config: OffloadConfig, ranks: int, heading: Callable[[], str]
 ) -> None:
     """`heading()`, whether the checkpoint stands in for the blocks, and under a host budget which
-    blocks are read from disk; the mapping of a MappedLoad closed after, whatever raised."""
+    blocks are read from disk, printed once all of it is made (a refused budget is one line); the
+    mapping of a MappedLoad closed after, whatever raised."""
     try:
-        print(heading())
-        print(render_preflight(result))
+        lines = [heading(), render_preflight(result)]
         if config.host_budget_gib is not None:
-            print(
+            lines.append(
                 render_host_tier(result, config, ranks) if isinstance(result, MappedLoad)
                 else "host budget:          not applicable: the checkpoint cannot be mapped, so no block can be read "
                 "from disk"
             )
+        print("\n".join(lines))
     finally:
         if isinstance(result, MappedLoad):
             result.checkpoint.close()
@@ -122,17 +134,19 @@ def _inspect_file(path: Path, args: argparse.Namespace) -> int:
     """A .gguf or single .safetensors file: its tensors per block from the header; with
     --model-config, whether it streams from its mapping, as dlo.load_transformer would load it."""
     if args.model_config is None:
+        defaults = {spec.name: spec.default for spec in dataclasses.fields(OffloadConfig)}
         needing = {
-            "--host-budget-gib": args.host_budget_gib is not None, "--hbm-budget-gib": args.hbm_budget_gib is not None,
-            "--converter-option": bool(args.converter_option), "--nproc": args.nproc > 1,
+            "--host-budget-gib": args.host_budget_gib is not None, "--converter-option": bool(args.converter_option),
+            "--nproc": args.nproc > 1, "--dtype": args.dtype is not None,
+            "--use-allgather": args.use_allgather is not None,
+            **{f"--{name.replace('_', '-')}": getattr(args, name) != defaults[name]
+               for name in ("num_slots", "resident_layers", "gather_chunk_mib")},
         }
         given = [flag for flag, present in needing.items() if present]
         if given:
             raise ConfigError(f"{given[0]}: inspecting a single file's plan needs its model's config: give --model-config DIR")
         print(render_file(path))
         return 0
-    if args.hbm_budget_gib is not None:
-        raise ConfigError(f"--hbm-budget-gib plans a pipeline directory's components; {path} is a single file")
     directory = config_directory(args.model_config, path)
     cls, _ = single_file_class(path, directory)
     check_converter_flags(args.converter_option or [], path, cls)
@@ -144,6 +158,8 @@ def _inspect_file(path: Path, args: argparse.Namespace) -> int:
         dtype = torch.float32 if dtype is None else dtype  # diffusers' GGUF loader's default compute dtype
     config = inspect_config(args)
     result = single_file_preflight(path, directory, dtype, False, dict(args.converter_option or ()))
+    if isinstance(result, Fallback) and holds_float8(path):
+        raise float8_refused(path, result)  # as dlo.load_transformer refuses it
     _print_mapping(result, config, args.nproc, lambda: render_file(path))
     return 0
 
@@ -157,6 +173,8 @@ def _plan_text(module, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     if Path(args.target).suffix in FILE_SUFFIXES and Path(args.target).is_file():
         return _inspect_file(Path(args.target), args)
+    if Path(args.target).suffix in FILE_SUFFIXES and args.model_config is not None:
+        raise ConfigError(f"{args.target}: no such file")
     if args.model_config is not None or args.converter_option:
         flag = "--model-config" if args.model_config is not None else "--converter-option"
         raise ConfigError(f"{flag} is for a .gguf or single-file .safetensors MODEL; {args.target} is not one")

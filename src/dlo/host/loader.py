@@ -29,6 +29,7 @@ from dlo.host.single_file_load import (
     GGUF_SUFFIX,
     check_gguf_file,
     config_directory,
+    float8_refused,
     holds_float8,
     ordinary_single_file_load,
     single_file_class,
@@ -135,10 +136,7 @@ def _load_single_file(
         if isinstance(result, MappedLoad):
             return _mapped(result)
     if float8:
-        raise ConfigError(
-            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping, and the mapping was "
-            f"refused ({result.code}: {result.reason})"
-        )
+        raise float8_refused(path, result)
     logger.warning(
         "dlo: checkpoint mmap fallback %s: %s; loading %s with diffusers' single-file loader",
         result.code, result.reason, path, extra={"dlo_fallback": result.code},
@@ -258,10 +256,7 @@ def load_transformer(
             return _mapped(result)
         float8_file = _float8_file(directory)
         if float8_file is not None:
-            raise ConfigError(
-                f"{float8_file} holds float8 weights, which dlo reads only from the checkpoint mapping, and the "
-                f"mapping was refused ({result.code}: {result.reason})"
-            )
+            raise float8_refused(float8_file, result)
         logger.warning(
             "dlo: checkpoint mmap fallback %s: %s; loading %s the ordinary way",
             result.code,

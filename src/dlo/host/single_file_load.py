@@ -177,6 +177,15 @@ def _float_dtype(path: Path) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def float8_refused(path: Path, fallback: Fallback) -> ConfigError:
+    """Why a float8 file whose mapping was refused cannot be loaded at all: diffusers' loader
+    would cast its float8 values and drop their scales."""
+    return ConfigError(
+        f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping, and the mapping was "
+        f"refused ({fallback.code}: {fallback.reason})"
+    )
+
+
 def holds_float8(path: Path) -> bool:
     if path.suffix == GGUF_SUFFIX:
         return False
