@@ -172,7 +172,7 @@ def test_help_lists_every_config_field(command, capsys):
             assert f"--no-{spec.name.replace('_', '-')}" in out
 
 
-@pytest.mark.parametrize(("command", "shown"), [("generate", "False"), ("serve", "on, off with --transformer FILE")])
+@pytest.mark.parametrize(("command", "shown"), [("generate", "False"), ("serve", "on")])
 def test_help_shows_the_commands_own_default_of_the_host_weight_cache(command, shown, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -272,6 +272,7 @@ def test_serve_gives_each_replica_the_converter_options(tiny_wan_dir, tmp_path, 
     assert main(argv) == 0
     (replica,) = served[0].replicas
     assert replica.converter_options == (("swap_qk", "yes"),)
+    assert replica.config.host_weight_cache  # on, as for MODEL's own transformer: a file that cannot be mapped uses it
     reference = diffusers.WanTransformer3DModel.from_single_file(
         str(path), config=str(tiny_wan_dir / "transformer"), swap_qk="yes"
     ).eval()

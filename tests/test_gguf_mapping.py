@@ -185,18 +185,18 @@ def test_a_tensor_a_converter_makes_of_a_packed_and_a_plain_tensor_falls_back_na
     )
 
 
-def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(tmp_path):
+def test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place(large_file_dir):
     """The BFL layout packs q, k and v in one tensor: diffusers' converter splits its rows, so
     each projection is a range of the packed bytes, keeping its quant type."""
     cls = diffusers.FluxTransformer2DModel
     model = random_model(cls, FLUX_WIDE, torch.float32)
-    model.save_config(tmp_path)
-    path = write_gguf(model, tmp_path / "flux.gguf", Q.Q8_0, layout=lambda state: flux_original(state, 1, 1))
+    model.save_config(large_file_dir)
+    path = write_gguf(model, large_file_dir / "flux.gguf", Q.Q8_0, layout=lambda state: flux_original(state, 1, 1))
     names, config = set(model.state_dict()), dict(model.config)
     del model
     inputs = [TINY_MODELS["flux"].inputs(1, torch.bfloat16)]
-    expected = run(load_gguf(path, tmp_path, "FluxTransformer2DModel", torch.bfloat16), inputs)
-    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    expected = run(load_gguf(path, large_file_dir, "FluxTransformer2DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, large_file_dir, inputs, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert adapters == {} and 0 < stats.host_bytes < path.stat().st_size / 16
     file = GgufFile(path)
@@ -275,10 +275,6 @@ def test_gguf_files_it_cannot_map_load_with_diffusers_or_are_refused_in_one_line
     for load, message in [
         (lambda: dlo.load_transformer(path, model_config=tmp_path, fuse_qkv=True), "a GGUF file's stay packed: set fuse_qkv=False"),
         (lambda: dlo.load_transformer(unread, model_config=tmp_path), "diffusers' GGUF loader has no dequantization for IQ2_XXS"),
-        (
-            lambda: dlo.load_transformer(path, dlo.OffloadConfig(host_weight_cache=True), model_config=tmp_path),
-            "a single file is mapped as it is: set host_weight_cache=False",
-        ),
     ]:
         with pytest.raises(dlo.ConfigError, match=message.replace("'", ".")) as refused:
             load()

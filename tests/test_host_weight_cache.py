@@ -87,7 +87,7 @@ def test_identity_splits_on_tp_coordinates_and_sp_size_but_not_dp_or_sp_rank(tmp
 
     def key(**topology):
         load = load_identity(directory, nn.Linear, {}, "bf16", {}, dlo.Topology(**topology))
-        return build_identity(load, "c0ffee")[1]
+        return build_identity(load, "c0ffee", {})[1]
 
     base = key()
     assert key(dp_size=4, dp_rank=3) == base and key(sp_size=2, sp_rank=1) == key(sp_size=2, sp_rank=0)

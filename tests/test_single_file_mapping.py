@@ -85,13 +85,13 @@ def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path,
     assert stats.mapped_bytes == path.stat().st_size
 
 
-def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(tmp_path):
+def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(large_file_dir):
     """The BFL layout fuses q, k, v (and the MLP's input, in single blocks): diffusers' converter
     splits them along the rows, so each part is a range of the file; its final norm's shift and
     scale are swapped (a `cat` of the two halves of one tensor): two ranges, concatenated."""
     cls = diffusers.FluxTransformer2DModel
     model = random_model(cls, FLUX_WIDE, torch.bfloat16)
-    path, config_dir = write(tmp_path, "flux", model, lambda state: flux_original(state, 1, 1))
+    path, config_dir = write(large_file_dir, "flux", model, lambda state: flux_original(state, 1, 1))
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
     adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
     assert stats.mapped_bytes == path.stat().st_size  # no converted file beside it
@@ -164,10 +164,6 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
         (lambda: dlo.load_transformer(path), "is a single file: give model_config="),
         (lambda: dlo.load_transformer(config_dir, model_config=config_dir), "is a directory with its own config.json"),
         (lambda: dlo.load_transformer(path, model_config="no-such-org/no-such-model"), "neither a directory nor a hub id"),
-        (
-            lambda: dlo.load_transformer(path, dlo.OffloadConfig(host_weight_cache=True), model_config=config_dir),
-            "a single file is mapped as it is: set host_weight_cache=False",
-        ),
     ]
     no_converter = tmp_path / "cogvideox-config"  # a class diffusers reads no single file of
     TINY_MODELS["cogvideox"].build(seed=2).save_config(no_converter)
@@ -381,13 +377,13 @@ def test_parts_follow_cats_of_ranges_in_another_order_and_no_write_through_any_a
     assert provenance.range_of(view_of_b) is None and provenance.range_of(view_of_a).begin == 1032
 
 
-def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale(tmp_path):
+def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale(large_file_dir):
     """ComfyUI's Flux fp8_scaled file: the fused q/k/v (and linear1) weights float8 with one
     scale each; their parts stream with that scale, equal to diffusers' model of the same
     weights dequantized (here, independently of dlo) in the same layout."""
     cls = diffusers.FluxTransformer2DModel
     model = random_model(cls, FLUX_WIDE, torch.bfloat16)
-    config_dir = tmp_path / "config"
+    config_dir = large_file_dir / "config"
     model.save_config(config_dir)
     original = flux_original({k: v.contiguous() for k, v in model.state_dict().items()}, 1, 1)
     del model
@@ -400,7 +396,7 @@ def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_
             dequantized[key] = (data.float() * scale).to(torch.bfloat16)
         else:
             stored[key] = dequantized[key] = tensor
-    fp8_path = tmp_path / "flux-fp8-scaled.safetensors"
+    fp8_path = large_file_dir / "flux-fp8-scaled.safetensors"
     save_file({**stored, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, fp8_path)
     del original, stored
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]

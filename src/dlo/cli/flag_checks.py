@@ -47,11 +47,6 @@ def check_generate(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--device {args.device}: with --nproc each rank takes its own device (rank r: cuda:r); pass --device {kind}"
         )
-    if generate_config(args, parallel).host_weight_cache and args.transformer:
-        raise ConfigError(
-            "--host-weight-cache: the cache holds what dlo.load_transformer loads from MODEL's transformer directory; "
-            "--transformer FILE is mapped as it is (or loaded by diffusers' single-file loader). Give one of them"
-        )
 
 
 def inspect_config(args: argparse.Namespace) -> OffloadConfig:
@@ -105,9 +100,9 @@ def check_serve_extra() -> None:
 
 
 def serve_config(args: argparse.Namespace) -> OffloadConfig:
-    """--host-weight-cache defaults to on (the replicas share one host copy of MODEL's
-    transformer), off with --transformer FILE (the replicas share the file's mapping instead)."""
-    cache = args.host_weight_cache if args.host_weight_cache is not None else not args.transformer
+    """--host-weight-cache defaults to on: the replicas share one host copy of the transformer
+    (a --transformer FILE that streams from its own mapping shares that instead)."""
+    cache = args.host_weight_cache if args.host_weight_cache is not None else True
     return config_from_flags(args, host_weight_cache=cache)
 
 
@@ -122,8 +117,3 @@ def check_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.stall_timeout_s < float("inf"):
         raise ConfigError(f"--stall-timeout-s {args.stall_timeout_s}: give a number of seconds > 0, or 0 for never")
     check_lora_names(args.lora)
-    if serve_config(args).host_weight_cache and args.transformer:
-        raise ConfigError(
-            "--host-weight-cache: the cache holds what dlo.load_transformer loads from MODEL's transformer directory; "
-            "--transformer FILE is mapped as it is, shared by the replicas. Give one of them"
-        )

@@ -219,7 +219,9 @@ def _add_generate(commands) -> None:
     )
     _add_weight_files(
         parser, lora_flag, "PATH[:SCALE]",
-        transformer="; MODEL gives the other components and the transformer's config",
+        transformer="; MODEL gives the other components and the transformer's config. It streams from its own "
+        "mapping where diffusers' converter allows; with --host-weight-cache, a file that cannot is converted once "
+        "into the cache",
         lora="a LoRA to run with, at SCALE (default: 1): a .safetensors file, a directory holding one, or a hub id; "
         "repeat for several. Checked against the transformer before anything loads",
     )
@@ -305,7 +307,8 @@ def _add_serve(commands) -> None:
     )
     _add_weight_files(
         parser, named_lora_flag, "NAME=PATH[:SCALE]",
-        transformer=" (mapped and shared by the replicas as it is: the host weight cache is then off by default)",
+        transformer=" (streamed from its own mapping, shared by the replicas, where diffusers' converter allows; "
+        "else converted once into the host weight cache)",
         lora="a LoRA every replica loads at its start, as adapter NAME (a .safetensors file, a directory holding one, "
         "or a cached hub id); repeat for several. A request runs with those its \"lora\" field names "
         '([{"name": NAME, "scale": S}], S defaulting to SCALE, itself to 1), the base model without it',
@@ -323,7 +326,7 @@ def _add_serve(commands) -> None:
         "uvicorn's, from this level up; other libraries' warnings only with -v (default: info)",
     )
     _add_verbose(parser)
-    add_config_flags(parser, defaults={"host_weight_cache": "on, off with --transformer FILE"})
+    add_config_flags(parser, defaults={"host_weight_cache": "on"})
     parser.set_defaults(command="dlo.cli.serve", check=check_serve)
 
 

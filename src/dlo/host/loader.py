@@ -12,7 +12,7 @@ from torch import nn
 
 from dlo.config import OffloadConfig, Topology
 from dlo.errors import ConfigError
-from dlo.host.cache.consume import load_through_cache
+from dlo.host.cache.consume import directory_recipe, load_through_cache
 from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint, find_transformer_dir, read_model_config, read_weight_map
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
@@ -34,6 +34,7 @@ from dlo.host.single_file_load import (
     ordinary_single_file_load,
     single_file_class,
     single_file_preflight,
+    single_file_recipe,
 )
 from dlo.host.single_file_layout import check_converter_options
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
@@ -102,10 +103,11 @@ def _mapped(result: MappedLoad) -> tuple[nn.Module, HostWeightPlan]:
 
 def _load_single_file(
     path: Path, config: OffloadConfig, torch_dtype: torch.dtype | None, model_config, fuse_qkv: bool,
-    topology: Topology, converter_options: Mapping[str, object],
+    topology: Topology, converter_options: Mapping[str, object], loader_inputs: dict | None,
 ) -> tuple[nn.Module, HostWeightPlan | None]:
     """load_transformer of a single .safetensors or .gguf file. See [Note: single files through
-    diffusers' converter] and [Note: GGUF files mapped]"""
+    diffusers' converter] and [Note: GGUF files mapped]; one the mapping cannot stream goes
+    through the host weight cache with `config.host_weight_cache` (See [Note: GGUF entries])."""
     directory = config_directory(model_config, path)
     cls, _ = single_file_class(path, directory)  # refuses another suffix or a class without a converter first
     check_converter_options(cls, converter_options)
@@ -116,31 +118,30 @@ def _load_single_file(
         # diffusers' GGUF loader computes in float32 unless told otherwise (GGUFQuantizationConfig's default).
         torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
     float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here
-    if config.host_weight_cache:
+    if float8 and (config.fp8_compute or not config.checkpoint_mmap or config.host_weight_cache):
         raise ConfigError(
-            f"{path}: host_weight_cache=True publishes what loading a model directory makes; a single file is mapped "
-            "as it is: set host_weight_cache=False"
+            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True, "
+            "host_weight_cache=False and fp8_compute=False"
         )
-    if float8 and (config.fp8_compute or not config.checkpoint_mmap):
-        raise ConfigError(
-            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True "
-            "and fp8_compute=False"
+    if config.checkpoint_mmap:
+        result = topology_fallback(topology, read_model_config(directory))
+        if result is None and config.fp8_compute:  # See [Note: fp8 compute]
+            result = Fallback("unsupported_online_quantization", "fp8_compute quantizes the model's own weights at enable()")
+        if result is None:
+            result = single_file_preflight(path, directory, torch_dtype, fuse_qkv, converter_options)
+            if isinstance(result, MappedLoad):
+                return _mapped(result)
+        if float8:
+            raise float8_refused(path, result)
+        logger.warning(
+            "dlo: checkpoint mmap fallback %s: %s; loading %s %s",
+            result.code, result.reason, path,
+            "through the host weight cache" if config.host_weight_cache else "with diffusers' single-file loader",
+            extra={"dlo_fallback": result.code},
         )
-    if not config.checkpoint_mmap:
-        return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv, converter_options), None
-    result = topology_fallback(topology, read_model_config(directory))
-    if result is None and config.fp8_compute:  # See [Note: fp8 compute]
-        result = Fallback("unsupported_online_quantization", "fp8_compute quantizes the model's own weights at enable()")
-    if result is None:
-        result = single_file_preflight(path, directory, torch_dtype, fuse_qkv, converter_options)
-        if isinstance(result, MappedLoad):
-            return _mapped(result)
-    if float8:
-        raise float8_refused(path, result)
-    logger.warning(
-        "dlo: checkpoint mmap fallback %s: %s; loading %s with diffusers' single-file loader",
-        result.code, result.reason, path, extra={"dlo_fallback": result.code},
-    )
+    if config.host_weight_cache:  # converted once per node; later loads map the entry
+        recipe = single_file_recipe(path, directory, torch_dtype, fuse_qkv, converter_options, topology, loader_inputs)
+        return load_through_cache(recipe, config)
     return ordinary_single_file_load(path, directory, torch_dtype, fuse_qkv, converter_options), None
 
 
@@ -212,12 +213,15 @@ def load_transformer(
     existing equal entry is validated), and the model's own tensors are swapped in place for
     the entry's read-only mapping; the plan streams from it. `loader_inputs` (JSON-stable) are
     anything else that changed the weights (e.g. LoRA names), part of the entry's identity.
+    A single file still streams from its own mapping where it can; the cache takes one the
+    mapping cannot stream (converted once per node by diffusers' single-file loader; later
+    loads and other processes map the entry).
     """
     config = OffloadConfig() if config is None else config
     if Path(model_dir).expanduser().is_file():
         return _load_single_file(
             Path(model_dir).expanduser(), config, torch_dtype, model_config, fuse_qkv, topology or Topology(),
-            converter_options or {},
+            converter_options or {}, loader_inputs,
         )
     if model_config is not None:
         raise ConfigError(f"model_config= gives a single file its config; {model_dir} is a directory with its own config.json")
@@ -242,7 +246,8 @@ def load_transformer(
                 "checkpoint_mmap=True and host_weight_cache=False (the file is already half the size of bf16)"
             )
     if config.host_weight_cache:
-        return load_through_cache(directory, config, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
+        recipe = directory_recipe(directory, torch_dtype, fuse_qkv, topology or Topology(), loader_inputs)
+        return load_through_cache(recipe, config)
     if config.checkpoint_mmap and config.fp8_compute:  # See [Note: fp8 compute]
         logger.warning(
             "dlo: checkpoint mmap fallback unsupported_online_quantization: fp8_compute quantizes the model's own "

@@ -6,6 +6,7 @@ dlo.host.gguf_model."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
@@ -14,10 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dlo.config import Topology
 from dlo.errors import ConfigError, first_line
+from dlo.host.cache.consume import LoadRecipe
+from dlo.host.cache.identity import load_identity
 from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_config
 from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
-from dlo.host.gguf_file import GgufFile, check_diffusers_reads, read_gguf_index
+from dlo.host.gguf_file import GgufFile, check_diffusers_reads, diffusers_gguf_types, read_gguf_index
 from dlo.host.gguf_model import as_gguf_skeleton, private_conversions
 from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, mapped_load
 from dlo.host.safetensors_file import SafetensorsFile
@@ -194,6 +198,35 @@ def holds_float8(path: Path) -> bool:
         return any(entry.dtype in FLOAT8 for entry in file.entries.values())
     finally:
         file.close()
+
+
+def single_file_recipe(
+    path: Path, directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool, options: Mapping[str, object],
+    topology: Topology, loader_inputs: Mapping[str, object] | None,
+) -> LoadRecipe:
+    """The host weight cache's recipe of a single file the mapping cannot stream: diffusers'
+    single-file loader, its converter given `options` (part of the entry's identity); an
+    entry of a GGUF file is rebuilt as diffusers' GGUF model (See [Note: GGUF entries])."""
+    cls, model_config = single_file_class(path, directory)
+    dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
+    inputs = {"fuse_qkv": fuse_qkv, "converter_options": dict(options), **(loader_inputs or {})}
+
+    def empty(packed: Mapping[str, tuple[tuple[int, ...], str]]) -> nn.Module:
+        model = skeleton(cls, model_config, fuse_qkv)
+        if path.suffix == GGUF_SUFFIX:
+            unknown = sorted({quant for _, quant in packed.values()} - diffusers_gguf_types())
+            if unknown:
+                raise ValueError(f"diffusers' GGUF loader does not read the quant types {unknown}")
+            as_gguf_skeleton(model, dict(packed), torch_dtype)
+        return model
+
+    return LoadRecipe(
+        cls,
+        load_identity(path, cls, model_config, dtype, inputs, topology),
+        ordinary=functools.partial(ordinary_single_file_load, path, directory, torch_dtype, fuse_qkv, options),
+        empty=empty,
+        float_dtype=lambda: torch_dtype if torch_dtype is not None else _float_dtype(path),
+    )
 
 
 def ordinary_single_file_load(

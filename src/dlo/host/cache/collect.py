@@ -1,8 +1,8 @@
 """Collecting the final tensors of a loaded transformer for the cache, failing closed.
 
 Only a layout dlo can prove it maps back exactly is accepted: every parameter and persistent
-buffer a plain, contiguous, whole-storage CPU tensor of a supported dtype, owned under one
-name. Anything else returns a fallback code before a byte is written (docs/guides/host-weight-cache.md).
+buffer a plain, contiguous, whole-storage CPU tensor of a supported dtype (or a GGUF model's
+packed bytes: See [Note: GGUF entries]), owned under one name. Anything else returns a fallback code before a byte is written (docs/guides/host-weight-cache.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from dlo.host.preflight import Fallback
 from dlo.host.safetensors_file import DTYPES
+from dlo.planning.gguf_weights import is_gguf_parameter
 from dlo.planning.tensor_walk import owned_tensors
 
 _SUPPORTED = set(DTYPES.values())
@@ -25,7 +26,8 @@ def collect_tensors(model: nn.Module) -> dict[str, torch.Tensor] | Fallback:
         if not owned.is_parameter and owned.key in owned.owner._non_persistent_buffers_set:
             continue
         name, tensor = owned.name, owned.tensor  # names are unique: they are paths in one tree
-        if type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.is_quantized or tensor.layout != torch.strided:
+        plain = type(tensor) in (torch.Tensor, nn.Parameter) or is_gguf_parameter(tensor)
+        if not plain or tensor.is_quantized or tensor.layout != torch.strided:
             return Fallback("unsupported_tensor", f"{name!r} is a {type(tensor).__name__} ({tensor.layout})")
         if tensor.device.type != "cpu":
             return Fallback("unsupported_tensor", f"{name!r} is on {tensor.device}, not on the cpu")

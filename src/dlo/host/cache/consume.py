@@ -1,6 +1,16 @@
 """Loading through the host weight cache: warm start from the entry this load published
 before, else ordinary load, publish or join the entry, then map it in place of the private
-tensors (docs/guides/host-weight-cache.md). Any failure keeps (or restores) the ordinary tensors."""
+tensors (docs/guides/host-weight-cache.md). Any failure keeps (or restores) the ordinary tensors.
+
+[Note: GGUF entries]
+A single GGUF file the mapping cannot stream (a converter that computes a block tensor) is
+loaded by diffusers' GGUF loader and published like any model: each GGUFParameter's packed
+bytes are a uint8 tensor of the entry, and its quant type, which the bytes cannot tell, is in
+the entry's identity (`packed`, hashed into the key with the content digest). A warm start
+rebuilds diffusers' GGUF model empty from those quant types (the recipe's `empty`) and points
+each GGUFParameter, kept with its quant type, at its bytes in the entry; a quant type gguf
+does not know, or one on a tensor that is not the entry's uint8 bytes, sends the load cold.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +19,8 @@ import functools
 import gc
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +33,7 @@ from dlo.host.cache.collect import collect_tensors
 from dlo.host.cache.entry_layout import block_images
 from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.fp8_entry import entry_source, expected_entry, quantize_entry, quantized_names, stream_identity
-from dlo.host.cache.identity import build_identity, content_digest, load_identity, without_content
+from dlo.host.cache.identity import PACKED, build_identity, content_digest, load_identity, without_content
 from dlo.host.cache.source_index import SourceIndex
 from dlo.host.cache.trust import root_refusal
 from dlo.host.cache.unavailable import CacheUnavailable
@@ -32,21 +43,11 @@ from dlo.host.model_build import checkpoint_float_dtype, model_class, ordinary_l
 from dlo.host.preflight import Fallback
 from dlo.host.safetensors_file import PAD_PREFIX
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
+from dlo.planning.gguf_weights import is_gguf_parameter, parameter_like
 from dlo.planning.offload_plan import discover
 from dlo.planning.tensor_walk import OwnedTensor, owned_tensors
 
 logger = logging.getLogger(__name__)
-
-
-def _topology_fallback(topology: Topology, model_config: dict) -> Fallback | None:
-    checks = [
-        (topology.hsdp, "unsupported_hsdp", "HSDP shards weights across replicas"),
-        (topology.ep_size > 1, "unsupported_expert_parallel", f"expert parallel size {topology.ep_size}"),
-        (topology.pp_size > 1, "unsupported_pp", f"pipeline parallel size {topology.pp_size}"),
-        (topology.cfg_size > 1, "unsupported_cfg_parallel", f"CFG parallel size {topology.cfg_size}"),
-        (bool(model_config.get("quantization_config")), "unsupported_quantization", "the model is quantized"),
-    ]
-    return next((Fallback(code, reason) for hit, code, reason in checks if hit), None)
 
 
 def _release_private_memory() -> None:
@@ -67,20 +68,40 @@ def _log_fallback(fallback: Fallback) -> None:
     )
 
 
-def load_through_cache(
-    directory: Path,
-    config: OffloadConfig,
-    torch_dtype: torch.dtype | None,
-    fuse_qkv: bool,
-    topology: Topology,
-    loader_inputs: dict | None,
-) -> tuple[nn.Module, HostWeightPlan | None]:
+@dataclass(frozen=True)
+class LoadRecipe:
+    """How a load makes its model, as the cache needs to know it: `identity`, its load
+    identity (or why the cache cannot take it); `ordinary()`, the model loaded the ordinary
+    way; `empty(packed)`, the same model on the meta device, for a warm start to bind to an
+    entry whose GGUF tensors are `packed` (name -> (shape, quant type)); `float_dtype()`, the
+    dtype the ordinary loader gives float tensors (None: each keeps its own)."""
+
+    cls: type[nn.Module]
+    identity: dict | Fallback
+    ordinary: Callable[[], nn.Module]
+    empty: Callable[[Mapping[str, tuple[tuple[int, ...], str]]], nn.Module]
+    float_dtype: Callable[[], torch.dtype | None]
+
+
+def directory_recipe(
+    directory: Path, torch_dtype: torch.dtype | None, fuse_qkv: bool, topology: Topology, loader_inputs: dict | None
+) -> LoadRecipe:
+    """The recipe of `dlo.load_transformer(directory)`: diffusers' `from_pretrained`."""
     model_config = read_model_config(directory)
     cls = model_class(model_config.get("_class_name"), directory)
-    fallback = _topology_fallback(topology, model_config)
     dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
     inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
-    load = load_identity(directory, cls, model_config, dtype, inputs, topology) if fallback is None else fallback
+    return LoadRecipe(
+        cls,
+        load_identity(directory, cls, model_config, dtype, inputs, topology),
+        ordinary=functools.partial(ordinary_load, directory, torch_dtype, fuse_qkv),
+        empty=lambda packed: skeleton(cls, model_config, fuse_qkv),
+        float_dtype=lambda: torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory),
+    )
+
+
+def load_through_cache(recipe: LoadRecipe, config: OffloadConfig) -> tuple[nn.Module, HostWeightPlan | None]:
+    load = recipe.identity
     stream = stream_identity(config)
     if stream is not None and not isinstance(load, Fallback):  # See [Note: fp8 streaming]
         load = {**load, "stream": stream}
@@ -92,12 +113,12 @@ def load_through_cache(
         # Logged before loading: the ordinary loader may fail on its own (a quantized model
         # needs its quantization backend).
         _log_fallback(load)
-        return ordinary_load(directory, torch_dtype, fuse_qkv), None
+        return recipe.ordinary(), None
     verify = CacheVerify(config.cache_verify)
-    warm = _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify, config)
+    warm = _warm_start(store, load, recipe, verify, config)
     if warm is not None:
         return warm
-    model = ordinary_load(directory, torch_dtype, fuse_qkv)
+    model = recipe.ordinary()
     result = _publish_and_map(model, store, load, config, verify)
     if isinstance(result, Fallback):
         _log_fallback(result)
@@ -113,7 +134,8 @@ def _publish_and_map(
         return tensors
     float8 = quantized_names(model, config) if "stream" in load else []
     published = quantize_entry(tensors, float8, config) if float8 else tensors
-    identity, key = build_identity(load, content_digest(published))  # the entry's key proves its identity
+    packed = {name: tensor.quant_type.name for name, tensor in tensors.items() if is_gguf_parameter(tensor)}
+    identity, key = build_identity(load, content_digest(published), packed)  # the entry's key proves its identity
     try:
         images = block_images(model, config)  # See [Note: one copy per block]
     except DloError as err:
@@ -225,6 +247,8 @@ def _own_view(view: torch.Tensor, owned: OwnedTensor) -> torch.Tensor:
     stand-ins]"""
     tensor = torch.empty(0, dtype=view.dtype)
     tensor.data = view
+    if is_gguf_parameter(owned.tensor):  # its module dequantizes by its quant type
+        return parameter_like(owned.tensor, tensor)
     return nn.Parameter(tensor, owned.tensor.requires_grad) if owned.is_parameter else tensor
 
 
@@ -232,7 +256,26 @@ def _persistent(model: nn.Module) -> list[OwnedTensor]:
     return [o for o in owned_tensors(model) if o.is_parameter or o.key not in o.owner._non_persistent_buffers_set]
 
 
-def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv, verify, config):
+def _empty_model(recipe: LoadRecipe, entry: Entry) -> nn.Module | str:
+    """The recipe's meta model for `entry`, or why there is none: the entry's GGUF tensors
+    (name -> quant type, in its identity: untrusted, checked as the manifest is) must be uint8
+    tensors of it of a quant type gguf knows. See [Note: GGUF entries]"""
+    packed = entry.manifest["identity"].get(PACKED, {})
+    tensors = entry.manifest["tensors"]
+    if not isinstance(packed, Mapping):
+        return "its packed tensors are not an object"
+    for name, quant_type in packed.items():
+        if not isinstance(quant_type, str) or tensors.get(name, {}).get("dtype") != str(torch.uint8):
+            return f"packed tensor {name!r} is not a uint8 tensor of the entry with a quant type"
+    try:
+        return recipe.empty({name: (tuple(tensors[name]["shape"]), quant_type) for name, quant_type in packed.items()})
+    except ValueError as err:  # a quant type gguf does not know
+        return str(err)
+
+
+def _warm_start(
+    store: EntryStore, load: dict, recipe: LoadRecipe, verify: CacheVerify, config: OffloadConfig
+) -> tuple[nn.Module, HostWeightPlan] | None:
     """The model built empty and bound to the entry this load identity published last time,
     without running the ordinary loader; None (and the cold path) whenever anything does not
     match. See [Note: warm start identity]."""
@@ -252,14 +295,16 @@ def _warm_start(store, load, directory, cls, model_config, torch_dtype, fuse_qkv
     checkpoint = entry.checkpoint
     checkpoint.release_with_mapping(functools.partial(os.close, hold))
     try:
-        model = skeleton(cls, model_config, fuse_qkv)
-        persistent = _persistent(model)
-        # The dtypes the ordinary loader would give (the skeleton's floats are all fp32).
-        rule = runtime_dtype_rule(cls, torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory))
-        expected = {o.name: (list(o.tensor.shape), rule(o.name, o.tensor.dtype)) for o in persistent}
-        float8 = quantized_names(model, config) if "stream" in load else []
-        sources = {name: entry_source(name, tuple(expected[name][0]), expected[name][1], config) for name in float8}
-        problem = _entry_mismatch(entry, load, expected_entry(expected, float8, config))
+        model = _empty_model(recipe, entry)
+        problem = model if isinstance(model, str) else None
+        if problem is None:
+            persistent = _persistent(model)
+            # The dtypes the ordinary loader would give (the skeleton's floats are all fp32).
+            rule = runtime_dtype_rule(recipe.cls, recipe.float_dtype())
+            expected = {o.name: (list(o.tensor.shape), rule(o.name, o.tensor.dtype)) for o in persistent}
+            float8 = quantized_names(model, config) if "stream" in load else []
+            sources = {name: entry_source(name, tuple(expected[name][0]), expected[name][1], config) for name in float8}
+            problem = _entry_mismatch(entry, load, expected_entry(expected, float8, config))
         if problem is not None:
             logger.warning("dlo: host weight cache: not warm-starting from %s: %s; loading cold", key[:16], problem)
             checkpoint.close()

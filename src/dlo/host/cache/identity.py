@@ -34,7 +34,8 @@ from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME
 from dlo.host.preflight import Fallback
 
 SCHEMA_VERSION = 3  # 2: the load identity names the config and the checkpoint files; 3: and their ctime
-CONTENT = "content"  # the identity's one field a warm start cannot know
+CONTENT = "content"  # the digest of the final tensors, which a warm start cannot know
+PACKED = "packed"  # nor the quant type of each GGUF tensor among them, where there are some
 _KEY = re.compile(r"[0-9a-f]{64}")
 
 
@@ -77,16 +78,21 @@ def code_hash(model_class: type) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def file_stamp(path: Path) -> list:
+    """[name, size, mtime_ns, ctime_ns, device, inode] of one file the load reads."""
+    info = path.stat()
+    # ctime too: a rewrite that keeps size and mtime (cp -p, rsync --inplace -t) changes it
+    return [path.name, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_dev, info.st_ino]
+
+
 def checkpoint_files(directory: Path) -> list[list]:
-    """[name, size, mtime_ns, ctime_ns, device, inode] of every file the ordinary loader reads
-    from a safetensors checkpoint (see `_load_format_fallback`)."""
-    files = []
-    for path in sorted(Path(directory).resolve().iterdir()):
-        if path.is_file() and path.suffix in (".safetensors", ".json"):
-            info = path.stat()
-            # ctime too: a rewrite that keeps size and mtime (cp -p, rsync --inplace -t) changes it
-            files.append([path.name, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_dev, info.st_ino])
-    return files
+    """The stamp of every file the ordinary loader reads from a safetensors checkpoint
+    directory (see `_load_format_fallback`)."""
+    return [
+        file_stamp(path)
+        for path in sorted(Path(directory).resolve().iterdir())
+        if path.is_file() and path.suffix in (".safetensors", ".json")
+    ]
 
 
 def _load_format_fallback(directory: Path) -> Fallback | None:
@@ -102,8 +108,19 @@ def _load_format_fallback(directory: Path) -> Fallback | None:
     )
 
 
+def _topology_fallback(topology: Topology, model_config: Mapping[str, object]) -> Fallback | None:
+    checks = [
+        (topology.hsdp, "unsupported_hsdp", "HSDP shards weights across replicas"),
+        (topology.ep_size > 1, "unsupported_expert_parallel", f"expert parallel size {topology.ep_size}"),
+        (topology.pp_size > 1, "unsupported_pp", f"pipeline parallel size {topology.pp_size}"),
+        (topology.cfg_size > 1, "unsupported_cfg_parallel", f"CFG parallel size {topology.cfg_size}"),
+        (bool(model_config.get("quantization_config")), "unsupported_quantization", "the model is quantized"),
+    ]
+    return next((Fallback(code, reason) for hit, code, reason in checks if hit), None)
+
+
 def load_identity(
-    model_dir: Path,
+    source: Path,
     model_class: type,
     model_config: Mapping[str, object],
     dtype: str,
@@ -111,10 +128,14 @@ def load_identity(
     topology: Topology,
     revision: str | None = None,
 ) -> dict | Fallback:
-    """Everything of the identity but the content digest (see [Note: warm start identity]),
-    `unsupported_load_format` if the weights are not safetensors, or `unstable_identity` if
-    the config or the loader inputs are not JSON-stable."""
-    unsupported = _load_format_fallback(Path(model_dir))
+    """Everything of the identity but the content digest (see [Note: warm start identity]) of
+    a load of `source`, a model directory or a single file (its `model_config` from elsewhere);
+    or why the cache cannot take it: a topology or config it does not serve,
+    `unsupported_load_format` if a directory's weights are not safetensors, or
+    `unstable_identity` if the config or the loader inputs are not JSON-stable."""
+    source = Path(source).expanduser().resolve()
+    single_file = source.is_file()
+    unsupported = _topology_fallback(topology, model_config) or (None if single_file else _load_format_fallback(source))
     if unsupported is not None:
         return unsupported
     try:
@@ -125,13 +146,13 @@ def load_identity(
     return {
         "schema": SCHEMA_VERSION,
         "entry_layout": LAYOUT_VERSION,  # where the entry puts each tensor: See [Note: one copy per block]
-        "model_path": str(Path(model_dir).expanduser().resolve()),
+        "model_path": str(source),
         "revision": revision,
         "model_class": f"{model_class.__module__}.{model_class.__qualname__}",
         "config": config,
-        "files": checkpoint_files(model_dir),
+        "files": [file_stamp(source)] if single_file else checkpoint_files(source),
         "dtype": dtype,
-        "load_format": "diffusers",
+        "load_format": "single_file" if single_file else "diffusers",  # a single file: diffusers' converter ran
         "loader_inputs": inputs,
         "code": code_hash(model_class),
         "tp": [topology.tp_size, topology.tp_rank],
@@ -139,12 +160,13 @@ def load_identity(
     }
 
 
-def build_identity(load: Mapping[str, object], digest: str) -> tuple[dict, str]:
-    """(identity, key) of a load whose final tensors have content digest `digest`."""
-    identity = {**load, CONTENT: digest}
+def build_identity(load: Mapping[str, object], digest: str, packed: Mapping[str, str]) -> tuple[dict, str]:
+    """(identity, key) of a load whose final tensors have content digest `digest`; `packed`:
+    the quant type of each GGUF tensor among them (See [Note: GGUF entries])."""
+    identity = {**load, CONTENT: digest, **({PACKED: dict(sorted(packed.items()))} if packed else {})}
     return identity, digest_of(identity)
 
 
 def without_content(identity: Mapping[str, object]) -> dict:
     """The load identity inside a full identity."""
-    return {name: value for name, value in identity.items() if name != CONTENT}
+    return {name: value for name, value in identity.items() if name not in (CONTENT, PACKED)}
