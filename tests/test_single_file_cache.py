@@ -25,6 +25,10 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
 
 INTERLEAVED = {"qkv_layout": "interleaved"}
+WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
+    freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+)
 
 
 def interleaved_file(tmp_path, kind: str, seed: int = 2):
@@ -186,10 +190,7 @@ def test_an_entry_whose_quant_types_cannot_be_right_is_not_mapped(tmp_path, capl
 def test_a_file_that_streams_from_its_mapping_publishes_nothing(tmp_path):
     """The cache is for files the mapping cannot stream: a file it can (Wan's renames) streams
     from its own mapping with the cache on, and nothing is written under the cache directory."""
-    model = random_model(diffusers.WanTransformer3DModel, dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
-        freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
-    ), torch.float32)
+    model = random_model(diffusers.WanTransformer3DModel, WAN, torch.float32)
     path, config_dir = write(tmp_path, "wan", model, wan_original)
     config = cache_config(tmp_path)
     _, plan = dlo.load_transformer(path, config, model_config=config_dir)
@@ -197,22 +198,42 @@ def test_a_file_that_streams_from_its_mapping_publishes_nothing(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-def test_a_float8_file_with_the_cache_on_is_refused_in_one_line(tmp_path):
-    """diffusers' loader would drop a float8 file's scales: the cache cannot convert one."""
+def float8_file(tmp_path, model, layout, name):
+    """`model` in `layout` with each 2-D weight float8 and a per-tensor `scale_weight`, as
+    ComfyUI's fp8_scaled files hold them."""
     from safetensors.torch import save_file
 
-    config_dir = tmp_path / "config"
-    model = random_model(MiniMax, MINIMAX, torch.float32)
+    config_dir = tmp_path / f"{name}-config"
     model.save_config(config_dir)
-    state = minimax_h3_original({k: v.contiguous() for k, v in model.state_dict().items()}, HEADS, HEAD_DIM, "stacked")
-    state = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 else v for k, v in state.items()}
-    path = tmp_path / "minimax-fp8.safetensors"
-    save_file(state, path)
+    stored = {}
+    for key, tensor in layout({k: v.contiguous() for k, v in model.state_dict().items()}).items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
+            stored[key] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            stored[key[: -len("weight")] + "scale_weight"] = scale.reshape(())
+        else:
+            stored[key] = tensor
+    path = tmp_path / f"{name}.safetensors"
+    save_file(stored, path)
+    return path, config_dir
+
+
+def test_a_float8_file_with_the_cache_on_streams_from_its_mapping_or_is_refused(tmp_path):
+    """diffusers' loader would drop a float8 file's scales, so the cache never converts one: with
+    the cache on (dlo serve's default) a float8 file the mapping streams is mapped as without
+    it, and one it cannot is refused in the loader's one line; nothing is published."""
+    wan = random_model(diffusers.WanTransformer3DModel, WAN, torch.bfloat16)
+    path, config_dir = float8_file(tmp_path, wan, wan_original, "wan-fp8")
+    _, plan = dlo.load_transformer(path, cache_config(tmp_path), torch_dtype=torch.bfloat16, model_config=config_dir)
+    assert plan.backing == "checkpoint_mmap"
+    minimax = random_model(MiniMax, MINIMAX, torch.float32)
+    layout = lambda state: minimax_h3_original(state, HEADS, HEAD_DIM, "interleaved")  # noqa: E731
+    path, config_dir = float8_file(tmp_path, minimax, layout, "minimax-fp8")
     with pytest.raises(dlo.ConfigError) as refused:
-        dlo.load_transformer(path, cache_config(tmp_path), model_config=config_dir)
-    assert str(refused.value) == (
-        f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True, "
-        "host_weight_cache=False and fp8_compute=False"
+        load(path, config_dir, cache_config(tmp_path))
+    assert str(refused.value).startswith(
+        f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping, and the mapping was refused "
+        "(checkpoint_plan_incompatible: diffusers' converter computes"
     )
     assert not (tmp_path / "cache").exists()
 

@@ -118,10 +118,10 @@ def _load_single_file(
         # diffusers' GGUF loader computes in float32 unless told otherwise (GGUFQuantizationConfig's default).
         torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
     float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here
-    if float8 and (config.fp8_compute or not config.checkpoint_mmap or config.host_weight_cache):
+    if float8 and (config.fp8_compute or not config.checkpoint_mmap):  # the cache never sees one: it maps or is refused
         raise ConfigError(
-            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True, "
-            "host_weight_cache=False and fp8_compute=False"
+            f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping: set checkpoint_mmap=True "
+            "and fp8_compute=False"
         )
     if config.checkpoint_mmap:
         result = topology_fallback(topology, read_model_config(directory))
