@@ -172,13 +172,27 @@ def test_help_lists_every_config_field(command, capsys):
             assert f"--no-{spec.name.replace('_', '-')}" in out
 
 
-@pytest.mark.parametrize(("command", "shown"), [("generate", "False"), ("serve", "on")])
+@pytest.mark.parametrize(("command", "shown"), [("generate", "False"), ("serve", "on, off with --fp8-compute")])
 def test_help_shows_the_commands_own_default_of_the_host_weight_cache(command, shown, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"shards are views of it) (default: {shown}) --cache-dir" in text
     assert "--fp8-skip FP8_SKIP" in text and "the flag once per pattern (default: none)" in text
+
+
+def test_serve_turns_the_host_weight_cache_off_with_fp8_compute_unless_asked():
+    """--fp8-compute quantizes the weights at enable() and takes no cache entry: its default
+    (on) would refuse the pair, so it is off then; asked for, the pair is refused in one line."""
+    from dlo.cli.flag_checks import serve_config
+    from dlo.cli.main import build_parser
+
+    serve = ["serve", "model", "--transformer", "model.gguf"]
+    assert serve_config(build_parser().parse_args(serve)).host_weight_cache
+    config = serve_config(build_parser().parse_args([*serve, "--fp8-compute", "--stream-dtype", "fp8"]))
+    assert config.fp8_compute and not config.host_weight_cache
+    with pytest.raises(dlo.ConfigError, match="set --no-host-weight-cache"):
+        serve_config(build_parser().parse_args([*serve, "--fp8-compute", "--stream-dtype", "fp8", "--host-weight-cache"]))
 
 
 def test_demo_from_a_temporary_checkpoint(tmp_path, capsys):

@@ -32,23 +32,25 @@ WAN = dict(
 
 
 def interleaved_file(tmp_path, kind: str, seed: int = 2):
-    """A MiniMax-H3 file with interleaved q/k/v rows: `kind` "safetensors", or a GGUF quant type."""
-    model = random_model(MiniMax, MINIMAX, torch.float32, seed)
+    """A MiniMax-H3 file with interleaved q/k/v rows: `kind` "safetensors" (float32),
+    "safetensors-bf16", or a GGUF quant type."""
+    dtype = torch.bfloat16 if kind == "safetensors-bf16" else torch.float32
+    model = random_model(MiniMax, MINIMAX, dtype, seed)
     layout = lambda state: minimax_h3_original(state, HEADS, HEAD_DIM, "interleaved")  # noqa: E731
-    if kind == "safetensors":
+    if kind.startswith("safetensors"):
         return write(tmp_path, f"minimax-{seed}", model, layout)
     config_dir = tmp_path / "config"
     model.save_config(config_dir)
     return write_gguf(model, tmp_path / f"minimax-{seed}.gguf", gguf.GGMLQuantizationType[kind], layout=layout), config_dir
 
 
-def diffusers_model(path, config_dir, **options):
-    """diffusers' own single-file model of the file (a GGUF file's computing in float32)."""
+def diffusers_model(path, config_dir, dtype=torch.float32, **options):
+    """diffusers' own single-file model of the file in `dtype` (a GGUF file's computing in it)."""
     quantized = {}
     if path.suffix == ".gguf":
-        quantized = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)}
+        quantized = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)}
     return MiniMax.from_single_file(
-        str(path), config=str(config_dir), torch_dtype=torch.float32, **INTERLEAVED, **options, **quantized
+        str(path), config=str(config_dir), torch_dtype=dtype, **INTERLEAVED, **options, **quantized
     ).eval()
 
 
@@ -64,10 +66,13 @@ def packed_types(model) -> dict[str, str]:
     return {name: p.quant_type.name for name, p in model.named_parameters() if type(p).__name__ == "GGUFParameter"}
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["safetensors", "safetensors-bf16", "Q8_0", "Q4_0"])
 def test_a_file_the_mapping_cannot_stream_is_converted_once_and_later_loads_map_the_entry(tmp_path, caplog, monkeypatch, kind):
+    """A bfloat16 file is loaded in its own dtype (torch_dtype=None): diffusers' loader casts the
+    whole model, MiniMax-H3's fp32-kept modules and its buffers included, and a warm start
+    builds the same."""
     path, config_dir = interleaved_file(tmp_path, kind)
-    reference = diffusers_model(path, config_dir)
+    reference = diffusers_model(path, config_dir, torch.bfloat16 if kind == "safetensors-bf16" else torch.float32)
     expected = outputs(reference)
     config = cache_config(tmp_path)
     with caplog.at_level(logging.INFO, logger="dlo"):
@@ -149,17 +154,22 @@ def test_another_file_or_other_converter_options_never_map_an_entry_made_before(
     assert len(EntryStore(config.cache_dir).keys()) == 3
 
 
+SCALAR = {"extra": torch.zeros((), dtype=torch.uint8)}  # a uint8 tensor no Linear holds
+
+
 @pytest.mark.parametrize(
-    ("crafted", "says"),
+    ("crafted", "extra", "says"),
     [
-        (lambda packed, name: {**packed, name: "Q9_9"}, "does not read the quant types ['Q9_9']"),
-        (lambda packed, name: {**packed, name: "Q4_0"}, "in the entry, this load makes"),  # a valid type of other size
-        (lambda packed, name: {**packed, "norm_out.linear.bias": "Q8_0"}, "is not a uint8 tensor of the entry"),
-        (lambda packed, name: [name], "its packed tensors are not an object"),
+        (lambda packed, name: {**packed, name: "Q9_9"}, {}, "diffusers' GGUF loader packs no ['Q9_9']"),
+        (lambda packed, name: {**packed, name: "F16"}, {}, "diffusers' GGUF loader packs no ['F16']"),
+        (lambda packed, name: {**packed, "extra": "Q8_0"}, SCALAR, "do not build the model (IndexError"),
+        (lambda packed, name: {**packed, name: "Q4_0"}, {}, "in the entry, this load makes"),  # a type of another size
+        (lambda packed, name: {**packed, "norm_out.linear.bias": "Q8_0"}, {}, "is not a uint8 tensor of the entry"),
+        (lambda packed, name: [name], {}, "its packed tensors are not an object"),
     ],
-    ids=["unknown-type", "wrong-type", "not-packed", "not-an-object"],
+    ids=["unknown-type", "plain-type", "scalar", "wrong-type", "not-packed", "not-an-object"],
 )
-def test_an_entry_whose_quant_types_cannot_be_right_is_not_mapped(tmp_path, caplog, crafted, says):
+def test_an_entry_whose_quant_types_cannot_be_right_is_not_mapped(tmp_path, caplog, crafted, extra, says):
     """An entry names its GGUF tensors' quant types in its identity: a crafted one (published
     under the key its identity hashes to, and named by the warm-start index) is refused, and
     the load goes cold, computing what diffusers' model does."""
@@ -178,7 +188,7 @@ def test_an_entry_whose_quant_types_cannot_be_right_is_not_mapped(tmp_path, capl
     load_part = without_content(identity)
     forged = {**load_part, CONTENT: identity[CONTENT], PACKED: crafted(identity[PACKED], "transformer_blocks.0.attn.to_q.weight")}
     forged_key = digest_of(forged)  # as a writer of its own would publish it
-    store.publish(forged_key, tensors, forged)
+    store.publish(forged_key, {**tensors, **extra}, forged)
     SourceIndex(store.root).record(load_part, forged_key)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dlo"):
@@ -281,3 +291,31 @@ def test_generate_with_the_cache_converts_a_file_once_and_the_next_run_maps_it(
         videos[run] = out.read_bytes()
     assert videos["cold"] == videos["warm"] == videos["no cache"]
     assert len(EntryStore(tmp_path / "cache").keys()) == 1
+
+
+def test_a_file_replaced_while_diffusers_loads_it_is_not_published(tmp_path, caplog, monkeypatch):
+    """The entry's identity names the file as it was before the load: a file replaced while the
+    loader reads it would publish the new bytes under the old file's identity, so nothing is
+    published (the load keeps what it read, a fallback logged), and the next load converts the
+    new file."""
+    from dlo.host import single_file_load
+
+    path, config_dir = interleaved_file(tmp_path, "Q8_0", seed=2)
+    other, _ = interleaved_file(tmp_path / "other", "Q8_0", seed=3)
+    first = outputs(diffusers_model(path, config_dir))
+    load_file = single_file_load.ordinary_single_file_load
+
+    def replaced_while_loading(*args):
+        model = load_file(*args)
+        os.replace(other, path)
+        return model
+
+    monkeypatch.setattr(single_file_load, "ordinary_single_file_load", replaced_while_loading)
+    config = cache_config(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        model, plan = load(path, config_dir, config)
+    assert plan is None and "cache fallback cache_operation_failed: the checkpoint files changed" in caplog.text
+    assert equal(first, outputs(model)) and EntryStore(config.cache_dir).keys() == []
+    monkeypatch.setattr(single_file_load, "ordinary_single_file_load", load_file)
+    model, plan = load(path, config_dir, config)
+    assert equal(outputs(diffusers_model(path, config_dir)), outputs(model, plan)) and plan is not None

@@ -25,15 +25,21 @@ FLUX_WIDE = dict(
 
 
 def random_model(cls, config: dict, dtype: torch.dtype, seed: int = 2):
-    from diffusers.models.modeling_utils import no_init_weights
+    """`cls(**config)` with seeded N(0, 0.02) weights, drawn in float32 and made in `dtype` at
+    once (a real-width Flux block pair is 1 GB in bfloat16: no float32 copy of it is made)."""
+    from accelerate import init_empty_weights
 
-    with no_init_weights():
+    with init_empty_weights(include_buffers=False):
         model = cls(**config)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in model.parameters():
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
-    return model.to(dtype).eval()
+    made: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
+    for module in model.modules():
+        for key, meta in module._parameters.items():
+            if meta is not None and id(meta) not in made:
+                made[id(meta)] = torch.nn.Parameter((torch.randn(meta.shape, generator=generator) * 0.02).to(dtype))
+            if meta is not None:
+                module._parameters[key] = made[id(meta)]
+    return model.to(dtype).eval()  # its float buffers too
 
 
 def write(tmp_path, name: str, model, layout) -> tuple:
@@ -63,7 +69,7 @@ def run(model, inputs):
 def assert_streams_equal_to_diffusers(path, config_dir, cls, dtype, inputs, **load):
     """Returns the plan's adapter counts (read before enable() takes the plan) and the stats."""
     expected = run(reference(path, config_dir, cls, dtype), inputs)
-    model, plan = dlo.load_transformer(path, torch_dtype=dtype, model_config=config_dir, **load)
+    model, plan = dlo.load_transformer(path, model_config=config_dir, **{"torch_dtype": dtype, **load})
     assert plan is not None and plan.backing == "checkpoint_mmap"
     adapters = plan.adapter_counts()
     with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
@@ -74,15 +80,20 @@ def assert_streams_equal_to_diffusers(path, config_dir, cls, dtype, inputs, **lo
     return adapters, stats
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["original", "diffusers"])
-def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path, layout):
+def test_a_wan_single_file_streams_from_its_mapping_equal_to_diffusers(tmp_path, layout, dtype):
+    """In half precision too: diffusers' single-file loader casts the whole model (Wan's
+    fp32-kept modules and its RoPE tables included), and so does the mapped load."""
     entry = TINY_MODELS["wan"]
-    model = entry.build(seed=2)
+    model = entry.build(seed=2, dtype=dtype)
     path, config_dir = write(tmp_path, "wan", model, wan_original if layout == "original" else dict)
-    inputs = [entry.inputs(seed) for seed in (1, 2)]
-    adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.float32, inputs)
+    inputs = [entry.inputs(seed, dtype) for seed in (1, 2)]
+    adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, type(model), dtype, inputs)
     assert adapters == {}  # renames only: each tensor is a range of the file as it is
     assert stats.mapped_bytes == path.stat().st_size
+    if dtype != torch.float32:  # torch_dtype=None: the file's own dtype, as diffusers' loader is given it
+        adapters, _ = assert_streams_equal_to_diffusers(path, config_dir, type(model), dtype, inputs, torch_dtype=None)
 
 
 def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(large_file_dir):
@@ -188,37 +199,36 @@ def test_single_files_it_cannot_take_are_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("scale_name", "marker"), [("scale_weight", "scaled_fp8"), ("weight_scale", "model.diffusion_model.scaled_fp8")]
 )
-def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_diffusers_layout_twin(tmp_path, scale_name, marker):
+def test_a_comfyui_scaled_fp8_file_in_wan_layout_streams_like_its_dequantized_weights(tmp_path, scale_name, marker):
     """ComfyUI's fp8_scaled files: float8 block weights, a `scale_weight` (or `weight_scale`)
     beside each, a `scaled_fp8` marker (under the file's key prefix). Streamed from the
-    original layout, equal to the same bytes in diffusers' layout (which dlo reads as a
-    directory: tests/test_fp8_checkpoint.py)."""
+    original layout (in the file's bfloat16, as diffusers' single-file loader casts a model:
+    Wan's fp32-kept modules and RoPE tables too), equal to diffusers' single-file model of the
+    same weights dequantized (here, independently of dlo)."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
-    stored = {}
+    stored, dequantized = {}, {}
     for name, tensor in model.state_dict().items():
         if name.startswith("blocks.") and name.endswith(".weight") and tensor.dim() == 2:
             scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
             stored[name] = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
             stored[name[: -len("weight")] + scale_name] = scale.reshape(())
+            dequantized[name] = (stored[name].float() * scale).to(torch.bfloat16)
         else:
-            stored[name] = tensor.contiguous()
-    twin = tmp_path / "diffusers-layout"
-    model.save_config(twin)
-    save_file(stored, twin / "diffusion_pytorch_model.safetensors")
+            stored[name] = dequantized[name] = tensor.contiguous()
+    config_dir = tmp_path / "config"
+    model.save_config(config_dir)
     path = tmp_path / "wan_fp8_scaled.safetensors"
     save_file({**wan_original(stored), marker: torch.zeros(0, dtype=torch.float8_e4m3fn)}, path)
     inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
-    outputs = []
-    for load in (lambda: dlo.load_transformer(twin), lambda: dlo.load_transformer(path, model_config=twin)):
-        loaded, plan = load()
-        assert plan is not None
-        with dlo.enable(loaded, "cpu", plan=plan) as handle:
-            outputs.append(run(loaded, inputs))
-            assert handle.stats().host_bytes == 0
-    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    expected = run(reference(wan_original(dequantized), config_dir, type(model), torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is not None
+    with dlo.enable(loaded, "cpu", plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+        assert handle.stats().host_bytes == 0
     with pytest.raises(dlo.ConfigError, match="holds float8 weights, which dlo reads only from the checkpoint mapping"):
-        dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=twin)
+        dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
 
 
 def test_generate_with_a_single_file_transformer_streams_it_from_its_mapping(tiny_flux_dir, tmp_path, capsys):

@@ -101,8 +101,9 @@ def check_serve_extra() -> None:
 
 def serve_config(args: argparse.Namespace) -> OffloadConfig:
     """--host-weight-cache defaults to on: the replicas share one host copy of the transformer
-    (a --transformer FILE that streams from its own mapping shares that instead)."""
-    cache = args.host_weight_cache if args.host_weight_cache is not None else True
+    (a --transformer FILE that streams from its own mapping shares that instead); off with
+    --fp8-compute, whose weights are quantized at enable() and are not streamed from the cache."""
+    cache = args.host_weight_cache if args.host_weight_cache is not None else not args.fp8_compute
     return config_from_flags(args, host_weight_cache=cache)
 
 

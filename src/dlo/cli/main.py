@@ -326,7 +326,7 @@ def _add_serve(commands) -> None:
         "uvicorn's, from this level up; other libraries' warnings only with -v (default: info)",
     )
     _add_verbose(parser)
-    add_config_flags(parser, defaults={"host_weight_cache": "on"})
+    add_config_flags(parser, defaults={"host_weight_cache": "on, off with --fp8-compute"})
     parser.set_defaults(command="dlo.cli.serve", check=check_serve)
 
 

@@ -203,7 +203,10 @@ def load_transformer(
     then loaded the ordinary way.
 
     torch_dtype=None keeps each tensor's checkpoint dtype; another dtype is applied while
-    packing (an adapter). (After a fallback with torch_dtype=None, diffusers' loader takes
+    packing (an adapter). A single file's model is cast as diffusers' `from_single_file` casts
+    it: a GGUF file's floats into torch_dtype (its class's fp32-kept modules kept), any other
+    file's every float and float buffer into torch_dtype, None meaning the file's most common
+    float dtype. (After a fallback with torch_dtype=None, diffusers' loader takes
     the checkpoint's most common float dtype for every float tensor, its class's fp32-kept
     modules aside: it has no per-tensor "as saved" mode.) fuse_qkv=True runs diffusers' fuse_qkv_projections(): the fused
     q/k/v projections are concatenated from the checkpoint's separate tensors.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,7 +106,7 @@ def single_file_preflight(
     files = [file]
     try:
         names = set(skeleton(cls, model_config, False).state_dict())
-        model = skeleton(cls, model_config, fuse_qkv)
+        model = loaded_skeleton(path, cls, model_config, fuse_qkv, torch_dtype)
         try:
             layout = converted_layout(file, cls, model_config, names, options)
         except Exception as err:  # diffusers' converters raise many kinds
@@ -139,7 +139,7 @@ def single_file_preflight(
                 )
             # A tensor made of no file tensor (a converter's fresh constant) is a plain one.
             groups.append((extra, {n: replace(e, ggml_type=next(iter(types[n]), None)) for n, e in extra.entries.items()}))
-        runtime_dtype = runtime_dtype_rule(cls, torch_dtype)
+        runtime_dtype = loaded_dtype_rule(path, cls, torch_dtype)
         checkpoint = Checkpoint.of_entries(path.parent, groups)
         if is_gguf:
             as_gguf_skeleton(model, _packed_tensors(checkpoint, layout.concatenated), torch_dtype)
@@ -165,6 +165,37 @@ def _packed_tensors(checkpoint: Checkpoint, concatenated: dict[str, tuple[str, .
         if entries:
             packed[name] = ((sum(shape[0] for shape, _ in entries), *entries[0][0][1:]), entries[0][1])
     return packed
+
+
+def loaded_dtype(path: Path, torch_dtype: torch.dtype | None) -> torch.dtype | None:
+    """What dlo gives diffusers' `from_single_file` as torch_dtype for a non-GGUF file: torch_dtype,
+    or the file's most common float dtype."""
+    return torch_dtype if torch_dtype is not None else _float_dtype(path)
+
+
+def loaded_dtype_rule(path: Path, cls: type[nn.Module], torch_dtype: torch.dtype | None) -> Callable[[str, torch.dtype], torch.dtype]:
+    """The dtype each float of `path`'s model has once diffusers' `from_single_file` loaded it: a
+    GGUF model's as its quantizer leaves them (the class's fp32-kept modules in float32); any
+    other model is cast whole (`model.to(loaded_dtype)`, fp32-kept modules included)."""
+    if path.suffix == GGUF_SUFFIX:
+        return runtime_dtype_rule(cls, torch_dtype)
+    dtype = loaded_dtype(path, torch_dtype)
+    return lambda name, stored: dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def loaded_skeleton(
+    path: Path, cls: type[nn.Module], model_config: dict, fuse_qkv: bool, torch_dtype: torch.dtype | None
+) -> nn.Module:
+    """The meta skeleton of `path`'s model with its buffers as `from_single_file` leaves them: a
+    non-GGUF model's float buffers (RoPE tables its constructor makes in float32) cast with it."""
+    model = skeleton(cls, model_config, fuse_qkv)
+    dtype = None if path.suffix == GGUF_SUFFIX else loaded_dtype(path, torch_dtype)
+    if dtype is not None:
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[key] = buffer.to(dtype)
+    return model
 
 
 def _float_dtype(path: Path) -> torch.dtype | None:
@@ -212,20 +243,20 @@ def single_file_recipe(
     inputs = {"fuse_qkv": fuse_qkv, "converter_options": dict(options), **(loader_inputs or {})}
 
     def empty(packed: Mapping[str, tuple[tuple[int, ...], str]]) -> nn.Module:
-        model = skeleton(cls, model_config, fuse_qkv)
+        model = loaded_skeleton(path, cls, model_config, fuse_qkv, torch_dtype)
         if path.suffix == GGUF_SUFFIX:
-            unknown = sorted({quant for _, quant in packed.values()} - diffusers_gguf_types())
+            # F32 and F16 tensors diffusers' loader keeps as plain tensors, never GGUFParameters.
+            unknown = sorted({quant for _, quant in packed.values()} - (diffusers_gguf_types() - {"F32", "F16"}))
             if unknown:
-                raise ValueError(f"diffusers' GGUF loader does not read the quant types {unknown}")
+                raise ValueError(f"diffusers' GGUF loader packs no {unknown}")
             as_gguf_skeleton(model, dict(packed), torch_dtype)
         return model
 
     return LoadRecipe(
-        cls,
-        load_identity(path, cls, model_config, dtype, inputs, topology),
+        functools.partial(load_identity, path, cls, model_config, dtype, inputs, topology),
         ordinary=functools.partial(ordinary_single_file_load, path, directory, torch_dtype, fuse_qkv, options),
         empty=empty,
-        float_dtype=lambda: torch_dtype if torch_dtype is not None else _float_dtype(path),
+        runtime_dtype=loaded_dtype_rule(path, cls, torch_dtype),
     )
 
 
@@ -237,7 +268,7 @@ def ordinary_single_file_load(
     import diffusers
 
     cls, _ = single_file_class(path, directory)
-    load = {"torch_dtype": torch_dtype if torch_dtype is not None else _float_dtype(path)}
+    load = {"torch_dtype": loaded_dtype(path, torch_dtype)}
     if path.suffix == GGUF_SUFFIX:
         load["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=torch_dtype)
     try:

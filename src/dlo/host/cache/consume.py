@@ -70,17 +70,17 @@ def _log_fallback(fallback: Fallback) -> None:
 
 @dataclass(frozen=True)
 class LoadRecipe:
-    """How a load makes its model, as the cache needs to know it: `identity`, its load
+    """How a load makes its model, as the cache needs to know it: `identity()`, its load
     identity (or why the cache cannot take it); `ordinary()`, the model loaded the ordinary
     way; `empty(packed)`, the same model on the meta device, for a warm start to bind to an
-    entry whose GGUF tensors are `packed` (name -> (shape, quant type)); `float_dtype()`, the
-    dtype the ordinary loader gives float tensors (None: each keeps its own)."""
+    entry whose GGUF tensors are `packed` (name -> (shape, quant type)); `runtime_dtype(name,
+    dtype)`, the dtype the ordinary loader gives a tensor of the empty model (whose floats are
+    all float32)."""
 
-    cls: type[nn.Module]
-    identity: dict | Fallback
+    identity: Callable[[], dict | Fallback]
     ordinary: Callable[[], nn.Module]
     empty: Callable[[Mapping[str, tuple[tuple[int, ...], str]]], nn.Module]
-    float_dtype: Callable[[], torch.dtype | None]
+    runtime_dtype: Callable[[str, torch.dtype], torch.dtype]
 
 
 def directory_recipe(
@@ -91,17 +91,21 @@ def directory_recipe(
     cls = model_class(model_config.get("_class_name"), directory)
     dtype = str(torch_dtype) if torch_dtype is not None else "checkpoint"
     inputs = {"fuse_qkv": fuse_qkv, **(loader_inputs or {})}
+
+    @functools.cache
+    def rule() -> Callable[[str, torch.dtype], torch.dtype]:  # reads the headers: on a warm start only
+        return runtime_dtype_rule(cls, torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory))
+
     return LoadRecipe(
-        cls,
-        load_identity(directory, cls, model_config, dtype, inputs, topology),
+        functools.partial(load_identity, directory, cls, model_config, dtype, inputs, topology),
         ordinary=functools.partial(ordinary_load, directory, torch_dtype, fuse_qkv),
         empty=lambda packed: skeleton(cls, model_config, fuse_qkv),
-        float_dtype=lambda: torch_dtype if torch_dtype is not None else checkpoint_float_dtype(directory),
+        runtime_dtype=lambda name, stored: rule()(name, stored),
     )
 
 
 def load_through_cache(recipe: LoadRecipe, config: OffloadConfig) -> tuple[nn.Module, HostWeightPlan | None]:
-    load = recipe.identity
+    load = found = recipe.identity()
     stream = stream_identity(config)
     if stream is not None and not isinstance(load, Fallback):  # See [Note: fp8 streaming]
         load = {**load, "stream": stream}
@@ -119,6 +123,9 @@ def load_through_cache(recipe: LoadRecipe, config: OffloadConfig) -> tuple[nn.Mo
     if warm is not None:
         return warm
     model = recipe.ordinary()
+    if recipe.identity() != found:  # a file rewritten or replaced while the loader read it
+        _log_fallback(Fallback("cache_operation_failed", "the checkpoint files changed while they were loaded"))
+        return model, None
     result = _publish_and_map(model, store, load, config, verify)
     if isinstance(result, Fallback):
         _log_fallback(result)
@@ -269,8 +276,8 @@ def _empty_model(recipe: LoadRecipe, entry: Entry) -> nn.Module | str:
             return f"packed tensor {name!r} is not a uint8 tensor of the entry with a quant type"
     try:
         return recipe.empty({name: (tuple(tensors[name]["shape"]), quant_type) for name, quant_type in packed.items()})
-    except ValueError as err:  # a quant type gguf does not know
-        return str(err)
+    except Exception as err:  # whatever an entry's quant types or shapes make the GGUF skeleton raise
+        return f"its packed tensors do not build the model ({type(err).__name__}: {err})"
 
 
 def _warm_start(
@@ -299,9 +306,7 @@ def _warm_start(
         problem = model if isinstance(model, str) else None
         if problem is None:
             persistent = _persistent(model)
-            # The dtypes the ordinary loader would give (the skeleton's floats are all fp32).
-            rule = runtime_dtype_rule(recipe.cls, recipe.float_dtype())
-            expected = {o.name: (list(o.tensor.shape), rule(o.name, o.tensor.dtype)) for o in persistent}
+            expected = {o.name: (list(o.tensor.shape), recipe.runtime_dtype(o.name, o.tensor.dtype)) for o in persistent}
             float8 = quantized_names(model, config) if "stream" in load else []
             sources = {name: entry_source(name, tuple(expected[name][0]), expected[name][1], config) for name in float8}
             problem = _entry_mismatch(entry, load, expected_entry(expected, float8, config))
