@@ -49,7 +49,8 @@ def pytest_xdist_make_scheduler(config, log):
 SLOW_MODULES_FIRST = [
     "tests/test_compile.py", "tests/test_cli_process.py", "tests/test_gguf_kernels.py", "tests/test_serve_stall.py",
     "tests/test_lora.py", "tests/test_fp8_compute.py", "tests/test_serve_startup.py", "tests/test_cli_refusals.py",
-    "tests/test_allgather.py", "tests/test_cli.py", "tests/test_pipeline_budget.py",
+    "tests/test_allgather.py", "tests/test_cli.py", "tests/test_pipeline_budget.py", "tests/test_single_file_mapping.py",
+    "tests/test_gguf_mapping.py",
 ]
 
 

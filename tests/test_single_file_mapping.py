@@ -25,8 +25,9 @@ FLUX_WIDE = dict(
 
 
 def random_model(cls, config: dict, dtype: torch.dtype, seed: int = 2):
-    """`cls(**config)` with seeded N(0, 0.02) weights, drawn in float32 and made in `dtype` at
-    once (a real-width Flux block pair is 1 GB in bfloat16: no float32 copy of it is made)."""
+    """`cls(**config)` with seeded N(0, 0.02) weights drawn in `dtype` in place (a real-width
+    Flux block pair is 1 GB in bfloat16: no other copy of it is made; fresh memory is slow to
+    fault in on the test machines)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
@@ -36,7 +37,7 @@ def random_model(cls, config: dict, dtype: torch.dtype, seed: int = 2):
     for module in model.modules():
         for key, meta in module._parameters.items():
             if meta is not None and id(meta) not in made:
-                made[id(meta)] = torch.nn.Parameter((torch.randn(meta.shape, generator=generator) * 0.02).to(dtype))
+                made[id(meta)] = torch.nn.Parameter(torch.empty(meta.shape, dtype=dtype).normal_(0, 0.02, generator=generator))
             if meta is not None:
                 module._parameters[key] = made[id(meta)]
     return model.to(dtype).eval()  # its float buffers too
@@ -103,6 +104,8 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
     cls = diffusers.FluxTransformer2DModel
     model = random_model(cls, FLUX_WIDE, torch.bfloat16)
     path, config_dir = write(large_file_dir, "flux", model, lambda state: flux_original(state, 1, 1))
+    config, names = dict(model.config), set(model.state_dict())
+    del model  # its GB freed for what the loads make (fresh memory is slow to fault in on test machines)
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
     adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
     assert stats.mapped_bytes == path.stat().st_size  # no converted file beside it
@@ -110,7 +113,7 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
     file = SafetensorsFile(path)
     try:
         with torch.inference_mode():  # where a caller may be: views made in it have no base
-            layout = converted_layout(file, cls, dict(model.config), set(model.state_dict()))
+            layout = converted_layout(file, cls, config, names)
         whole = file.entries["double_blocks.0.img_attn.qkv.weight"]
         assert layout.entries["transformer_blocks.0.attn.to_k.weight"].begin == whole.begin + whole.nbytes // 3
         linear1 = file.entries["single_blocks.0.linear1.weight"]
@@ -387,6 +390,19 @@ def test_parts_follow_cats_of_ranges_in_another_order_and_no_write_through_any_a
     assert provenance.range_of(view_of_b) is None and provenance.range_of(view_of_a).begin == 1032
 
 
+def scaled_fp8(weight: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ComfyUI's per-tensor scaled float8 of `weight`: (data, scale, data dequantized into
+    bfloat16), computed a few rows at a time (small float32 temporaries: a real-width Flux weight
+    is 0.26 GB in float32)."""
+    scale = (torch.stack([part.float().abs().amax() for part in weight.split(rows)]).amax() / 448).clamp_min(1e-12)
+    data = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    dequantized = torch.empty(weight.shape, dtype=torch.bfloat16)
+    for part, quantized, restored in zip(weight.split(rows), data.split(rows), dequantized.split(rows)):
+        quantized.copy_((part.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+        restored.copy_((quantized.float() * scale).to(torch.bfloat16))
+    return data, scale.reshape(()), dequantized
+
+
 def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale(large_file_dir):
     """ComfyUI's Flux fp8_scaled file: the fused q/k/v (and linear1) weights float8 with one
     scale each; their parts stream with that scale, equal to diffusers' model of the same
@@ -398,17 +414,16 @@ def test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_
     original = flux_original({k: v.contiguous() for k, v in model.state_dict().items()}, 1, 1)
     del model
     stored, dequantized = {}, {}
-    for key, tensor in original.items():
+    for key in list(original):
+        tensor = original.pop(key)  # each bf16 weight freed once quantized
         if key.startswith(("double_blocks.", "single_blocks.")) and key.endswith(".weight") and tensor.dim() == 2:
-            scale = (tensor.float().abs().amax() / 448).clamp_min(1e-12)
-            data = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            stored[key], stored[key[: -len("weight")] + "scale_weight"] = data, scale.reshape(())
-            dequantized[key] = (data.float() * scale).to(torch.bfloat16)
+            stored[key], scale, dequantized[key] = scaled_fp8(tensor)
+            stored[key[: -len("weight")] + "scale_weight"] = scale
         else:
             stored[key] = dequantized[key] = tensor
     fp8_path = large_file_dir / "flux-fp8-scaled.safetensors"
     save_file({**stored, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, fp8_path)
-    del original, stored
+    del stored
     inputs = [TINY_MODELS["flux"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
     # diffusers' loader takes the state dict itself (writing it costs seconds of disk).
     expected = run(reference(dequantized, config_dir, cls, torch.bfloat16), inputs)
