@@ -13,7 +13,7 @@ import dlo
 from dlo.host.gguf_file import GgufFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux_original, sd3_original, wan_original
+from single_file_layouts import flux_original, minimax_h3_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
@@ -283,3 +283,24 @@ def test_gguf_files_it_cannot_map_load_with_diffusers_or_are_refused_in_one_line
     damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(dlo.CheckpointError, match="truncated"):
         dlo.load_transformer(damaged, model_config=tmp_path)
+
+
+def test_block_tensors_the_converter_computes_of_packed_rows_keep_their_quant_type_privately(tmp_path):
+    """MiniMax-H3's converter gathers q, k and v from interleaved rows of the packed fused tensor
+    (a quant block never spans rows): computed once into the private file beside the mapping as
+    packed Q8_0 rows, streamed equal to diffusers' GGUF model given the same option."""
+    from test_converter_options import HEADS, HEAD_DIM, MINIMAX, MiniMax, equal, outputs
+
+    model = random_model(MiniMax, MINIMAX, torch.float32)
+    model.save_config(tmp_path)
+    layout = lambda state: minimax_h3_original(state, HEADS, HEAD_DIM, "interleaved")  # noqa: E731
+    path = write_gguf(model, tmp_path / "minimax.gguf", Q.Q8_0, layout=layout)
+    quantization = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
+    expected = outputs(MiniMax.from_single_file(
+        str(path), config=str(tmp_path), quantization_config=quantization, qkv_layout="interleaved"
+    ).eval())
+    loaded, plan = dlo.load_transformer(path, model_config=tmp_path, converter_options={"qkv_layout": "interleaved"})
+    assert plan is not None
+    q = plan.peek().checkpoint.tensors["transformer_blocks.0.attn.to_q.weight"]
+    assert q.file.private and q.entry.ggml_type == "Q8_0"
+    assert equal(expected, outputs(loaded, plan))

@@ -1,9 +1,10 @@
-"""A single file the mapping cannot stream (diffusers' converter computes a block tensor: here
-MiniMax-H3's q/k/v rows interleaved head by head) goes through the host weight cache with
-`host_weight_cache=True`: diffusers' single-file loader converts it once, its final tensors are
-published (a GGUF file's as their packed bytes, with their quant types), and later loads map the
-entry without running the loader. Every output is compared with diffusers' own `from_single_file`
-model run resident. See [Note: GGUF entries] in dlo.host.cache.consume."""
+"""A single file loaded by diffusers' single-file loader (one the mapping cannot stream: diffusers'
+converter computes much of its blocks, here MiniMax-H3's q/k/v rows interleaved head by head;
+or any file with `checkpoint_mmap=False`) goes through the host weight cache with
+`host_weight_cache=True`: the loader converts it once, its final tensors are published (a GGUF
+file's as their packed bytes, with their quant types), and later loads map the entry without
+running the loader. Every output is compared with diffusers' own `from_single_file` model run
+resident. See [Note: GGUF entries] in dlo.host.cache.consume."""
 
 import logging
 import os
@@ -54,8 +55,13 @@ def diffusers_model(path, config_dir, dtype=torch.float32, **options):
     ).eval()
 
 
-def cache_config(tmp_path) -> dlo.OffloadConfig:
-    return dlo.OffloadConfig(host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True)
+def cache_config(tmp_path, checkpoint_mmap: bool = False) -> dlo.OffloadConfig:
+    """The cache in tmp_path; `checkpoint_mmap=False`: every file through diffusers' loader (the
+    tiny GGUF files' interleaved q/k/v are small enough to be held privately beside the mapping)."""
+    return dlo.OffloadConfig(
+        host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True,
+        checkpoint_mmap=checkpoint_mmap,
+    )
 
 
 def load(path, config_dir, config, options=INTERLEAVED):
@@ -67,18 +73,21 @@ def packed_types(model) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "safetensors-bf16", "Q8_0", "Q4_0"])
-def test_a_file_the_mapping_cannot_stream_is_converted_once_and_later_loads_map_the_entry(tmp_path, caplog, monkeypatch, kind):
-    """A bfloat16 file is loaded in its own dtype (torch_dtype=None): diffusers' loader casts the
-    whole model, MiniMax-H3's fp32-kept modules and its buffers included, and a warm start
-    builds the same."""
+def test_a_file_diffusers_loads_is_converted_once_and_later_loads_map_the_entry(tmp_path, caplog, monkeypatch, kind):
+    """The .safetensors files are ones the mapping cannot stream (their q/k/v, computed, are a
+    fifth of the file); the GGUF files are loaded with checkpoint_mmap=False. A bfloat16 file is
+    loaded in its own dtype (torch_dtype=None): diffusers' loader casts the whole model,
+    MiniMax-H3's fp32-kept modules and its buffers included, and a warm start builds the same."""
     path, config_dir = interleaved_file(tmp_path, kind)
     reference = diffusers_model(path, config_dir, torch.bfloat16 if kind == "safetensors-bf16" else torch.float32)
     expected = outputs(reference)
-    config = cache_config(tmp_path)
+    config = cache_config(tmp_path, checkpoint_mmap=kind.startswith("safetensors"))
     with caplog.at_level(logging.INFO, logger="dlo"):
         cold, plan = load(path, config_dir, config)
-    assert "checkpoint mmap fallback checkpoint_plan_incompatible" in caplog.text
-    assert "through the host weight cache" in caplog.text and "warm start" not in caplog.text
+    if config.checkpoint_mmap:
+        assert "checkpoint mmap fallback checkpoint_plan_incompatible" in caplog.text
+        assert "through the host weight cache" in caplog.text
+    assert "warm start" not in caplog.text
     assert plan is not None and plan.backing == "host_weight_cache"
     assert packed_types(cold) == packed_types(reference)
     assert equal(expected, outputs(cold, plan))
@@ -202,7 +211,7 @@ def test_a_file_that_streams_from_its_mapping_publishes_nothing(tmp_path):
     from its own mapping with the cache on, and nothing is written under the cache directory."""
     model = random_model(diffusers.WanTransformer3DModel, WAN, torch.float32)
     path, config_dir = write(tmp_path, "wan", model, wan_original)
-    config = cache_config(tmp_path)
+    config = cache_config(tmp_path, checkpoint_mmap=True)
     _, plan = dlo.load_transformer(path, config, model_config=config_dir)
     assert plan.backing == "checkpoint_mmap"
     assert not (tmp_path / "cache").exists()
@@ -234,13 +243,14 @@ def test_a_float8_file_with_the_cache_on_streams_from_its_mapping_or_is_refused(
     it, and one it cannot is refused in the loader's one line; nothing is published."""
     wan = random_model(diffusers.WanTransformer3DModel, WAN, torch.bfloat16)
     path, config_dir = float8_file(tmp_path, wan, wan_original, "wan-fp8")
-    _, plan = dlo.load_transformer(path, cache_config(tmp_path), torch_dtype=torch.bfloat16, model_config=config_dir)
+    config = cache_config(tmp_path, checkpoint_mmap=True)
+    _, plan = dlo.load_transformer(path, config, torch_dtype=torch.bfloat16, model_config=config_dir)
     assert plan.backing == "checkpoint_mmap"
     minimax = random_model(MiniMax, MINIMAX, torch.float32)
     layout = lambda state: minimax_h3_original(state, HEADS, HEAD_DIM, "interleaved")  # noqa: E731
     path, config_dir = float8_file(tmp_path, minimax, layout, "minimax-fp8")
     with pytest.raises(dlo.ConfigError) as refused:
-        load(path, config_dir, cache_config(tmp_path))
+        load(path, config_dir, config)
     assert str(refused.value).startswith(
         f"{path} holds float8 weights, which dlo reads only from the checkpoint mapping, and the mapping was refused "
         "(checkpoint_plan_incompatible: diffusers' converter computes"
@@ -249,9 +259,9 @@ def test_a_float8_file_with_the_cache_on_streams_from_its_mapping_or_is_refused(
 
 
 @pytest.fixture
-def wan_converter_computing_a_block_tensor(monkeypatch):
-    """diffusers' Wan converter, the first block's q projection computed (a copy of its rows in
-    reverse order): no longer a range of the file, so the file cannot be mapped."""
+def wan_converter_computing_block_weights(monkeypatch):
+    """diffusers' Wan converter, every 2-D block weight computed (its rows in reverse order):
+    most of the file is no range of it, so it cannot be mapped."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
@@ -259,15 +269,14 @@ def wan_converter_computing_a_block_tensor(monkeypatch):
 
     def converted(checkpoint, **kwargs):
         out = convert(checkpoint=checkpoint, **kwargs)
-        out["blocks.0.attn1.to_q.weight"] = out["blocks.0.attn1.to_q.weight"].flip(0)
-        return out
+        return {k: v.flip(0) if k.startswith("blocks.") and v.dim() == 2 else v for k, v in out.items()}
 
     entry["checkpoint_mapping_fn"] = converted
     monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
 
 
 def test_generate_with_the_cache_converts_a_file_once_and_the_next_run_maps_it(
-    tiny_wan_dir, tmp_path, monkeypatch, wan_converter_computing_a_block_tensor
+    tiny_wan_dir, tmp_path, monkeypatch, wan_converter_computing_block_weights
 ):
     """`dlo generate MODEL --transformer FILE --host-weight-cache`: the first run publishes the
     converted transformer, the second maps it without diffusers' loader; both videos equal the

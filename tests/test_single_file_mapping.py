@@ -3,6 +3,7 @@ key layout or diffusers', streamed from their mapping, equal to diffusers' own
 `from_single_file` model. See [Note: single files through diffusers' converter]."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -303,9 +304,9 @@ def doubling_one_block_weight(monkeypatch, name, how="in place"):
 
 
 @pytest.mark.parametrize("how", WRITES)
-def test_a_block_tensor_the_converter_computes_falls_back_to_diffusers_equal_and_maps_nothing(
-    tmp_path, monkeypatch, caplog, how
-):
+def test_a_block_tensor_the_converter_writes_is_computed_never_mapped_from_the_file(tmp_path, monkeypatch, how):
+    """However the converter writes into it, the tensor is no range of the file: it is computed
+    (held privately beside the mapping) and streams equal to diffusers' single-file model."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     path, config_dir = write(tmp_path, "wan", model, wan_original)
@@ -313,11 +314,10 @@ def test_a_block_tensor_the_converter_computes_falls_back_to_diffusers_equal_and
     inputs = [entry.inputs(1, torch.bfloat16)]
     expected = run(reference(path, config_dir, type(model), torch.bfloat16), inputs)
     assert not torch.equal(expected[0], run(model, inputs)[0])  # the doubled weight changes the output
-    with caplog.at_level(logging.WARNING, logger="dlo"):
-        loaded, plan = dlo.load_transformer(path, model_config=config_dir)
-    assert plan is None and "fallback checkpoint_plan_incompatible: diffusers' converter computes 'blocks.1.attn1.to_q.weight'" in caplog.text
-    assert loaded.blocks[1].attn1.to_q.weight.dtype == torch.bfloat16  # the file's dtype, as mapped (not float32)
-    assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan.peek().checkpoint.tensors["blocks.1.attn1.to_q.weight"].file.private
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
 
 
 def test_ranges_follow_views_and_copies_of_the_file_and_nothing_else():
@@ -461,3 +461,106 @@ def test_dlo_inspect_refuses_a_float8_file_it_cannot_map_as_the_loader_does(tmp_
     assert main(["inspect", str(path), "--model-config", str(config_dir)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == f"dlo: error: {refused.value}"
+
+
+@pytest.fixture
+def wan_converter_computing(monkeypatch):
+    """diffusers' Wan converter with the block weights named by the test computed (their rows in
+    reverse order): no longer ranges of the file."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+    computed: set[str] = set()
+
+    def converted(checkpoint, **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        return {k: v.flip(0) if k in computed else v for k, v in out.items()}
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
+    return computed
+
+
+def test_a_block_tensor_the_converter_computes_is_held_privately_while_small(tmp_path, caplog, wan_converter_computing):
+    """One computed block weight (a small share of the file) is computed once into the private
+    file beside the mapping and streams from there, the rest from the file; computed block
+    weights making up more than a sixteenth of the file send it to diffusers' loader."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    inputs = [entry.inputs(seed) for seed in (1, 2)]
+    wan_converter_computing.add("blocks.0.attn1.to_q.weight")
+    expected = run(reference(path, config_dir, type(model), torch.float32), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is not None and plan.backing == "checkpoint_mmap"
+    sources = plan.peek().checkpoint.tensors
+    assert sources["blocks.0.attn1.to_q.weight"].file.private and not sources["blocks.0.attn1.to_k.weight"].file.private
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))  # the flip changes the outputs
+
+    wan_converter_computing.update(k for k, v in model.state_dict().items() if k.startswith("blocks.") and v.dim() == 2)
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        _, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is None
+    assert "checkpoint mmap fallback checkpoint_plan_incompatible: diffusers' converter computes 'blocks.0." in caplog.text
+    assert "block tensors made of" in caplog.text
+
+
+def sd3_scaled_fp8(tmp_path, per_row: bool, quantized=lambda key: True):
+    """A tiny SD3 in its own layout with its 2-D weights (those `quantized` names) float8 and a
+    scale beside each (per tensor, ComfyUI's `scale_weight`, or per row, `weight_scale`), the
+    same weights dequantized into bfloat16 in that layout, its config directory and model."""
+    model = TINY_MODELS["sd3"].build(seed=2, dtype=torch.bfloat16)
+    config_dir = tmp_path / "config"
+    model.save_config(config_dir)
+    original = sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers)
+    stored, dequantized = {}, {}
+    for key, tensor in original.items():
+        if key.endswith(".weight") and tensor.dim() == 2 and quantized(key):
+            amax = tensor.float().abs().amax(dim=1, keepdim=True) if per_row else tensor.float().abs().amax()
+            scale = (amax / 448).clamp_min(1e-12)
+            stored[key] = (tensor.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            stored[key[: -len("weight")] + ("weight_scale" if per_row else "scale_weight")] = scale.reshape(-1 if per_row else ())
+            dequantized[key] = (stored[key].float() * scale).to(torch.bfloat16)
+        else:
+            stored[key] = dequantized[key] = tensor
+    path = tmp_path / "sd3_fp8_scaled.safetensors"
+    save_file(stored, path)
+    return path, config_dir, dequantized, model
+
+
+def test_an_sd3_scaled_fp8_file_streams_its_swapped_norms_with_their_scales(tmp_path):
+    """SD3's converter swaps the halves of the last block's context norm and of the final norm:
+    float8 values moved within one weight keep its per-tensor scale, computed once as float8
+    into the private file; the file streams equal to diffusers' single-file model of the same
+    weights dequantized (before, the whole file was refused)."""
+    path, config_dir, dequantized, model = sd3_scaled_fp8(tmp_path, per_row=False)
+    inputs = [TINY_MODELS["sd3"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(reference(dequantized, config_dir, type(model), torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is not None
+    last = f"transformer_blocks.{model.config.num_layers - 1}.norm1_context.linear"
+    norm = plan.peek().bindings[f"{last}.weight"]
+    assert norm.scale_key == f"{last}.scale_weight"  # float8 with the weight's own scale
+    with dlo.enable(loaded, "cpu", plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+        assert handle.stats().host_bytes == math.prod(norm.shape)  # its float8 bytes held privately, nothing else
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)  # the blocks read from the file on every use
+    with dlo.enable(loaded, "cpu", dlo.OffloadConfig(host_budget_gib=0.0002), plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+        assert last.rsplit(".", 2)[0] in handle.stats().disk.blocks
+
+
+def test_a_per_row_scale_of_float8_values_the_converter_moves_is_refused_in_one_line(tmp_path):
+    """A per-row scale does not follow rows the converter reorders (SD3's swapped halves): the
+    file cannot be read exactly, and is refused rather than dequantized with the wrong scales."""
+    last = TINY_MODELS["sd3"].config["num_layers"] - 1
+    path, config_dir, _, _ = sd3_scaled_fp8(tmp_path, per_row=True, quantized=lambda key: key.startswith(
+        f"joint_blocks.{last}.context_block.adaLN_modulation"
+    ))
+    with pytest.raises(dlo.DloError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    assert "\n" not in str(refused.value)
+    assert f"transformer_blocks.{last}.norm1_context.linear.weight': float8 weight with no scales" in str(refused.value)

@@ -15,17 +15,21 @@ made of:
   (`<name>#<i>`), joined by the declared "concat" adapter that fuse_qkv uses, so the block
   still streams from the mapping (packed on the host) instead of leaving the file to diffusers'
   loader. A GGUF file's packed parts join too when they are of one quant type (its blocks
-  never span rows); parts of float8 tensors (a scale per tensor or row) or of GGUF tensors of
-  different types are computed instead;
+  never span rows); parts of float8 tensors or of GGUF tensors of different types are
+  computed instead;
 - anything else (a transposed or strided view, a cast, a tensor written in place):
-  computed. Computed tensors outside the blocks are computed once from the file's own bytes
-  (only the tensors they are made of are read), by the same converter, and held in a small
-  private file beside it; a computed block tensor leaves the file to diffusers' ordinary
-  loader (fallback `checkpoint_plan_incompatible`).
+  computed. Computed tensors are computed once from the file's own bytes (only the tensors
+  they are made of are read), by the same converter, and held in a small private file beside
+  it, in the blocks too while they are small next to the file (SD3's swapped last norm); more
+  computed block tensors leave the file to diffusers' ordinary loader (fallback
+  `checkpoint_plan_incompatible`).
 So the conversion is diffusers' own, whatever the class, and a tensor is mapped only where the
 converter itself proved it a range of the file's bytes.
 Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
-scales, so a per-tensor scale follows its weight under every name a part of the weight took.
+scales, so a per-tensor scale follows its weight under every name a part of the weight took,
+and to a float8 tensor computed from that weight alone (its values rearranged: the converter
+moves float8 values, it does not compute with them), whose values the private file keeps as
+float8. A per-row scale follows only a range of whole rows as the file holds them.
 A few converters take options the file cannot tell (MiniMax-H3's `qkv_layout`: its fused
 projection's rows stacked or interleaved per head); the caller's `converter_options` reach every
 run of the converter, and one it does not take is refused (diffusers would drop it unread).
@@ -98,19 +102,22 @@ def converted_layout(
                 end = held.begin + math.prod(shape) * tensor.element_size()
                 entries[part] = TensorEntry(part, tensor.dtype, shape, held.begin, end, ggml_type)
             continue
-        float8 = where is not None and kept[where.key].dtype in FLOAT8
-        scale_key = _scale_key(kept, where.key) if float8 else None
+        made_from = provenance.made_from(tensor) if where is None else frozenset({where.key})
+        source_key = next(iter(made_from)) if len(made_from) == 1 else None
+        float8 = source_key is not None and kept[source_key].dtype in FLOAT8 and tensor.dtype in FLOAT8
+        scale_key = _scale_key(kept, source_key) if float8 else None
         scale = kept.get(scale_key) if scale_key is not None else None
-        # A per-row scale of a weight split in parts would need splitting too.
-        split_scale = scale is not None and math.prod(scale.shape) != 1 and tuple(tensor.shape) != kept[where.key].shape
+        per_tensor = scale is not None and math.prod(scale.shape) == 1
+        # A per-row scale of a weight split in parts, or of one computed, would need the same rows.
+        split_scale = scale is not None and not per_tensor and (where is None or tuple(tensor.shape) != kept[where.key].shape)
         if where is None or split_scale:
-            computed[name] = provenance.made_from(tensor)
-            continue
-        end = where.begin + tensor.numel() * tensor.element_size()
-        # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
-        entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
-        if scale is not None:  # each part of a weight keeps its scale
-            named = name.rsplit(".", 1)[0] + scale_key[len(where.key.rsplit(".", 1)[0]):]
+            computed[name] = made_from
+        else:
+            end = where.begin + tensor.numel() * tensor.element_size()
+            # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
+            entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
+        if scale is not None and not split_scale:  # each part of a weight, or its float8 values rearranged, keeps its scale
+            named = name.rsplit(".", 1)[0] + scale_key[len(source_key.rsplit(".", 1)[0]):]
             if named not in converted:
                 entries[named] = scale
     return ConvertedLayout(entries, computed, concatenated)

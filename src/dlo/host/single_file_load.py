@@ -35,6 +35,9 @@ from dlo.host.single_file_layout import (
 from dlo.planning.offload_plan import discover
 
 GGUF_SUFFIX = ".gguf"
+# Block tensors diffusers' converter computes are held privately (not shared between the
+# processes mapping the file) only while they are made of at most this share of the file.
+COMPUTED_BLOCK_SHARE = 1 / 16
 SINGLE_FILE_SUFFIXES = (".safetensors", GGUF_SUFFIX)
 
 
@@ -118,11 +121,13 @@ def single_file_preflight(
         offload_plan = discover(model)
         prefixes = tuple(f"{block}." for block in offload_plan.block_lists)
         in_blocks = [name for name in layout.computed if name.startswith(prefixes)]
-        if in_blocks:
+        computed_bytes = sum(file.entries[key].nbytes for key in set().union(*(layout.computed[n] for n in in_blocks)))
+        if computed_bytes > COMPUTED_BLOCK_SHARE * file.size:
             file.close()
             return Fallback(
                 "checkpoint_plan_incompatible",
-                f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors): not a range of {path.name}",
+                f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors made of "
+                f"{computed_bytes / file.size:.0%} of {path.name}): not ranges of it",
             )
         groups = [(file, layout.entries)]
         if layout.computed:
