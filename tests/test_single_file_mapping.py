@@ -531,7 +531,7 @@ def sd3_scaled_fp8(tmp_path, per_row: bool, quantized=lambda key: True):
     return path, config_dir, dequantized, model
 
 
-def test_an_sd3_scaled_fp8_file_streams_its_swapped_norms_with_their_scales(tmp_path):
+def test_an_sd3_scaled_fp8_file_streams_its_swapped_norms_with_their_scales(tmp_path, capsys):
     """SD3's converter swaps the halves of the last block's context norm and of the final norm:
     float8 values moved within one weight keep its per-tensor scale, computed once as float8
     into the private file; the file streams equal to diffusers' single-file model of the same
@@ -551,6 +551,10 @@ def test_an_sd3_scaled_fp8_file_streams_its_swapped_norms_with_their_scales(tmp_
     with dlo.enable(loaded, "cpu", dlo.OffloadConfig(host_budget_gib=0.0002), plan=plan) as handle:
         assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
         assert last.rsplit(".", 2)[0] in handle.stats().disk.blocks
+    from dlo.cli.main import main
+
+    assert main(["inspect", str(path), "--model-config", str(config_dir)]) == 0
+    assert "; 1 of them computed at load, held privately," in capsys.readouterr().out
 
 
 def test_a_per_row_scale_of_float8_values_the_converter_moves_is_refused_in_one_line(tmp_path):

@@ -74,9 +74,11 @@ def render_preflight(result: MappedLoad | Fallback) -> str:
     checkpoint = result.checkpoint
     adapters = count_adapters(result.sources.planned.values(), checkpoint)
     steps = ", ".join(f"{count} {step}" for step, count in sorted(adapters.items())) or "none"
+    private = sum(any(checkpoint.tensors[k].file.private for k in s.keys) for s in result.sources.planned.values())
+    held = f"; {private} of them computed at load, held privately" if private else ""
     return (
         f"checkpoint mmap:      yes, {len(result.sources.planned)} block tensors stream from {len(checkpoint.files)} "
-        f"file(s), {human_bytes(checkpoint.nbytes)} mapped read-only (adapters: {steps})"
+        f"file(s){held}, {human_bytes(checkpoint.nbytes)} mapped read-only (adapters: {steps})"
     )
 
 
