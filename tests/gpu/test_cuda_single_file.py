@@ -81,3 +81,19 @@ def test_a_gguf_file_streams_its_packed_bytes_registered_on_cuda_equal_to_diffus
         # Private host memory: the small casts beside the mapping only (the packed bytes are the file's).
         assert 0 < stats.host_bytes < path.stat().st_size / 16
         assert stats.registered_bytes > 0 and stats.staging_bytes == 0
+
+
+def test_an_sd3_scaled_fp8_file_streams_on_cuda_equal_to_its_dequantized_weights(tmp_path):
+    """SD3's swapped float8 norms are computed at load into the private file (their per-tensor
+    scale kept) and stream beside the mapped float8 weights, dequantized on the device: equal to
+    diffusers' single-file model of the same weights dequantized, resident on the device."""
+    from test_single_file_mapping import reference, sd3_scaled_fp8
+
+    path, config_dir, dequantized, model = sd3_scaled_fp8(tmp_path, per_row=False)
+    expected = run(reference(dequantized, config_dir, type(model), torch.bfloat16).cuda(), "sd3", torch.bfloat16)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    with dlo.enable(loaded, "cuda", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(loaded, "sd3", torch.bfloat16)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.host_bytes > 0  # the private norms beside the registered file
