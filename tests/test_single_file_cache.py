@@ -112,6 +112,12 @@ def test_a_file_diffusers_loads_is_converted_once_and_later_loads_map_the_entry(
         warm, plan = load(path, config_dir, config)
     assert f"warm start from cache entry {key[:16]}" in caplog.text
     assert packed_types(warm) == packed_types(reference)  # GGUFParameters again, each with its quant type
+    # The tiny model's outputs barely depend on its block weights: every tensor is compared too
+    # (views of the entry until enable() binds the blocks), buffers included.
+    for mine, theirs in [(warm.state_dict(), reference.state_dict()), (dict(warm.named_buffers()), dict(reference.named_buffers()))]:
+        assert mine.keys() == theirs.keys()
+        for name, tensor in theirs.items():
+            assert mine[name].dtype == tensor.dtype and torch.equal(mine[name].data, tensor.data), name
     assert plan.backing == "host_weight_cache" and equal(expected, outputs(warm, plan))
     assert store.keys() == [key]
 

@@ -505,7 +505,7 @@ def test_a_block_tensor_the_converter_computes_is_held_privately_while_small(tmp
         _, plan = dlo.load_transformer(path, model_config=config_dir)
     assert plan is None
     assert "checkpoint mmap fallback checkpoint_plan_incompatible: diffusers' converter computes 'blocks.0." in caplog.text
-    assert "block tensors made of" in caplog.text
+    assert "block tensors, " in caplog.text and "% of wan.safetensors's bytes): not ranges of it" in caplog.text
 
 
 def sd3_scaled_fp8(tmp_path, per_row: bool, quantized=lambda key: True):
@@ -567,4 +567,78 @@ def test_a_per_row_scale_of_float8_values_the_converter_moves_is_refused_in_one_
     with pytest.raises(dlo.DloError) as refused:
         dlo.load_transformer(path, model_config=config_dir)
     assert "\n" not in str(refused.value)
-    assert f"transformer_blocks.{last}.norm1_context.linear.weight': float8 weight with no scales" in str(refused.value)
+    assert (
+        f"diffusers' converter makes 'transformer_blocks.{last}.norm1_context.linear.weight' of float8 values of "
+        f"['joint_blocks.{last}.context_block.adaLN_modulation.1.weight'] that no one scale of the file dequantizes"
+    ) in str(refused.value)
+
+
+def minimax_with_a_float8_fc1(tmp_path, per_row: bool):
+    """MiniMax-H3 in its own layout (q/k/v stacked), bfloat16, with block 0's gated MLP input
+    (whose halves the converter swaps) float8 beside a `scale_weight` (per tensor or per row),
+    and diffusers' model of the same weights dequantized."""
+    from test_converter_options import HEADS, HEAD_DIM, MINIMAX, MiniMax
+
+    from single_file_layouts import minimax_h3_original
+
+    model = random_model(MiniMax, MINIMAX, torch.bfloat16)
+    config_dir = tmp_path / "config"
+    model.save_config(config_dir)
+    stored = minimax_h3_original({k: v.contiguous() for k, v in model.state_dict().items()}, HEADS, HEAD_DIM, "stacked")
+    dequantized = dict(stored)
+    key = next(k for k in stored if k.startswith(("blocks.0.", "layers.0.")) and "fc1.weight" in k)
+    weight = stored[key].float()
+    scale = (weight.abs().amax(dim=1, keepdim=True) if per_row else weight.abs().amax()) / 448
+    stored[key] = (weight / scale).to(torch.float8_e4m3fn)
+    stored[key[: -len("weight")] + "scale_weight"] = scale.reshape(-1 if per_row else ())
+    dequantized[key] = (stored[key].float() * scale).to(torch.bfloat16)
+    path = tmp_path / "minimax-fp8.safetensors"
+    save_file(stored, path)
+    expected = MiniMax.from_single_file(dequantized, config=str(config_dir), torch_dtype=torch.bfloat16)
+    return path, config_dir, expected, key
+
+
+def test_a_per_row_scale_the_converter_passes_through_never_scales_rows_it_swapped(tmp_path):
+    """MiniMax-H3's converter swaps the halves of the gated MLP's input weight and renames its
+    `scale_weight` as it is: a per-row scale would then scale the wrong rows. The file is refused
+    naming the weight; with a per-tensor scale it streams, each value dequantized as diffusers'
+    model of the dequantized weights holds it."""
+    path, config_dir, _, key = minimax_with_a_float8_fc1(tmp_path, per_row=True)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    assert f"of float8 values of [{key!r}] that no one scale of the file dequantizes" in str(refused.value)
+    path, config_dir, expected, _ = minimax_with_a_float8_fc1(tmp_path, per_row=False)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    name = "transformer_blocks.0.ff.net.0.proj.weight"
+    source, checkpoint = plan.peek().bindings[name], plan.peek().checkpoint
+    assert torch.equal(source.materialize(checkpoint), expected.get_parameter(name).data)
+
+
+@pytest.mark.parametrize(
+    ("made", "says"),
+    [
+        (lambda w: w.to(torch.bfloat16), "that no one scale of the file dequantizes"),  # its float8 values read as numbers
+        (lambda w: (w.float() + 1).to(torch.float8_e4m3fn), "not only moves them"),  # arithmetic, float8 again
+    ],
+    ids=["cast", "arithmetic"],
+)
+def test_float8_values_a_converter_computes_with_are_refused_in_one_line(tmp_path, monkeypatch, made, says):
+    """A converter that casts a float8 weight, or computes with its values, makes a tensor no
+    scale of the file dequantizes: the file is refused naming it, never streamed."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    path, config_dir, dequantized, model = sd3_scaled_fp8(tmp_path, per_row=False)
+    name = "transformer_blocks.0.attn.to_out.0.weight"
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["SD3Transformer2DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+
+    def converted(checkpoint, **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        out[name] = made(out[name])
+        return out
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "SD3Transformer2DModel", entry)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    assert "\n" not in str(refused.value) and name in str(refused.value) and says in str(refused.value)

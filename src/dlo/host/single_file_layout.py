@@ -27,9 +27,11 @@ So the conversion is diffusers' own, whatever the class, and a tensor is mapped 
 converter itself proved it a range of the file's bytes.
 Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
 scales, so a per-tensor scale follows its weight under every name a part of the weight took,
-and to a float8 tensor computed from that weight alone (its values rearranged: the converter
-moves float8 values, it does not compute with them), whose values the private file keeps as
-float8. A per-row scale follows only a range of whole rows as the file holds them.
+and to a float8 tensor computed from that weight alone, whose values the private file keeps as
+float8 once the converter, run again on the weight dequantized, is seen to have only moved
+them (`_check_moved_float8`). A per-row scale follows only its weight whole. Any other tensor
+made of float8 values (rows a per-row scale would no longer match, a cast, a mix) is
+`unreadable`: the mapping is refused, and so the file (diffusers' loader would drop the scales).
 A few converters take options the file cannot tell (MiniMax-H3's `qkv_layout`: its fused
 projection's rows stacked or interleaved per head); the caller's `converter_options` reach every
 run of the converter, and one it does not take is refused (diffusers would drop it unread).
@@ -41,7 +43,7 @@ import inspect
 import math
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -68,6 +70,9 @@ class ConvertedLayout:
     entries: dict[str, TensorEntry]  # where each mapped tensor lies in the file
     computed: dict[str, frozenset[str]]  # converted by arithmetic (not a range of the file) -> the file's keys it is made of
     concatenated: dict[str, tuple[str, ...]]  # a cat of ranges -> its parts' entries, in order (dim 0)
+    computed_nbytes: dict[str, int] = field(default_factory=dict)  # what each computed tensor holds
+    moved_float8: dict[str, tuple[str, str]] = field(default_factory=dict)  # computed float8 -> (its weight, scale)
+    unreadable: dict[str, str] = field(default_factory=dict)  # float8 values no scale can be found for -> why
 
     @property
     def made_from(self) -> frozenset[str]:
@@ -80,7 +85,7 @@ def converted_layout(
 ) -> ConvertedLayout:
     """The file's tensors under the names of a model whose state dict has `model_keys`, as the
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
-    kept = {key: entry for key, entry in file.entries.items() if not _ignored(key)}
+    kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
         return ConvertedLayout(dict(kept), {}, {})
     # Outside inference mode: views of inference tensors have no `_base` to follow.
@@ -88,9 +93,8 @@ def converted_layout(
         stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
         with _Provenance(stand_ins, kept) as provenance:
             converted = _convert(model_cls, model_config, dict(stand_ins), options)
-    entries: dict[str, TensorEntry] = {}
-    computed: dict[str, frozenset[str]] = {}
-    concatenated: dict[str, tuple[str, ...]] = {}
+    layout = ConvertedLayout({}, {}, {})
+    entries, computed, concatenated = layout.entries, layout.computed, layout.concatenated
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
         parts = provenance.parts_of(tensor) if where is None else None
@@ -103,24 +107,32 @@ def converted_layout(
                 entries[part] = TensorEntry(part, tensor.dtype, shape, held.begin, end, ggml_type)
             continue
         made_from = provenance.made_from(tensor) if where is None else frozenset({where.key})
-        source_key = next(iter(made_from)) if len(made_from) == 1 else None
-        float8 = source_key is not None and kept[source_key].dtype in FLOAT8 and tensor.dtype in FLOAT8
-        scale_key = _scale_key(kept, source_key) if float8 else None
+        float8_keys = sorted(key for key in made_from if kept[key].dtype in FLOAT8)
+        scale_key = _scale_key(kept, float8_keys[0]) if len(float8_keys) == 1 and tensor.dtype in FLOAT8 else None
         scale = kept.get(scale_key) if scale_key is not None else None
         per_tensor = scale is not None and math.prod(scale.shape) == 1
-        # A per-row scale of a weight split in parts, or of one computed, would need the same rows.
-        split_scale = scale is not None and not per_tensor and (where is None or tuple(tensor.shape) != kept[where.key].shape)
-        if where is None or split_scale:
+        # A per-row scale follows only its weight whole, as the file holds its rows.
+        whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
+        if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys:
+            layout.unreadable[name] = (
+                f"diffusers' converter makes {name!r} of float8 values of {float8_keys} that no one scale of the file "
+                "dequantizes"
+            )
+            continue
+        if where is None:
             computed[name] = made_from
+            layout.computed_nbytes[name] = tensor.numel() * tensor.element_size()
+            if scale is not None:
+                layout.moved_float8[name] = (float8_keys[0], scale_key)
         else:
             end = where.begin + tensor.numel() * tensor.element_size()
             # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
             entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
-        if scale is not None and not split_scale:  # each part of a weight, or its float8 values rearranged, keeps its scale
-            named = name.rsplit(".", 1)[0] + scale_key[len(source_key.rsplit(".", 1)[0]):]
+        if scale is not None:  # each part of a weight, or its float8 values moved, keeps its scale
+            named = name.rsplit(".", 1)[0] + scale_key[len(float8_keys[0].rsplit(".", 1)[0]):]
             if named not in converted:
                 entries[named] = scale
-    return ConvertedLayout(entries, computed, concatenated)
+    return layout
 
 
 def computed_values(
@@ -132,11 +144,35 @@ def computed_values(
     inputs = {
         key: file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         for key, entry in file.entries.items()
-        if not _ignored(key)
+        if not ignored_key(key)
     }
     with torch.inference_mode(False):
         converted = _convert(model_cls, model_config, inputs, options)
-    return {name: converted[name].contiguous() for name in layout.computed}
+    values = {name: converted[name].contiguous() for name in layout.computed}
+    if layout.moved_float8:
+        _check_moved_float8(file, model_cls, model_config, layout, options, values)
+    return values
+
+
+def _check_moved_float8(
+    file: SafetensorsFile, model_cls: type, model_config: dict, layout: ConvertedLayout, options: Mapping[str, object],
+    values: Mapping[str, torch.Tensor],
+) -> None:
+    """Raise ValueError unless each float8 tensor the converter computed is its weight's float8
+    values moved (a permutation, a concatenation of its parts): run on the weights dequantized,
+    the converter must give exactly the computed values dequantized with the weight's scale."""
+    scales = {key: file.view(scale_key).float().reshape(()) for key, scale_key in layout.moved_float8.values()}
+    inputs = {
+        key: file.view(key).float() * scales[key] if key in scales else
+        file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        for key, entry in file.entries.items()
+        if not ignored_key(key)
+    }
+    with torch.inference_mode(False):
+        converted = _convert(model_cls, model_config, inputs, options)
+    for name, (key, _) in layout.moved_float8.items():
+        if not torch.equal(converted[name].float(), values[name].float() * scales[key]):
+            raise ValueError(f"diffusers' converter computes {name!r} from the float8 values of {key!r}, not only moves them")
 
 
 def private_file(values: dict[str, torch.Tensor], label: str) -> SafetensorsFile:
@@ -192,7 +228,8 @@ def check_converter_options(model_cls: type, options: Mapping[str, object], labe
         )
 
 
-def _ignored(key: str) -> bool:
+def ignored_key(key: str) -> bool:
+    """A key of a ComfyUI fp8_scaled file no diffusers model reads."""
     return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
 
 

@@ -30,6 +30,7 @@ from dlo.host.single_file_layout import (
     computed_values,
     converted_layout,
     has_converter,
+    ignored_key,
     private_file,
 )
 from dlo.planning.offload_plan import discover
@@ -120,18 +121,26 @@ def single_file_preflight(
             ) from None
         offload_plan = discover(model)
         prefixes = tuple(f"{block}." for block in offload_plan.block_lists)
+        if layout.unreadable:
+            file.close()
+            return Fallback("checkpoint_plan_incompatible", next(iter(layout.unreadable.values())))
         in_blocks = [name for name in layout.computed if name.startswith(prefixes)]
-        computed_bytes = sum(file.entries[key].nbytes for key in set().union(*(layout.computed[n] for n in in_blocks)))
-        if computed_bytes > COMPUTED_BLOCK_SHARE * file.size:
+        held = sum(layout.computed_nbytes[name] for name in in_blocks)
+        if held > COMPUTED_BLOCK_SHARE * file.size:
             file.close()
             return Fallback(
                 "checkpoint_plan_incompatible",
-                f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors made of "
-                f"{computed_bytes / file.size:.0%} of {path.name}): not ranges of it",
+                f"diffusers' converter computes {in_blocks[0]!r} ({len(in_blocks)} block tensors, "
+                f"{held / file.size:.0%} of {path.name}'s bytes): not ranges of it",
             )
         groups = [(file, layout.entries)]
         if layout.computed:
-            extra = private_file(computed_values(file, cls, model_config, layout, options), f"{path} (converted by diffusers)")
+            try:
+                values = computed_values(file, cls, model_config, layout, options)
+            except Exception as err:  # diffusers' converters raise many kinds; float8 arithmetic has no CPU kernel
+                file.close()
+                return Fallback("checkpoint_plan_incompatible", f"{first_line(err)} (computing {path.name}'s converted tensors)")
+            extra = private_file(values, f"{path} (converted by diffusers)")
             files.append(extra)
             types = {name: {file.entries[key].ggml_type for key in keys} for name, keys in layout.computed.items()}
             mixed = [name for name, found in types.items() if len(found) > 1]
@@ -211,6 +220,7 @@ def _float_dtype(path: Path) -> torch.dtype | None:
         counts = Counter(
             entry.dtype for key, entry in file.entries.items()
             if entry.dtype.is_floating_point and entry.dtype not in FLOAT8 and not key.endswith(SCALE_SUFFIXES)
+            and not ignored_key(key)  # ComfyUI's fp32 scale_input scalars, one per float8 Linear
         )
     finally:
         file.close()
