@@ -22,12 +22,21 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
 # Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
 # server, a 211 MB checkpoint) is set up once, not once per worker.
 ONE_WORKER_MODULES = {"tests/test_serve.py", "tests/test_serve_video.py", "tests/test_page_sharing.py"}
+# Tests of a real-width Flux (diffusers' Flux converter splits at width 3072: a 1 GB block pair),
+# run one after the other on one worker: each makes GBs of fresh memory, which is slow to fault
+# in on the test machines (8 s a GB here), and two at once on both workers took 2-3x as long.
+REAL_WIDTH_TESTS = {
+    "tests/test_single_file_mapping.py::test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place",
+    "tests/test_single_file_mapping.py::test_a_comfyui_scaled_fp8_flux_file_in_bfl_layout_gives_each_split_part_its_fused_scale",
+    "tests/test_gguf_mapping.py::test_a_flux_gguf_file_in_bfl_layout_maps_each_split_projection_in_place",
+}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`-n 2` (dist "load"): tests go to the workers one by one, each module of
-    ONE_WORKER_MODULES as one unit (handed out first: xdist starts with the largest units).
+    ONE_WORKER_MODULES as one unit and REAL_WIDTH_TESTS as another (handed out first: xdist
+    starts with the largest units).
     xdist's own `--dist loadgroup` does not group here: xdist 3.8 writes the group into
     `item._nodeid`, which pytest 9.2 no longer reads."""
     if config.getvalue("dist") != "load":
@@ -37,6 +46,8 @@ def pytest_xdist_make_scheduler(config, log):
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
+            if nodeid in REAL_WIDTH_TESTS:
+                return "real-width Flux"
             return module if module in ONE_WORKER_MODULES else nodeid
 
     return OneWorkerModules(config, log)
@@ -49,14 +60,17 @@ def pytest_xdist_make_scheduler(config, log):
 SLOW_MODULES_FIRST = [
     "tests/test_compile.py", "tests/test_cli_process.py", "tests/test_gguf_kernels.py", "tests/test_serve_stall.py",
     "tests/test_lora.py", "tests/test_fp8_compute.py", "tests/test_serve_startup.py", "tests/test_cli_refusals.py",
-    "tests/test_allgather.py", "tests/test_cli.py", "tests/test_pipeline_budget.py", "tests/test_single_file_mapping.py",
-    "tests/test_gguf_mapping.py",
+    "tests/test_allgather.py", "tests/test_cli.py", "tests/test_pipeline_budget.py",
 ]
 
 
 def pytest_collection_modifyitems(config, items):
     first = {module: rank for rank, module in enumerate(SLOW_MODULES_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))  # stable
+
+    def rank(item) -> int:  # REAL_WIDTH_TESTS (42 s in a row, one worker) before all
+        return -1 if item.nodeid in REAL_WIDTH_TESTS else first.get(item.nodeid.split("::", 1)[0], len(first))
+
+    items.sort(key=rank)  # stable
 
 
 # [Note: frozen heap] A full collection (gc.collect(), and those Python runs by itself) walks
