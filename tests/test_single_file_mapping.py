@@ -642,3 +642,22 @@ def test_float8_values_a_converter_computes_with_are_refused_in_one_line(tmp_pat
     with pytest.raises(dlo.ConfigError) as refused:
         dlo.load_transformer(path, model_config=config_dir)
     assert "\n" not in str(refused.value) and name in str(refused.value) and says in str(refused.value)
+
+
+def test_float8_weights_without_scales_are_refused_naming_one(tmp_path):
+    """A float8 file with no scale beside its weights (values meant as they are) is refused in
+    one line naming a weight and the scale names dlo reads."""
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    stored = {
+        key: tensor.to(torch.float8_e4m3fn) if key.startswith("blocks.") and tensor.dim() == 2 else tensor.contiguous()
+        for key, tensor in wan_original(model.state_dict()).items()
+    }
+    model.save_config(tmp_path / "config")
+    save_file(stored, tmp_path / "wan_fp8.safetensors")
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(tmp_path / "wan_fp8.safetensors", model_config=tmp_path / "config")
+    assert "\n" not in str(refused.value)
+    assert "holds float8 values without a scale beside it (dlo reads float8 weights with their .scale_weight or " in str(
+        refused.value
+    )

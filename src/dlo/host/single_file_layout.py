@@ -114,7 +114,10 @@ def converted_layout(
         # A per-row scale follows only its weight whole, as the file holds its rows.
         whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
         if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys:
+            unscaled = [key for key in float8_keys if _scale_key(kept, key) is None]
             layout.unreadable[name] = (
+                f"{unscaled[0]!r} holds float8 values without a scale beside it (dlo reads float8 weights with their "
+                f"{' or '.join(SCALE_SUFFIXES)})" if unscaled else
                 f"diffusers' converter makes {name!r} of float8 values of {float8_keys} that no one scale of the file "
                 "dequantizes"
             )

@@ -213,8 +213,9 @@ def loaded_skeleton(
 
 
 def _float_dtype(path: Path) -> torch.dtype | None:
-    """The file's most common floating dtype (float8 and scales aside): what the mapped load keeps
-    with torch_dtype=None, so that the fallback gives the same (diffusers' would be float32)."""
+    """The file's most common floating dtype (float8, scales and the keys no model reads aside):
+    with torch_dtype=None, what dlo gives diffusers' loader (which would otherwise keep each
+    tensor's dtype) and what the mapped load casts to as it does."""
     file = SafetensorsFile(path)
     try:
         counts = Counter(

@@ -3,13 +3,14 @@ before, else ordinary load, publish or join the entry, then map it in place of t
 tensors (docs/guides/host-weight-cache.md). Any failure keeps (or restores) the ordinary tensors.
 
 [Note: GGUF entries]
-A single GGUF file the mapping cannot stream (a converter that computes a block tensor) is
-loaded by diffusers' GGUF loader and published like any model: each GGUFParameter's packed
-bytes are a uint8 tensor of the entry, and its quant type, which the bytes cannot tell, is in
-the entry's identity (`packed`, hashed into the key with the content digest). A warm start
-rebuilds diffusers' GGUF model empty from those quant types (the recipe's `empty`) and points
-each GGUFParameter, kept with its quant type, at its bytes in the entry; a quant type gguf
-does not know, or one on a tensor that is not the entry's uint8 bytes, sends the load cold.
+A single GGUF file its mapping cannot stream (or loaded with checkpoint_mmap=False) is loaded
+by diffusers' GGUF loader and published like any model: each GGUFParameter's packed bytes are a
+uint8 tensor of the entry, and its quant type, which the bytes cannot tell, is in the entry's
+identity (`packed`, hashed into the key with the content digest). A warm start rebuilds
+diffusers' GGUF model empty from those quant types (the recipe's `empty`) and points each
+GGUFParameter, kept with its quant type, at its bytes in the entry; a quant type diffusers does
+not pack, one on a tensor that is not the entry's uint8 bytes, or bytes that do not fit the
+layer send the load cold.
 """
 
 from __future__ import annotations
