@@ -661,3 +661,41 @@ def test_float8_weights_without_scales_are_refused_naming_one(tmp_path):
     assert "holds float8 values without a scale beside it (dlo reads float8 weights with their .scale_weight or " in str(
         refused.value
     )
+
+
+@pytest.mark.parametrize("case", ["weights swapped, scales not", "two scales"])
+def test_a_scale_that_may_not_be_its_weights_is_refused(tmp_path, monkeypatch, case):
+    """Wan's converter passes every key through, scales included: one that swaps two float8
+    weights but not their scales leaves each weight beside the other's scale; a weight with both
+    a `scale_weight` and a `weight_scale` has two. Either is refused naming it, never streamed."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = TINY_MODELS["wan"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    stored = {}
+    for key, tensor in wan_original(model.state_dict()).items():
+        if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            stored[key], scale, _ = scaled_fp8(tensor)
+            stored[key[: -len("weight")] + "scale_weight"] = scale
+            if case == "two scales":
+                stored[key[: -len("weight")] + "weight_scale"] = scale * 2
+        else:
+            stored[key] = tensor.contiguous()
+    model.save_config(tmp_path / "config")
+    save_file(stored, tmp_path / "wan_fp8.safetensors")
+    if case == "weights swapped, scales not":
+        converters = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+        convert = converters["checkpoint_mapping_fn"]
+
+        def converted(checkpoint, **kwargs):
+            out = convert(checkpoint=checkpoint, **kwargs)
+            q, k = "blocks.0.attn1.to_q.weight", "blocks.0.attn1.to_k.weight"
+            out[q], out[k] = out[k], out[q]
+            return out
+
+        converters["checkpoint_mapping_fn"] = converted
+        monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", converters)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(tmp_path / "wan_fp8.safetensors", model_config=tmp_path / "config")
+    says = "leaves another tensor under 'blocks.0.attn1.to_" if case != "two scales" else "has two scales beside it"
+    assert "\n" not in str(refused.value) and says in str(refused.value), str(refused.value)

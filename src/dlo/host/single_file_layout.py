@@ -113,7 +113,9 @@ def converted_layout(
         per_tensor = scale is not None and math.prod(scale.shape) == 1
         # A per-row scale follows only its weight whole, as the file holds its rows.
         whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
-        if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys:
+        # Bytes read as another float8 format are other values.
+        retyped = where is not None and tensor.dtype in FLOAT8 and tensor.dtype != kept[where.key].dtype
+        if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
             unscaled = [key for key in float8_keys if _scale_key(kept, key) is None]
             layout.unreadable[name] = (
                 f"{unscaled[0]!r} holds float8 values without a scale beside it (dlo reads float8 weights with their "
@@ -121,6 +123,10 @@ def converted_layout(
                 f"diffusers' converter makes {name!r} of float8 values of {float8_keys} that no one scale of the file "
                 "dequantizes"
             )
+            continue
+        problem = _scale_problem(kept, converted, provenance, name, float8_keys[0], scale_key) if scale is not None else None
+        if problem is not None:
+            layout.unreadable[name] = problem
             continue
         if where is None:
             computed[name] = made_from
@@ -132,8 +138,8 @@ def converted_layout(
             # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
             entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
         if scale is not None:  # each part of a weight, or its float8 values moved, keeps its scale
-            named = name.rsplit(".", 1)[0] + scale_key[len(float8_keys[0].rsplit(".", 1)[0]):]
-            if named not in converted:
+            named = _scale_name(name, float8_keys[0], scale_key)
+            if named not in converted:  # else the converter passed the scale itself there (_scale_problem)
                 entries[named] = scale
     return layout
 
@@ -234,6 +240,31 @@ def check_converter_options(model_cls: type, options: Mapping[str, object], labe
 def ignored_key(key: str) -> bool:
     """A key of a ComfyUI fp8_scaled file no diffusers model reads."""
     return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
+
+
+def _scale_name(name: str, weight_key: str, scale_key: str) -> str:
+    """Where the scale `scale_key` of the file's weight `weight_key` goes beside its converted
+    tensor `name`: the same suffix after the converted layer's name."""
+    return name.rsplit(".", 1)[0] + scale_key[len(weight_key.rsplit(".", 1)[0]):]
+
+
+def _scale_problem(kept: dict, converted: Mapping, provenance: _Provenance, name: str, weight_key: str, scale_key: str) -> str | None:
+    """Why the scale `scale_key` cannot be the one the model reads beside `name` (its weight's
+    float8 values, from `weight_key`): the file keeps two scales for the weight, or the converter
+    left another tensor under the scale's name. None when it can."""
+    layer = weight_key.rsplit(".", 1)[0]
+    if sum(layer + suffix in kept for suffix in SCALE_SUFFIXES) > 1:
+        return f"{weight_key!r} has two scales beside it ({' and '.join(layer + s for s in SCALE_SUFFIXES)})"
+    passed = converted.get(_scale_name(name, weight_key, scale_key))
+    if passed is None:
+        return None
+    where = provenance.range_of(passed)
+    if where is None or where.key != scale_key or where.begin != kept[scale_key].begin or tuple(passed.shape) != kept[scale_key].shape:
+        return (
+            f"diffusers' converter leaves another tensor under {_scale_name(name, weight_key, scale_key)!r}, the name of "
+            f"{weight_key!r}'s scale beside {name!r}"
+        )
+    return None
 
 
 def _scale_key(kept: dict, weight_key: str) -> str | None:
