@@ -644,23 +644,37 @@ def test_float8_values_a_converter_computes_with_are_refused_in_one_line(tmp_pat
     assert "\n" not in str(refused.value) and name in str(refused.value) and says in str(refused.value)
 
 
-def test_float8_weights_without_scales_are_refused_naming_one(tmp_path):
-    """A float8 file with no scale beside its weights (values meant as they are) is refused in
-    one line naming a weight and the scale names dlo reads."""
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_a_float8_file_without_scales_streams_its_values_as_they_are(tmp_path, layout):
+    """float8 weights with no scale anywhere in the file (as e4m3fn checkpoints are published):
+    the values as they are, which diffusers' own single-file loader casts; dlo streams them as
+    float8 with a scale of 1, equal to diffusers' model of the very file. A file where some
+    float8 weights have a scale and others none is refused naming one without."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
+    state = wan_original(model.state_dict()) if layout == "original" else model.state_dict()
+    blocks = "blocks."
     stored = {
-        key: tensor.to(torch.float8_e4m3fn) if key.startswith("blocks.") and tensor.dim() == 2 else tensor.contiguous()
-        for key, tensor in wan_original(model.state_dict()).items()
+        key: tensor.to(torch.float8_e4m3fn) if key.startswith(blocks) and tensor.dim() == 2 else tensor.contiguous()
+        for key, tensor in state.items()
     }
     model.save_config(tmp_path / "config")
-    save_file(stored, tmp_path / "wan_fp8.safetensors")
-    with pytest.raises(dlo.ConfigError) as refused:
-        dlo.load_transformer(tmp_path / "wan_fp8.safetensors", model_config=tmp_path / "config")
-    assert "\n" not in str(refused.value)
-    assert "holds float8 values without a scale beside it (dlo reads float8 weights with their .scale_weight or " in str(
-        refused.value
-    )
+    path = tmp_path / "wan_fp8_e4m3fn.safetensors"
+    save_file(stored, path)
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(reference(path, tmp_path / "config", type(model), torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    weight = plan.peek().bindings["blocks.0.attn1.to_q.weight"]
+    assert weight.format.dtype == torch.float8_e4m3fn  # streamed as float8, half the bytes of bfloat16
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))  # float8 changes the outputs
+    one = next(key for key in stored if stored[key].dtype == torch.float8_e4m3fn)
+    save_file({**stored, one[: -len("weight")] + "scale_weight": torch.ones(())}, path)
+    with pytest.raises(dlo.DloError) as refused:
+        dlo.load_transformer(path, model_config=tmp_path / "config")
+    says = "holds float8 values without a scale beside it (dlo reads" if layout == "original" else "float8 weight with no scales"
+    assert "\n" not in str(refused.value) and says in str(refused.value), str(refused.value)
 
 
 @pytest.mark.parametrize("case", ["weights swapped, scales not", "two scales"])

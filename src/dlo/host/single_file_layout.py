@@ -73,6 +73,7 @@ class ConvertedLayout:
     computed_nbytes: dict[str, int] = field(default_factory=dict)  # what each computed tensor holds
     moved_float8: dict[str, tuple[str, str]] = field(default_factory=dict)  # computed float8 -> (its weight, scale)
     unreadable: dict[str, str] = field(default_factory=dict)  # float8 values no scale can be found for -> why
+    unit_scales: list[str] = field(default_factory=list)  # scales of 1 to add beside an unscaled file's float8 weights
 
     @property
     def made_from(self) -> frozenset[str]:
@@ -86,8 +87,12 @@ def converted_layout(
     """The file's tensors under the names of a model whose state dict has `model_keys`, as the
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
+    # A file of float8 weights with no scale at all holds the values as they are (diffusers'
+    # loader casts them): each weight read whole is given a scale of 1.
+    unscaled_file = any(e.dtype in FLOAT8 for e in kept.values()) and not any(k.endswith(SCALE_SUFFIXES) for k in kept)
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
-        return ConvertedLayout(dict(kept), {}, {})
+        unit = [f"{k.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
+        return ConvertedLayout(dict(kept), {}, {}, unit_scales=unit)
     # Outside inference mode: views of inference tensors have no `_base` to follow.
     with torch.inference_mode(False):
         stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
@@ -115,6 +120,10 @@ def converted_layout(
         whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
         # Bytes read as another float8 format are other values.
         retyped = where is not None and tensor.dtype in FLOAT8 and tensor.dtype != kept[where.key].dtype
+        if unscaled_file and float8_keys and where is not None and not retyped:
+            entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
+            layout.unit_scales.append(f"{name.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}")
+            continue
         if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
             unscaled = [key for key in float8_keys if _scale_key(kept, key) is None]
             layout.unreadable[name] = (
@@ -130,13 +139,14 @@ def converted_layout(
             continue
         if where is None:
             computed[name] = made_from
-            layout.computed_nbytes[name] = tensor.numel() * tensor.element_size()
+            layout.computed_nbytes[name] = _nbytes(tensor)
             if scale is not None:
                 layout.moved_float8[name] = (float8_keys[0], scale_key)
         else:
-            end = where.begin + tensor.numel() * tensor.element_size()
             # A part of a GGUF file's packed tensor (rows of it) keeps its ggml type.
-            entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, end, kept[where.key].ggml_type)
+            entries[name] = TensorEntry(
+                name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor), kept[where.key].ggml_type
+            )
         if scale is not None:  # each part of a weight, or its float8 values moved, keeps its scale
             named = _scale_name(name, float8_keys[0], scale_key)
             if named not in converted:  # else the converter passed the scale itself there (_scale_problem)
@@ -240,6 +250,10 @@ def check_converter_options(model_cls: type, options: Mapping[str, object], labe
 def ignored_key(key: str) -> bool:
     """A key of a ComfyUI fp8_scaled file no diffusers model reads."""
     return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _scale_name(name: str, weight_key: str, scale_key: str) -> str:

@@ -134,15 +134,16 @@ def single_file_preflight(
                 f"{held / file.size:.0%} of {path.name}'s bytes): not ranges of it",
             )
         groups = [(file, layout.entries)]
-        if layout.computed:
+        if layout.computed or layout.unit_scales:
             try:
-                values = computed_values(file, cls, model_config, layout, options)
+                values = computed_values(file, cls, model_config, layout, options) if layout.computed else {}
             except Exception as err:  # diffusers' converters raise many kinds; float8 arithmetic has no CPU kernel
                 file.close()
                 return Fallback("checkpoint_plan_incompatible", f"{first_line(err)} (computing {path.name}'s converted tensors)")
+            values.update({name: torch.ones((), dtype=torch.float32) for name in layout.unit_scales})
             extra = private_file(values, f"{path} (converted by diffusers)")
             files.append(extra)
-            types = {name: {file.entries[key].ggml_type for key in keys} for name, keys in layout.computed.items()}
+            types = {name: {file.entries[key].ggml_type for key in layout.computed.get(name, ())} for name in values}
             mixed = [name for name, found in types.items() if len(found) > 1]
             if mixed:
                 for opened in files:
