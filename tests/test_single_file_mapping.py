@@ -677,6 +677,24 @@ def test_a_float8_file_without_scales_streams_its_values_as_they_are(tmp_path, l
     assert "\n" not in str(refused.value) and says in str(refused.value), str(refused.value)
 
 
+def test_an_unscaled_float8_sd3_file_streams_its_swapped_norms_too(tmp_path):
+    """Every 2-D weight float8 with no scale, SD3's final and last-block norms swapped by the
+    converter (their float8 values moved, as checked): equal to diffusers' model of the file."""
+    entry = TINY_MODELS["sd3"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    original = sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers)
+    stored = {k: v.to(torch.float8_e4m3fn) if k.endswith(".weight") and v.dim() == 2 else v for k, v in original.items()}
+    model.save_config(tmp_path / "config")
+    path = tmp_path / "sd3_fp8_e4m3fn.safetensors"
+    save_file(stored, path)
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(reference(path, tmp_path / "config", type(model), torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    assert plan is not None
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+
+
 @pytest.mark.parametrize("case", ["weights swapped, scales not", "two scales"])
 def test_a_scale_that_may_not_be_its_weights_is_refused(tmp_path, monkeypatch, case):
     """Wan's converter passes every key through, scales included: one that swaps two float8

@@ -71,7 +71,7 @@ class ConvertedLayout:
     computed: dict[str, frozenset[str]]  # converted by arithmetic (not a range of the file) -> the file's keys it is made of
     concatenated: dict[str, tuple[str, ...]]  # a cat of ranges -> its parts' entries, in order (dim 0)
     computed_nbytes: dict[str, int] = field(default_factory=dict)  # what each computed tensor holds
-    moved_float8: dict[str, tuple[str, str]] = field(default_factory=dict)  # computed float8 -> (its weight, scale)
+    moved_float8: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # computed float8 -> (weight, scale or 1)
     unreadable: dict[str, str] = field(default_factory=dict)  # float8 values no scale can be found for -> why
     unit_scales: list[str] = field(default_factory=list)  # scales of 1 to add beside an unscaled file's float8 weights
 
@@ -120,8 +120,13 @@ def converted_layout(
         whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
         # Bytes read as another float8 format are other values.
         retyped = where is not None and tensor.dtype in FLOAT8 and tensor.dtype != kept[where.key].dtype
-        if unscaled_file and float8_keys and where is not None and not retyped:
-            entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
+        if unscaled_file and len(made_from) == 1 and float8_keys and tensor.dtype == kept[float8_keys[0]].dtype:
+            if where is None:  # its values moved (checked as for a scaled weight)
+                computed[name] = made_from
+                layout.computed_nbytes[name] = _nbytes(tensor)
+                layout.moved_float8[name] = (float8_keys[0], None)
+            else:
+                entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
             layout.unit_scales.append(f"{name.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}")
             continue
         if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
@@ -180,7 +185,10 @@ def _check_moved_float8(
     """Raise ValueError unless each float8 tensor the converter computed is its weight's float8
     values moved (a permutation, a concatenation of its parts): run on the weights dequantized,
     the converter must give exactly the computed values dequantized with the weight's scale."""
-    scales = {key: file.view(scale_key).float().reshape(()) for key, scale_key in layout.moved_float8.values()}
+    scales = {
+        key: file.view(scale_key).float().reshape(()) if scale_key is not None else torch.ones(())
+        for key, scale_key in layout.moved_float8.values()
+    }
     inputs = {
         key: file.view(key).float() * scales[key] if key in scales else
         file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
