@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
@@ -644,35 +644,36 @@ def test_float8_values_a_converter_computes_with_are_refused_in_one_line(tmp_pat
     assert "\n" not in str(refused.value) and name in str(refused.value) and says in str(refused.value)
 
 
+def unscaled_float8_file(tmp_path, name: str, state: dict, model) -> tuple:
+    """`state` (a layout of `model`'s) with every 2-D weight float8_e4m3fn and no scale anywhere,
+    written with `model`'s config; its path, config directory, and what diffusers' single-file
+    model of it computes for two inputs, with the inputs."""
+    stored = {k: v.to(torch.float8_e4m3fn) if k.endswith(".weight") and v.dim() == 2 else v.contiguous() for k, v in state.items()}
+    model.save_config(tmp_path / "config")
+    path = tmp_path / f"{name}_fp8_e4m3fn.safetensors"
+    save_file(stored, path)
+    inputs = [TINY_MODELS[name].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    return path, tmp_path / "config", run(reference(path, tmp_path / "config", type(model), torch.bfloat16), inputs), inputs
+
+
 @pytest.mark.parametrize("layout", ["original", "diffusers"])
 def test_a_float8_file_without_scales_streams_its_values_as_they_are(tmp_path, layout):
     """float8 weights with no scale anywhere in the file (as e4m3fn checkpoints are published):
     the values as they are, which diffusers' own single-file loader casts; dlo streams them as
     float8 with a scale of 1, equal to diffusers' model of the very file. A file where some
     float8 weights have a scale and others none is refused naming one without."""
-    entry = TINY_MODELS["wan"]
-    model = entry.build(seed=2, dtype=torch.bfloat16)
-    state = wan_original(model.state_dict()) if layout == "original" else model.state_dict()
-    blocks = "blocks."
-    stored = {
-        key: tensor.to(torch.float8_e4m3fn) if key.startswith(blocks) and tensor.dim() == 2 else tensor.contiguous()
-        for key, tensor in state.items()
-    }
-    model.save_config(tmp_path / "config")
-    path = tmp_path / "wan_fp8_e4m3fn.safetensors"
-    save_file(stored, path)
-    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
-    expected = run(reference(path, tmp_path / "config", type(model), torch.bfloat16), inputs)
-    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
-    weight = plan.peek().bindings["blocks.0.attn1.to_q.weight"]
-    assert weight.format.dtype == torch.float8_e4m3fn  # streamed as float8, half the bytes of bfloat16
+    model = TINY_MODELS["wan"].build(seed=2, dtype=torch.bfloat16)
+    state = wan_original(model.state_dict()) if layout == "original" else dict(model.state_dict())
+    path, config_dir, expected, inputs = unscaled_float8_file(tmp_path, "wan", state, model)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan.peek().bindings["blocks.0.attn1.to_q.weight"].format.dtype == torch.float8_e4m3fn  # half bf16's bytes
     with dlo.enable(loaded, "cpu", plan=plan):
         assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
     assert not all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))  # float8 changes the outputs
-    one = next(key for key in stored if stored[key].dtype == torch.float8_e4m3fn)
-    save_file({**stored, one[: -len("weight")] + "scale_weight": torch.ones(())}, path)
+    one = next(key for key in state if key.startswith("blocks.") and key.endswith(".weight") and state[key].dim() == 2)
+    save_file({**load_file(path), one[: -len("weight")] + "scale_weight": torch.ones(())}, path)
     with pytest.raises(dlo.DloError) as refused:
-        dlo.load_transformer(path, model_config=tmp_path / "config")
+        dlo.load_transformer(path, model_config=config_dir)
     says = "holds float8 values without a scale beside it (dlo reads" if layout == "original" else "float8 weight with no scales"
     assert "\n" not in str(refused.value) and says in str(refused.value), str(refused.value)
 
@@ -680,16 +681,10 @@ def test_a_float8_file_without_scales_streams_its_values_as_they_are(tmp_path, l
 def test_an_unscaled_float8_sd3_file_streams_its_swapped_norms_too(tmp_path):
     """Every 2-D weight float8 with no scale, SD3's final and last-block norms swapped by the
     converter (their float8 values moved, as checked): equal to diffusers' model of the file."""
-    entry = TINY_MODELS["sd3"]
-    model = entry.build(seed=2, dtype=torch.bfloat16)
-    original = sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers)
-    stored = {k: v.to(torch.float8_e4m3fn) if k.endswith(".weight") and v.dim() == 2 else v for k, v in original.items()}
-    model.save_config(tmp_path / "config")
-    path = tmp_path / "sd3_fp8_e4m3fn.safetensors"
-    save_file(stored, path)
-    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
-    expected = run(reference(path, tmp_path / "config", type(model), torch.bfloat16), inputs)
-    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    model = TINY_MODELS["sd3"].build(seed=2, dtype=torch.bfloat16)
+    state = sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers)
+    path, config_dir, expected, inputs = unscaled_float8_file(tmp_path, "sd3", state, model)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
     assert plan is not None
     with dlo.enable(loaded, "cpu", plan=plan):
         assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
