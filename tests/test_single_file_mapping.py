@@ -680,14 +680,23 @@ def test_a_float8_file_without_scales_streams_its_values_as_they_are(tmp_path, l
 
 def test_an_unscaled_float8_sd3_file_streams_its_swapped_norms_too(tmp_path):
     """Every 2-D weight float8 with no scale, SD3's final and last-block norms swapped by the
-    converter (their float8 values moved, as checked): equal to diffusers' model of the file."""
+    converter (their float8 values moved, as checked): equal to diffusers' model of the file,
+    and so is diffusers' own loader taking it (checkpoint_mmap=False: nothing to drop). Scales
+    under a name dlo does not read (`weight_scale_inv`) are not taken for no scale: refused."""
     model = TINY_MODELS["sd3"].build(seed=2, dtype=torch.bfloat16)
     state = sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers)
     path, config_dir, expected, inputs = unscaled_float8_file(tmp_path, "sd3", state, model)
-    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
-    assert plan is not None
-    with dlo.enable(loaded, "cpu", plan=plan):
-        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+    for config in (dlo.OffloadConfig(), dlo.OffloadConfig(checkpoint_mmap=False)):
+        loaded, plan = dlo.load_transformer(path, config, model_config=config_dir)
+        assert (plan is not None) == config.checkpoint_mmap
+        with dlo.enable(loaded, "cpu", plan=plan):
+            assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+    weights = load_file(path)
+    inverse = {k[: -len("weight")] + "weight_scale_inv": torch.ones(()) for k, v in weights.items() if v.dtype == torch.float8_e4m3fn}
+    save_file({**weights, **inverse}, path)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    assert "holds float8 values without a scale beside it (dlo reads float8 weights with their " in str(refused.value)
 
 
 @pytest.mark.parametrize("case", ["weights swapped, scales not", "two scales"])

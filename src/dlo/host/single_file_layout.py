@@ -87,9 +87,7 @@ def converted_layout(
     """The file's tensors under the names of a model whose state dict has `model_keys`, as the
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
-    # A file of float8 weights with no scale at all holds the values as they are (diffusers'
-    # loader casts them): each weight read whole is given a scale of 1.
-    unscaled_file = any(e.dtype in FLOAT8 for e in kept.values()) and not any(k.endswith(SCALE_SUFFIXES) for k in kept)
+    unscaled_file = unscaled_float8(kept)  # each float8 weight read whole is given a scale of 1
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
         unit = [f"{k.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
         return ConvertedLayout(dict(kept), {}, {}, unit_scales=unit)
@@ -130,7 +128,7 @@ def converted_layout(
             layout.unit_scales.append(f"{name.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}")
             continue
         if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
-            unscaled = [key for key in float8_keys if _scale_key(kept, key) is None]
+            unscaled = [key for key in float8_keys if _scale_key(kept, key) is None and not unscaled_file]
             layout.unreadable[name] = (
                 f"{unscaled[0]!r} holds float8 values without a scale beside it (dlo reads float8 weights with their "
                 f"{' or '.join(SCALE_SUFFIXES)})" if unscaled else
@@ -253,6 +251,16 @@ def check_converter_options(model_cls: type, options: Mapping[str, object], labe
         raise ConfigError(
             f"{label} {unknown[0]!r}: diffusers' single-file converter for {model_cls.__name__} {takes}"
         )
+
+
+def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
+    """Whether `entries` (a file's, ignored keys aside) hold float8 weights with no scale at all:
+    the values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so
+    where anything named like a scale lies beside a float8 weight (`weight_scale_inv`,
+    `input_scale`...): scales dlo does not read, which diffusers' loader would drop."""
+    float8_layers = {key.rsplit(".", 1)[0] for key, entry in entries.items() if entry.dtype in FLOAT8}
+    scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and key.rsplit(".", 1)[0] in float8_layers]
+    return bool(float8_layers) and not scales
 
 
 def ignored_key(key: str) -> bool:

@@ -32,6 +32,7 @@ from dlo.host.single_file_layout import (
     has_converter,
     ignored_key,
     private_file,
+    unscaled_float8,
 )
 from dlo.planning.offload_plan import discover
 
@@ -239,11 +240,14 @@ def float8_refused(path: Path, fallback: Fallback) -> ConfigError:
 
 
 def holds_float8(path: Path) -> bool:
+    """Whether `path` holds float8 weights with scales, which only dlo's mapped load reads (an
+    unscaled float8 file's values diffusers' loader casts exactly: it may fall back)."""
     if path.suffix == GGUF_SUFFIX:
         return False
     file = SafetensorsFile(path)
     try:
-        return any(entry.dtype in FLOAT8 for entry in file.entries.values())
+        kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
+        return any(entry.dtype in FLOAT8 for entry in kept.values()) and not unscaled_float8(kept)
     finally:
         file.close()
 
