@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -170,7 +171,12 @@ def test_ls_and_gc_leave_a_writer_at_work_alone_whatever_its_pid(tmp_path, capsy
     with monkeypatch.context() as patched:
         patched.setattr(os, "getpid", lambda: gone)
         writer.start()
-        started = hashing.wait(timeout=60)
+        # Until the writer hashes (or dies): it fsyncs its shards first, which waits behind
+        # whatever else the machine has dirtied (a run with GBs written beside it took > 60 s).
+        deadline = time.monotonic() + 600
+        while not hashing.wait(timeout=1) and writer.is_alive() and time.monotonic() < deadline:
+            pass
+        started = hashing.is_set()
     try:
         assert started
         (temp,) = os.listdir(tmp_path / ".tmp")
