@@ -18,15 +18,7 @@ from dlo.cli.model_target import build_on_meta, plan_from_configs
 from dlo.cli.weight_bytes import payload_bytes
 from dlo.host.loader import MappedLoad, preflight
 from dlo.host.preflight import Fallback
-from dlo.host.single_file_load import (
-    GGUF_SUFFIX,
-    check_gguf_file,
-    config_directory,
-    float8_refused,
-    holds_float8,
-    single_file_class,
-    single_file_preflight,
-)
+from dlo.host.single_file_load import checked_single_file, float8_refused, holds_float8, single_file_preflight
 from dlo.host.tensor_source import count_adapters
 from dlo.hotpath.gather import GatherGroup, GatherRole
 from dlo.config import OffloadConfig
@@ -149,15 +141,8 @@ def _inspect_file(path: Path, args: argparse.Namespace) -> int:
             raise ConfigError(f"{given[0]}: inspecting a single file's plan needs its model's config: give --model-config DIR")
         print(render_file(path))
         return 0
-    directory = config_directory(args.model_config, path)
-    cls, _ = single_file_class(path, directory)
+    directory, cls, dtype = checked_single_file(path, args.model_config, torch_dtype(args.dtype) if args.dtype else None)
     check_converter_flags(args.converter_option or [], path, cls)
-    dtype = torch_dtype(args.dtype) if args.dtype else None
-    if path.suffix == GGUF_SUFFIX:
-        import torch
-
-        check_gguf_file(path)
-        dtype = torch.float32 if dtype is None else dtype  # diffusers' GGUF loader's default compute dtype
     config = inspect_config(args)
     result = single_file_preflight(path, directory, dtype, False, dict(args.converter_option or ()))
     if isinstance(result, Fallback) and holds_float8(path):

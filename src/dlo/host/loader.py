@@ -27,12 +27,10 @@ from dlo.host.preflight import (
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
 from dlo.host.single_file_load import (
     GGUF_SUFFIX,
-    check_gguf_file,
-    config_directory,
+    checked_single_file,
     float8_refused,
     holds_float8,
     ordinary_single_file_load,
-    single_file_class,
     single_file_preflight,
     single_file_recipe,
 )
@@ -108,15 +106,10 @@ def _load_single_file(
     """load_transformer of a single .safetensors or .gguf file. See [Note: single files through
     diffusers' converter] and [Note: GGUF files mapped]; one the mapping cannot stream goes
     through the host weight cache with `config.host_weight_cache` (See [Note: GGUF entries])."""
-    directory = config_directory(model_config, path)
-    cls, _ = single_file_class(path, directory)  # refuses another suffix or a class without a converter first
+    directory, cls, torch_dtype = checked_single_file(path, model_config, torch_dtype)
     check_converter_options(cls, converter_options)
-    if path.suffix == GGUF_SUFFIX:
-        check_gguf_file(path)  # the header, before anything maps or reads the file
-        if fuse_qkv:
-            raise ConfigError(f"{path}: fuse_qkv=True fuses float projections; a GGUF file's stay packed: set fuse_qkv=False")
-        # diffusers' GGUF loader computes in float32 unless told otherwise (GGUFQuantizationConfig's default).
-        torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
+    if path.suffix == GGUF_SUFFIX and fuse_qkv:
+        raise ConfigError(f"{path}: fuse_qkv=True fuses float projections; a GGUF file's stay packed: set fuse_qkv=False")
     float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here
     if float8 and (config.fp8_compute or not config.checkpoint_mmap):  # the cache never sees one: it maps or is refused
         raise ConfigError(

@@ -94,6 +94,20 @@ def check_gguf_file(path: Path) -> None:
     check_diffusers_reads(read_gguf_index(path), str(path))
 
 
+def checked_single_file(
+    path: Path, model_config: str | Path | None, torch_dtype: torch.dtype | None
+) -> tuple[Path, type[nn.Module], torch.dtype | None]:
+    """(config directory, model class, torch_dtype) of a load of the single file `path`, refusing
+    a suffix or class dlo cannot load and a damaged GGUF header before anything is mapped. A GGUF
+    file's torch_dtype is its compute dtype: None means float32, GGUFQuantizationConfig's default."""
+    directory = config_directory(model_config, path)
+    cls, _ = single_file_class(path, directory)
+    if path.suffix == GGUF_SUFFIX:
+        check_gguf_file(path)
+        torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
+    return directory, cls, torch_dtype
+
+
 def open_single_file(path: Path) -> SafetensorsFile:
     """The file mapped, its header validated."""
     return GgufFile(path) if path.suffix == GGUF_SUFFIX else SafetensorsFile(path)
