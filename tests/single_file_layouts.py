@@ -1,5 +1,5 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
-written in the key layout its original repository uses (Wan 2.1's, Flux's BFL layout), by
+written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -95,6 +95,54 @@ def flux_original(state: dict[str, torch.Tensor], double: int, single: int) -> d
     return out
 
 
+FLUX2_TOP = {  # diffusers -> Flux.2's BFL names (no biases)
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+    "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+    "single_stream_modulation.linear": "single_stream_modulation.lin",
+    "proj_out": "final_layer.linear",
+}
+FLUX2_DOUBLE = {  # diffusers (under transformer_blocks.N.) -> BFL (under double_blocks.N.)
+    "attn.to_out.0.weight": "img_attn.proj.weight",
+    "attn.to_add_out.weight": "txt_attn.proj.weight",
+    "ff.linear_in.weight": "img_mlp.0.weight",
+    "ff.linear_out.weight": "img_mlp.2.weight",
+    "ff_context.linear_in.weight": "txt_mlp.0.weight",
+    "ff_context.linear_out.weight": "txt_mlp.2.weight",
+    "attn.norm_q.weight": "img_attn.norm.query_norm.scale",
+    "attn.norm_k.weight": "img_attn.norm.key_norm.scale",
+    "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
+    "attn.norm_added_k.weight": "txt_attn.norm.key_norm.scale",
+}
+FLUX2_SINGLE = {  # diffusers (under single_transformer_blocks.N.) -> BFL (under single_blocks.N.)
+    "attn.to_qkv_mlp_proj.weight": "linear1.weight",
+    "attn.to_out.weight": "linear2.weight",
+    "attn.norm_q.weight": "norm.query_norm.scale",
+    "attn.norm_k.weight": "norm.key_norm.scale",
+}
+
+
+def flux2_original(state: dict[str, torch.Tensor], double: int, single: int) -> dict[str, torch.Tensor]:
+    """Flux.2's BFL layout: each stream's q, k and v in one `qkv`, the final modulation's
+    shift before its scale (diffusers keeps scale first)."""
+    out = {f"{original}.weight": state[f"{module}.weight"] for module, original in FLUX2_TOP.items()}
+    out["final_layer.adaLN_modulation.1.weight"] = _swapped_halves(state["norm_out.linear.weight"])
+    for i in range(double):
+        d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        out.update({f"{b}{original}": state[f"{d}{name}"] for name, original in FLUX2_DOUBLE.items()})
+        out[f"{b}img_attn.qkv.weight"] = torch.cat([state[f"{d}attn.to_{p}.weight"] for p in "qkv"])
+        out[f"{b}txt_attn.qkv.weight"] = torch.cat([state[f"{d}attn.add_{p}_proj.weight"] for p in "qkv"])
+    for i in range(single):
+        d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        out.update({f"{b}{original}": state[f"{d}{name}"] for name, original in FLUX2_SINGLE.items()})
+    return {key: tensor.contiguous() for key, tensor in out.items()}
+
+
 MINIMAX_H3_RENAMES = [  # diffusers -> MiniMax-H3 (applied in order, on the key with a dot in front)
     (".transformer_blocks.", ".blocks."),
     (".token_refiner.refiner_blocks.", ".token_refiner.blocks."),
@@ -162,7 +210,7 @@ SD3_BLOCK = {  # diffusers (under transformer_blocks.N.) -> SD3 (under joint_blo
 
 
 def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:
-    """SD3 keeps an output-norm modulation as [shift; scale], diffusers as [scale; shift]."""
+    """SD3 and Flux.2 keep an output-norm modulation as [shift; scale], diffusers as [scale; shift]."""
     first, second = tensor.chunk(2, dim=0)
     return torch.cat([second, first])
 

@@ -573,9 +573,9 @@ def test_a_per_row_scale_of_float8_values_the_converter_moves_is_refused_in_one_
     ) in str(refused.value)
 
 
-def minimax_with_a_float8_fc1(tmp_path, per_row: bool):
+def minimax_with_a_float8_fc1(tmp_path, per_row: bool, scale_name: str = "scale_weight"):
     """MiniMax-H3 in its own layout (q/k/v stacked), bfloat16, with block 0's gated MLP input
-    (whose halves the converter swaps) float8 beside a `scale_weight` (per tensor or per row),
+    (whose halves the converter swaps) float8 beside a `scale_name` (per tensor or per row),
     and diffusers' model of the same weights dequantized."""
     from test_converter_options import HEADS, HEAD_DIM, MINIMAX, MiniMax
 
@@ -590,7 +590,7 @@ def minimax_with_a_float8_fc1(tmp_path, per_row: bool):
     weight = stored[key].float()
     scale = (weight.abs().amax(dim=1, keepdim=True) if per_row else weight.abs().amax()) / 448
     stored[key] = (weight / scale).to(torch.float8_e4m3fn)
-    stored[key[: -len("weight")] + "scale_weight"] = scale.reshape(-1 if per_row else ())
+    stored[key[: -len("weight")] + scale_name] = scale.reshape(-1 if per_row else ())
     dequantized[key] = (stored[key].float() * scale).to(torch.bfloat16)
     path = tmp_path / "minimax-fp8.safetensors"
     save_file(stored, path)
@@ -598,16 +598,18 @@ def minimax_with_a_float8_fc1(tmp_path, per_row: bool):
     return path, config_dir, expected, key
 
 
-def test_a_per_row_scale_the_converter_passes_through_never_scales_rows_it_swapped(tmp_path):
-    """MiniMax-H3's converter swaps the halves of the gated MLP's input weight and renames its
-    `scale_weight` as it is: a per-row scale would then scale the wrong rows. The file is refused
-    naming the weight; with a per-tensor scale it streams, each value dequantized as diffusers'
-    model of the dequantized weights holds it."""
-    path, config_dir, _, key = minimax_with_a_float8_fc1(tmp_path, per_row=True)
+@pytest.mark.parametrize("scale_name", ["scale_weight", "weight_scale"])
+def test_a_per_row_scale_never_scales_rows_the_converter_swapped(tmp_path, scale_name):
+    """MiniMax-H3's converter swaps the halves of the gated MLP's input weight: a per-row scale
+    would then scale the wrong rows. The file is refused naming the weight; with a per-tensor
+    scale it streams, each value dequantized as diffusers' model of the dequantized weights
+    holds it (a `weight_scale` too, which the converter, had it been given it, would have tried
+    to cut in halves as it does the weight)."""
+    path, config_dir, _, key = minimax_with_a_float8_fc1(tmp_path, per_row=True, scale_name=scale_name)
     with pytest.raises(dlo.ConfigError) as refused:
         dlo.load_transformer(path, model_config=config_dir)
     assert f"of float8 values of [{key!r}] that no one scale of the file dequantizes" in str(refused.value)
-    path, config_dir, expected, _ = minimax_with_a_float8_fc1(tmp_path, per_row=False)
+    path, config_dir, expected, _ = minimax_with_a_float8_fc1(tmp_path, per_row=False, scale_name=scale_name)
     loaded, plan = dlo.load_transformer(path, model_config=config_dir)
     name = "transformer_blocks.0.ff.net.0.proj.weight"
     source, checkpoint = plan.peek().bindings[name], plan.peek().checkpoint
@@ -699,39 +701,91 @@ def test_an_unscaled_float8_sd3_file_streams_its_swapped_norms_too(tmp_path):
     assert "holds float8 values without a scale beside it (dlo reads float8 weights with their " in str(refused.value)
 
 
-@pytest.mark.parametrize("case", ["weights swapped, scales not", "two scales"])
-def test_a_scale_that_may_not_be_its_weights_is_refused(tmp_path, monkeypatch, case):
-    """Wan's converter passes every key through, scales included: one that swaps two float8
-    weights but not their scales leaves each weight beside the other's scale; a weight with both
-    a `scale_weight` and a `weight_scale` has two. Either is refused naming it, never streamed."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
+def wan_scaled_fp8_file(tmp_path, two_scales: bool = False) -> tuple:
+    """A tiny Wan in its own layout, bfloat16, every block Linear weight per-tensor float8 beside
+    a `scale_weight` (and a `weight_scale` too with `two_scales`); its path, config directory, the
+    dequantized weights (in the file's layout) and the inputs."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
-    stored = {}
+    stored, dequantized = {}, {}
     for key, tensor in wan_original(model.state_dict()).items():
         if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
-            stored[key], scale, _ = scaled_fp8(tensor)
+            stored[key], scale, dequantized[key] = scaled_fp8(tensor)
             stored[key[: -len("weight")] + "scale_weight"] = scale
-            if case == "two scales":
+            if two_scales:
                 stored[key[: -len("weight")] + "weight_scale"] = scale * 2
         else:
-            stored[key] = tensor.contiguous()
+            stored[key] = dequantized[key] = tensor.contiguous()
     model.save_config(tmp_path / "config")
     save_file(stored, tmp_path / "wan_fp8.safetensors")
-    if case == "weights swapped, scales not":
-        converters = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
-        convert = converters["checkpoint_mapping_fn"]
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    return tmp_path / "wan_fp8.safetensors", tmp_path / "config", dequantized, inputs
 
-        def converted(checkpoint, **kwargs):
-            out = convert(checkpoint=checkpoint, **kwargs)
-            q, k = "blocks.0.attn1.to_q.weight", "blocks.0.attn1.to_k.weight"
-            out[q], out[k] = out[k], out[q]
-            return out
 
-        converters["checkpoint_mapping_fn"] = converted
-        monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", converters)
+def patched_wan_converter(monkeypatch, edit) -> None:
+    """diffusers' Wan converter, then `edit` on what it returns (for diffusers' loader too)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    converters = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = converters["checkpoint_mapping_fn"]
+
+    def converted(checkpoint, **kwargs):
+        out = convert(checkpoint=checkpoint, **kwargs)
+        edit(out)
+        return out
+
+    converters["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", converters)
+
+
+def test_a_float8_weight_the_converter_moves_takes_its_own_scale_along(tmp_path, monkeypatch):
+    """The converter never sees the scales: dlo gives each to the tensors made of its weight.
+    A converter that swaps two float8 weights (under the names of each other's scales, as Wan's
+    passes keys through) streams each with its own scale, equal to diffusers' model of the
+    dequantized weights converted the same way."""
+    q, k = "blocks.0.attn1.to_q.weight", "blocks.0.attn1.to_k.weight"
+
+    def swap(out):
+        out[q], out[k] = out[k], out[q]
+
+    patched_wan_converter(monkeypatch, swap)
+    path, config_dir, dequantized, inputs = wan_scaled_fp8_file(tmp_path)
+    expected_model = reference(dequantized, config_dir, diffusers.WanTransformer3DModel, torch.bfloat16)
+    expected = run(expected_model, inputs)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    source, checkpoint = plan.peek().bindings[q], plan.peek().checkpoint
+    assert torch.equal(source.materialize(checkpoint), expected_model.get_parameter(q).data)
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+
+
+@pytest.mark.parametrize("case", ["two scales", "a tensor under a scale's name"])
+def test_a_scale_that_may_not_be_its_weights_is_refused(tmp_path, monkeypatch, case):
+    """A weight with both a `scale_weight` and a `weight_scale` has two; a converter that makes a
+    tensor under the name the weight's scale takes beside it would have the model read that one.
+    Either is refused naming it, never streamed."""
+    if case != "two scales":
+        patched_wan_converter(monkeypatch, lambda out: out.update({"blocks.0.attn1.to_q.scale_weight": torch.ones(())}))
+    path, config_dir, _, _ = wan_scaled_fp8_file(tmp_path, two_scales=case == "two scales")
     with pytest.raises(dlo.ConfigError) as refused:
-        dlo.load_transformer(tmp_path / "wan_fp8.safetensors", model_config=tmp_path / "config")
-    says = "leaves another tensor under 'blocks.0.attn1.to_" if case != "two scales" else "has two scales beside it"
+        dlo.load_transformer(path, model_config=config_dir)
+    says = "has two scales beside it" if case == "two scales" else "makes a tensor named 'blocks.0.attn1.to_q.scale_weight'"
     assert "\n" not in str(refused.value) and says in str(refused.value), str(refused.value)
+
+
+def test_two_weights_whose_scales_would_take_one_name_are_unreadable(tmp_path, monkeypatch):
+    """Two float8 weights the converter puts in one layer would leave one scale name for both."""
+    from diffusers import WanTransformer3DModel
+
+    patched_wan_converter(monkeypatch, lambda out: out.update({"blocks.0.attn1.to_q.bias": out["blocks.0.attn1.to_k.weight"]}))
+    path, config_dir, _, _ = wan_scaled_fp8_file(tmp_path)
+    config = WanTransformer3DModel.load_config(config_dir)
+    file = SafetensorsFile(path)
+    try:
+        layout = converted_layout(file, WanTransformer3DModel, config, set())
+    finally:
+        file.close()
+    assert layout.unreadable == {
+        "blocks.0.attn1.to_q.weight": "the scales of 'blocks.0.self_attn.k.weight' and 'blocks.0.self_attn.q.weight' "
+        "would both be 'blocks.0.attn1.to_q.scale_weight'"
+    }

@@ -26,7 +26,8 @@ made of:
 So the conversion is diffusers' own, whatever the class, and a tensor is mapped only where the
 converter itself proved it a range of the file's bytes.
 Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
-scales, so a per-tensor scale follows its weight under every name a part of the weight took,
+scales (one would chunk a scale as it chunks its weight, leave it under its old name or drop it),
+so they never see them: a per-tensor scale follows its weight under every name a part of the weight took,
 and to a float8 tensor computed from that weight alone, whose values the private file keeps as
 float8 once the converter, run again on the weight dequantized, is seen to have only moved
 them (`_check_moved_float8`). A per-row scale follows only its weight whole. Any other tensor
@@ -40,6 +41,7 @@ run of the converter, and one it does not take is refused (diffusers would drop 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import tempfile
 from collections.abc import Mapping
@@ -54,12 +56,19 @@ from dlo.errors import ConfigError
 from dlo.host.preflight import FLOAT8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
-# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI) or
-# <layer>.weight_scale, beside <layer>.weight.
+# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI's first format) or
+# <layer>.weight_scale (its current one, ModelOpt's), beside <layer>.weight.
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
-# What ComfyUI's scaled fp8 files hold beside the weights and a diffusers model does not read:
-# the format marker (under the file's key prefix) and the activations' scales of its fp8 matmuls.
-IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input")
+# A layer's quantization format in ComfyUI's current files: UTF-8 JSON bytes ({"format": ...}).
+MARKER_SUFFIX = ".comfy_quant"
+# What ComfyUI's quantized files hold beside the weights and a diffusers model does not read: the
+# format markers (the file's `scaled_fp8`, under its key prefix; each layer's `comfy_quant`) and
+# the activations' scales of its fp8 matmuls (dlo dequantizes the weights; activations stay as
+# they are, as in diffusers' model of the dequantized weights).
+IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input", ".input_scale", MARKER_SUFFIX)
+# The formats of ComfyUI's markers dlo reads: float8 weights, whose dtype the format must be.
+MARKER_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+MARKER_MAX_BYTES = 4096
 NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
 
 
@@ -87,17 +96,19 @@ def converted_layout(
     """The file's tensors under the names of a model whose state dict has `model_keys`, as the
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
-    unscaled_file = unscaled_float8(kept)  # each float8 weight read whole is given a scale of 1
+    unscaled_file = unscaled_float8(file.entries)  # each float8 weight read whole is given a scale of 1
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
-        unit = [f"{k.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
+        unit = [f"{_layer(k)}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
         return ConvertedLayout(dict(kept), {}, {}, unit_scales=unit)
+    inputs = converter_inputs(file)
     # Outside inference mode: views of inference tensors have no `_base` to follow.
     with torch.inference_mode(False):
-        stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in kept.items()}
-        with _Provenance(stand_ins, kept) as provenance:
+        stand_ins = {key: torch.empty(entry.shape, dtype=entry.dtype, device="meta") for key, entry in inputs.items()}
+        with _Provenance(stand_ins, inputs) as provenance:
             converted = _convert(model_cls, model_config, dict(stand_ins), options)
     layout = ConvertedLayout({}, {}, {})
     entries, computed, concatenated = layout.entries, layout.computed, layout.concatenated
+    scaled: dict[str, str] = {}  # a scale's name beside a converted tensor -> the file's weight it scales
     for name, tensor in converted.items():
         where = provenance.range_of(tensor)
         parts = provenance.parts_of(tensor) if where is None else None
@@ -125,7 +136,7 @@ def converted_layout(
                 layout.moved_float8[name] = (float8_keys[0], None)
             else:
                 entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
-            layout.unit_scales.append(f"{name.rsplit('.', 1)[0]}{SCALE_SUFFIXES[0]}")
+            layout.unit_scales.append(f"{_layer(name)}{SCALE_SUFFIXES[0]}")
             continue
         if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
             unscaled = [key for key in float8_keys if _scale_key(kept, key) is None and not unscaled_file]
@@ -136,7 +147,7 @@ def converted_layout(
                 "dequantizes"
             )
             continue
-        problem = _scale_problem(kept, converted, provenance, name, float8_keys[0], scale_key) if scale is not None else None
+        problem = _scale_problem(kept, converted, scaled, name, float8_keys[0], scale_key) if scale is not None else None
         if problem is not None:
             layout.unreadable[name] = problem
             continue
@@ -152,8 +163,8 @@ def converted_layout(
             )
         if scale is not None:  # each part of a weight, or its float8 values moved, keeps its scale
             named = _scale_name(name, float8_keys[0], scale_key)
-            if named not in converted:  # else the converter passed the scale itself there (_scale_problem)
-                entries[named] = scale
+            entries[named] = scale
+            scaled[named] = float8_keys[0]
     return layout
 
 
@@ -165,8 +176,7 @@ def computed_values(
     others enter as stand-ins. See [Note: single files through diffusers' converter]"""
     inputs = {
         key: file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-        for key, entry in file.entries.items()
-        if not ignored_key(key)
+        for key, entry in converter_inputs(file).items()
     }
     with torch.inference_mode(False):
         converted = _convert(model_cls, model_config, inputs, options)
@@ -190,8 +200,7 @@ def _check_moved_float8(
     inputs = {
         key: file.view(key).float() * scales[key] if key in scales else
         file.view(key).clone() if key in layout.made_from else torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-        for key, entry in file.entries.items()
-        if not ignored_key(key)
+        for key, entry in converter_inputs(file).items()
     }
     with torch.inference_mode(False):
         converted = _convert(model_cls, model_config, inputs, options)
@@ -254,18 +263,88 @@ def check_converter_options(model_cls: type, options: Mapping[str, object], labe
 
 
 def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
-    """Whether `entries` (a file's, ignored keys aside) hold float8 weights with no scale at all:
-    the values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so
-    where anything named like a scale lies beside a float8 weight (`weight_scale_inv`,
-    `input_scale`...): scales dlo does not read, which diffusers' loader would drop."""
-    float8_layers = {key.rsplit(".", 1)[0] for key, entry in entries.items() if entry.dtype in FLOAT8}
-    scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and key.rsplit(".", 1)[0] in float8_layers]
+    """Whether `entries` (a file's, every key) hold float8 weights with no scale at all: the
+    values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so where
+    anything named like a scale lies beside a float8 weight (`weight_scale_inv`, an `input_scale`
+    without a weight scale...): what the values mean is then not what they are."""
+    float8_layers = {_layer(key) for key, entry in entries.items() if entry.dtype in FLOAT8}
+    scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and _layer(key) in float8_layers]
     return bool(float8_layers) and not scales
 
 
 def ignored_key(key: str) -> bool:
-    """A key of a ComfyUI fp8_scaled file no diffusers model reads."""
+    """A key of a ComfyUI quantized file no diffusers model reads."""
     return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
+
+
+def converter_inputs(file: SafetensorsFile) -> dict[str, TensorEntry]:
+    """What diffusers' converter is given of `file`: its tensors but the keys no model reads and
+    the scales beside its float8 weights (dlo gives each scale to the tensors made of its weight:
+    See [Note: single files through diffusers' converter])."""
+    kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
+    float8_layers = {_layer(key) for key, entry in kept.items() if entry.dtype in FLOAT8}
+    return {key: entry for key, entry in kept.items() if not (key.endswith(SCALE_SUFFIXES) and _layer(key) in float8_layers)}
+
+
+def quantization_problem(file: SafetensorsFile) -> str | None:
+    """Why `file` holds a layer quantized in a format dlo cannot read (ComfyUI's int8, nvfp4,
+    mxfp8...: its `comfy_quant` marker or the header's `_quantization_metadata` says so, or an
+    integer weight lies beside a scale), or None. A float8 format must be its weight's dtype."""
+    formats = _metadata_formats(file)
+    if formats is None:
+        return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers)"
+    for key in file.entries:
+        if key.endswith(MARKER_SUFFIX):
+            formats[key[: -len(MARKER_SUFFIX)]] = _marker_format(file, key)
+    for layer, fmt in sorted(formats.items()):
+        weight = file.entries.get(f"{layer}.weight")
+        if not isinstance(fmt, str):
+            return f"{layer!r}'s quantization format is unreadable (ComfyUI writes UTF-8 JSON naming one)"
+        if fmt not in MARKER_FLOAT8:
+            return (
+                f"{layer!r} is quantized as {fmt!r} (says the file): dlo reads float8 weights ({', '.join(MARKER_FLOAT8)}, "
+                "with or without scales), GGUF files and unquantized ones"
+            )
+        if weight is not None and weight.dtype != MARKER_FLOAT8[fmt]:
+            return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight"
+    for key in file.entries:
+        weight = file.entries.get(f"{_layer(key)}.weight")
+        if key.endswith(SCALE_SUFFIXES) and weight is not None and not weight.dtype.is_floating_point:
+            return (
+                f"'{_layer(key)}.weight' holds {weight.dtype} values beside a scale (an integer-quantized layer): dlo "
+                "reads float8 weights, GGUF files and unquantized ones"
+            )
+    return None
+
+
+def _metadata_formats(file: SafetensorsFile) -> dict[str, object] | None:
+    """Each layer's format as the header's `_quantization_metadata` (ComfyUI's) names it; None
+    where that is no such table."""
+    raw = (file.metadata or {}).get("_quantization_metadata")
+    if raw is None:
+        return {}
+    try:
+        layers = json.loads(raw)["layers"]
+        return {str(layer): conf.get("format") if isinstance(conf, dict) else None for layer, conf in layers.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _marker_format(file: SafetensorsFile, key: str) -> object:
+    """What a layer's `comfy_quant` marker names as its format (a string, or None where it is no
+    such marker)."""
+    entry = file.entries[key]
+    if entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes > MARKER_MAX_BYTES:
+        return None
+    try:
+        conf = json.loads(file.view(key).numpy().tobytes().decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+        return None
+    return conf.get("format") if isinstance(conf, dict) else conf
+
+
+def _layer(key: str) -> str:
+    return key.rsplit(".", 1)[0]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -275,31 +354,28 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _scale_name(name: str, weight_key: str, scale_key: str) -> str:
     """Where the scale `scale_key` of the file's weight `weight_key` goes beside its converted
     tensor `name`: the same suffix after the converted layer's name."""
-    return name.rsplit(".", 1)[0] + scale_key[len(weight_key.rsplit(".", 1)[0]):]
+    return _layer(name) + scale_key[len(_layer(weight_key)):]
 
 
-def _scale_problem(kept: dict, converted: Mapping, provenance: _Provenance, name: str, weight_key: str, scale_key: str) -> str | None:
+def _scale_problem(kept: dict, converted: Mapping, scaled: Mapping[str, str], name: str, weight_key: str, scale_key: str) -> str | None:
     """Why the scale `scale_key` cannot be the one the model reads beside `name` (its weight's
     float8 values, from `weight_key`): the file keeps two scales for the weight, or the converter
-    left another tensor under the scale's name. None when it can."""
-    layer = weight_key.rsplit(".", 1)[0]
+    made another tensor of that name, or another weight's scale goes there (`scaled`: the scales
+    given so far, by name). None when it can."""
+    layer = _layer(weight_key)
+    named = _scale_name(name, weight_key, scale_key)
     if sum(layer + suffix in kept for suffix in SCALE_SUFFIXES) > 1:
         return f"{weight_key!r} has two scales beside it ({' and '.join(layer + s for s in SCALE_SUFFIXES)})"
-    passed = converted.get(_scale_name(name, weight_key, scale_key))
-    if passed is None:
-        return None
-    where = provenance.range_of(passed)
-    if where is None or where.key != scale_key or where.begin != kept[scale_key].begin or tuple(passed.shape) != kept[scale_key].shape:
-        return (
-            f"diffusers' converter leaves another tensor under {_scale_name(name, weight_key, scale_key)!r}, the name of "
-            f"{weight_key!r}'s scale beside {name!r}"
-        )
+    if named in converted:
+        return f"diffusers' converter makes a tensor named {named!r}, the name of {weight_key!r}'s scale beside {name!r}"
+    if scaled.get(named, weight_key) != weight_key:
+        return f"the scales of {scaled[named]!r} and {weight_key!r} would both be {named!r}"
     return None
 
 
 def _scale_key(kept: dict, weight_key: str) -> str | None:
     """The key of the scale the file keeps beside the weight `weight_key`, if any."""
-    layer = weight_key.rsplit(".", 1)[0]
+    layer = _layer(weight_key)
     return next((layer + suffix for suffix in SCALE_SUFFIXES if layer + suffix in kept), None)
 
 

@@ -32,6 +32,7 @@ from dlo.host.single_file_layout import (
     has_converter,
     ignored_key,
     private_file,
+    quantization_problem,
     unscaled_float8,
 )
 from dlo.planning.offload_plan import discover
@@ -98,13 +99,21 @@ def checked_single_file(
     path: Path, model_config: str | Path | None, torch_dtype: torch.dtype | None
 ) -> tuple[Path, type[nn.Module], torch.dtype | None]:
     """(config directory, model class, torch_dtype) of a load of the single file `path`, refusing
-    a suffix or class dlo cannot load and a damaged GGUF header before anything is mapped. A GGUF
-    file's torch_dtype is its compute dtype: None means float32, GGUFQuantizationConfig's default."""
+    a suffix or class dlo cannot load, a damaged header and a quantization format dlo cannot read
+    before anything is mapped. A GGUF file's torch_dtype is its compute dtype: None means
+    float32, GGUFQuantizationConfig's default."""
     directory = config_directory(model_config, path)
     cls, _ = single_file_class(path, directory)
     if path.suffix == GGUF_SUFFIX:
         check_gguf_file(path)
-        torch_dtype = torch.float32 if torch_dtype is None else torch_dtype
+        return directory, cls, torch.float32 if torch_dtype is None else torch_dtype
+    file = SafetensorsFile(path)
+    try:
+        problem = quantization_problem(file)
+    finally:
+        file.close()
+    if problem is not None:  # diffusers' loader would read such weights as numbers, or fail
+        raise ConfigError(f"{path}: {problem}")
     return directory, cls, torch_dtype
 
 
@@ -260,8 +269,7 @@ def holds_float8(path: Path) -> bool:
         return False
     file = SafetensorsFile(path)
     try:
-        kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
-        return any(entry.dtype in FLOAT8 for entry in kept.values()) and not unscaled_float8(kept)
+        return any(entry.dtype in FLOAT8 for entry in file.entries.values()) and not unscaled_float8(file.entries)
     finally:
         file.close()
 

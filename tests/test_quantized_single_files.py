@@ -1,0 +1,145 @@
+"""ComfyUI's current quantized single files (Flux.2's `fp8mixed`...): float8 Linear weights each
+beside a 0-dim `weight_scale`, an `input_scale` and a `comfy_quant` marker naming its format,
+other layers left unquantized; and the formats dlo cannot read, refused before anything is
+mapped. See [Note: single files through diffusers' converter]."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import dlo
+from dlo.host.safetensors_file import SafetensorsFile
+from dlo.models.tiny import TINY_MODELS
+from single_file_layouts import flux2_original
+from test_single_file_mapping import reference, run, scaled_fp8
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def marker(conf) -> torch.Tensor:
+    """A layer's `comfy_quant`: its configuration as UTF-8 JSON bytes."""
+    return torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+
+
+def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, metadata=None) -> tuple:
+    """The tiny Flux.2 in its BFL layout, bfloat16, the block Linear weights `quantized` names
+    float8 as ComfyUI writes them; its path, config directory, the dequantized weights (BFL
+    layout) and the inputs."""
+    entry = TINY_MODELS["flux2"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    model.save_config(tmp_path / "config")
+    state = flux2_original(model.state_dict(), model.config.num_layers, model.config.num_single_layers)
+    stored, dequantized = {}, {}
+    for key, tensor in state.items():
+        if key.startswith(("double_blocks.", "single_blocks.")) and tensor.dim() == 2 and quantized(key):
+            layer = key[: -len(".weight")]
+            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = scaled_fp8(tensor)
+            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
+            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+        else:
+            stored[key] = dequantized[key] = tensor
+    edit(stored)
+    path = tmp_path / "flux2.safetensors"
+    save_file(stored, path, metadata=metadata)
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    return path, tmp_path / "config", dequantized, inputs
+
+
+def assert_streams_like(path, config_dir, dequantized, inputs):
+    """Streamed from the mapping alone, equal to diffusers' single-file model of `dequantized`."""
+    expected = run(reference(dequantized, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16), inputs)
+    model, plan = dlo.load_transformer(path, model_config=config_dir)
+    assert plan is not None and plan.backing == "checkpoint_mmap"
+    offsets = {name: (source.entry.begin, source.entry.dtype) for name, source in plan.peek().checkpoint.tensors.items()}
+    with dlo.enable(model, "cpu", plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))
+        assert handle.stats().host_bytes == 0  # every block tensor a range of the file
+    return offsets
+
+
+def file_offsets(path) -> dict:
+    file = SafetensorsFile(path)
+    try:
+        return {key: entry.begin for key, entry in file.entries.items()}
+    finally:
+        file.close()
+
+
+def test_a_flux2_file_in_bfl_layout_streams_from_its_mapping(tmp_path):
+    """Flux.2's converter splits each stream's fused q/k/v along its rows: ranges of the file."""
+    path, *rest = flux2_file(tmp_path)
+    offsets = assert_streams_like(path, *rest)
+    qkv = file_offsets(path)["double_blocks.0.img_attn.qkv.weight"]
+    assert offsets["transformer_blocks.0.attn.to_k.weight"] == (qkv + 32 * 32 * 2, torch.bfloat16)
+
+
+def test_a_comfyui_fp8mixed_flux2_file_streams_like_its_dequantized_weights(tmp_path):
+    """Every double block's Linear weights float8 (the fused q/k/v too: Flux.2's converter would
+    chunk a 0-dim scale beside it as it chunks the weight, so it is never given one) and the
+    single blocks left in bfloat16: each part of a fused weight streams as float8 with the
+    weight's scale, equal to diffusers' model of the dequantized weights; the input scales and
+    markers are not read."""
+    path, config_dir, dequantized, inputs = flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks."))
+    offsets = assert_streams_like(path, config_dir, dequantized, inputs)
+    in_file = file_offsets(path)
+    for i, part in enumerate(("to_q", "to_k", "to_v")):  # 32 rows each, one byte a value
+        weight = in_file["double_blocks.1.img_attn.qkv.weight"] + i * 32 * 32
+        assert offsets[f"transformer_blocks.1.attn.{part}.weight"] == (weight, torch.float8_e4m3fn)
+        scale = in_file["double_blocks.1.img_attn.qkv.weight_scale"]
+        assert offsets[f"transformer_blocks.1.attn.{part}.weight_scale"] == (scale, torch.float32)
+    assert offsets["single_transformer_blocks.0.attn.to_out.weight"][1] == torch.bfloat16
+
+
+def int8_layer(stored):
+    """ComfyUI's int8_tensorwise layer: int8 values, a per-row scale."""
+    key = "double_blocks.0.img_mlp.0.weight"
+    stored[key] = torch.ones(stored[key].shape, dtype=torch.int8)
+    stored["double_blocks.0.img_mlp.0.weight_scale"] = torch.ones(stored[key].shape[0], 1)
+
+
+REFUSED = {
+    "int8 marker": (
+        lambda s: (int8_layer(s), s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker({"format": "int8_tensorwise"})})),
+        None, "'double_blocks.0.img_mlp.0' is quantized as 'int8_tensorwise' (says the file): dlo reads float8 weights",
+    ),
+    "int8 without a marker": (
+        lambda s: (int8_layer(s), s.pop("double_blocks.0.img_mlp.0.comfy_quant")), None, "'double_blocks.0.img_mlp.0.weight' holds torch.int8 values beside a scale",
+    ),
+    "marker of another float8": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker({"format": "float8_e5m2"})}), None,
+        "'double_blocks.0.img_mlp.0' is quantized as 'float8_e5m2' (says the file) but has a torch.float8_e4m3fn weight",
+    ),
+    "marker not JSON": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": torch.tensor([0xFF, 0x00], dtype=torch.uint8)}), None,
+        "'double_blocks.0.img_mlp.0''s quantization format is unreadable",
+    ),
+    "metadata not JSON": (
+        lambda s: None, {"_quantization_metadata": "{layers"}, "the header's _quantization_metadata is unreadable",
+    ),
+    "header metadata": (
+        lambda s: None,
+        {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {"single_blocks.0.linear2": {"format": "nvfp4"}}})},
+        "'single_blocks.0.linear2' is quantized as 'nvfp4' (says the file)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_layer_in_a_format_dlo_cannot_read_is_refused_before_anything_in_one_line(tmp_path, case, capsys):
+    """ComfyUI's other formats (int8, nvfp4...), said by a layer's marker, by the header's
+    `_quantization_metadata` or by an integer weight beside a scale, and a marker that disagrees
+    with its weight or cannot be read: refused in one line naming the layer, also where
+    diffusers' loader would take the file (which would read the values as numbers), and by
+    `dlo inspect` in the same words."""
+    from dlo.cli.main import main
+
+    edit, metadata, says = REFUSED[case]
+    path, config_dir, _, _ = flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks.0."), edit=edit, metadata=metadata)
+    for config in (dlo.OffloadConfig(), dlo.OffloadConfig(checkpoint_mmap=False), dlo.OffloadConfig(host_weight_cache=True)):
+        with pytest.raises(dlo.ConfigError) as refused:
+            dlo.load_transformer(path, config, model_config=config_dir)
+        assert "\n" not in str(refused.value) and str(refused.value).startswith(f"{path}: {says}"), str(refused.value)
+    assert main(["inspect", str(path), "--model-config", str(config_dir)]) == 2
+    assert capsys.readouterr().err.strip() == f"dlo: error: {refused.value}"
