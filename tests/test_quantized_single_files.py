@@ -13,7 +13,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.models.tiny import TINY_MODELS
 from single_file_layouts import flux2_original
-from test_single_file_mapping import reference, run, scaled_fp8
+from test_single_file_mapping import per_row_fp8, reference, run, scaled_fp8
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -23,10 +23,10 @@ def marker(conf) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
 
 
-def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, metadata=None) -> tuple:
+def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, metadata=None, quantize=scaled_fp8) -> tuple:
     """The tiny Flux.2 in its BFL layout, bfloat16, the block Linear weights `quantized` names
-    float8 as ComfyUI writes them; its path, config directory, the dequantized weights (BFL
-    layout) and the inputs."""
+    float8 as ComfyUI writes them (`quantize`: per tensor, or `per_row_fp8`); its path, config
+    directory, the dequantized weights (BFL layout) and the inputs."""
     entry = TINY_MODELS["flux2"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     model.save_config(tmp_path / "config")
@@ -35,7 +35,7 @@ def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, 
     for key, tensor in state.items():
         if key.startswith(("double_blocks.", "single_blocks.")) and tensor.dim() == 2 and quantized(key):
             layer = key[: -len(".weight")]
-            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = scaled_fp8(tensor)
+            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = quantize(tensor)
             stored[f"{layer}.input_scale"] = torch.tensor(0.01)
             stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
         else:
@@ -90,6 +90,18 @@ def test_a_comfyui_fp8mixed_flux2_file_streams_like_its_dequantized_weights(tmp_
         scale = in_file["double_blocks.1.img_attn.qkv.weight_scale"]
         assert offsets[f"transformer_blocks.1.attn.{part}.weight_scale"] == (scale, torch.float32)
     assert offsets["single_transformer_blocks.0.attn.to_out.weight"][1] == torch.bfloat16
+
+
+def test_a_per_row_scaled_flux2_file_gives_each_split_part_its_rows_of_the_scale(tmp_path):
+    """A per-row `weight_scale` beside each stream's fused q/k/v: each part streams as float8
+    with the scale's rows beside its own, equal to diffusers' model of the dequantized weights."""
+    path, config_dir, dequantized, inputs = flux2_file(
+        tmp_path, quantized=lambda key: key.startswith("double_blocks."), quantize=per_row_fp8
+    )
+    offsets = assert_streams_like(path, config_dir, dequantized, inputs)
+    scale = file_offsets(path)["double_blocks.0.txt_attn.qkv.weight_scale"]
+    for i, part in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):  # 32 rows each, 4 bytes a scale
+        assert offsets[f"transformer_blocks.0.attn.{part}.weight_scale"] == (scale + i * 32 * 4, torch.float32)
 
 
 def int8_layer(stored):

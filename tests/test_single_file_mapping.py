@@ -701,16 +701,24 @@ def test_an_unscaled_float8_sd3_file_streams_its_swapped_norms_too(tmp_path):
     assert "holds float8 values without a scale beside it (dlo reads float8 weights with their " in str(refused.value)
 
 
-def wan_scaled_fp8_file(tmp_path, two_scales: bool = False) -> tuple:
-    """A tiny Wan in its own layout, bfloat16, every block Linear weight per-tensor float8 beside
-    a `scale_weight` (and a `weight_scale` too with `two_scales`); its path, config directory, the
-    dequantized weights (in the file's layout) and the inputs."""
+def per_row_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row scaled float8 of `weight`: (data, scale [rows, 1], data dequantized into bfloat16)."""
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12)
+    data = (weight.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return data, scale, (data.float() * scale).to(torch.bfloat16)
+
+
+def wan_scaled_fp8_file(tmp_path, two_scales: bool = False, quantize=scaled_fp8) -> tuple:
+    """A tiny Wan in its own layout, bfloat16, every block Linear weight float8 (`quantize`: per
+    tensor, or `per_row_fp8`) beside a `scale_weight` (and a `weight_scale` too with
+    `two_scales`); its path, config directory, the dequantized weights (in the file's layout) and
+    the inputs."""
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     stored, dequantized = {}, {}
     for key, tensor in wan_original(model.state_dict()).items():
         if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
-            stored[key], scale, dequantized[key] = scaled_fp8(tensor)
+            stored[key], scale, dequantized[key] = quantize(tensor)
             stored[key[: -len("weight")] + "scale_weight"] = scale
             if two_scales:
                 stored[key[: -len("weight")] + "weight_scale"] = scale * 2
@@ -789,3 +797,35 @@ def test_two_weights_whose_scales_would_take_one_name_are_unreadable(tmp_path, m
         "blocks.0.attn1.to_q.weight": "the scales of 'blocks.0.self_attn.k.weight' and 'blocks.0.self_attn.q.weight' "
         "would both be 'blocks.0.attn1.to_q.scale_weight'"
     }
+
+
+CUTS = {  # a view of the converted q weight [rows, columns] -> (rows it starts at, or None: unreadable)
+    "the second half of its rows": (lambda w: w[w.shape[0] // 2:], 16),
+    "rows from the middle of one": (lambda w: w.flatten()[8: 8 + 16 * w.shape[1]].view(16, w.shape[1]), None),
+    "half-width rows": (lambda w: w.view(w.shape[0] * 2, w.shape[1] // 2)[:16], None),
+}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_per_row_scale_follows_a_range_of_whole_rows_of_its_weight_only(tmp_path, monkeypatch, cut):
+    """A range of whole rows of a float8 weight (a fused projection split) takes the same rows
+    of its per-row scale, a range of the file too; a range of other rows is unreadable."""
+    from diffusers import WanTransformer3DModel
+
+    view, first = CUTS[cut]
+    q = "blocks.0.attn1.to_q.weight"
+    patched_wan_converter(monkeypatch, lambda out: out.update({q: view(out[q])}))
+    path, config_dir, _, _ = wan_scaled_fp8_file(tmp_path, quantize=per_row_fp8)
+    file = SafetensorsFile(path)
+    try:
+        layout = converted_layout(file, WanTransformer3DModel, WanTransformer3DModel.load_config(config_dir), set())
+        scale = file.entries["blocks.0.self_attn.q.scale_weight"]
+    finally:
+        file.close()
+    if first is None:
+        assert "that no one scale of the file dequantizes" in layout.unreadable[q]
+    else:
+        rows = layout.entries[q].shape[0]
+        got = layout.entries["blocks.0.attn1.to_q.scale_weight"]
+        assert (got.begin, got.end, got.shape) == (scale.begin + first * 4, scale.begin + (first + rows) * 4, (rows, 1))
+        assert q not in layout.unreadable

@@ -25,12 +25,13 @@ made of:
   `checkpoint_plan_incompatible`).
 So the conversion is diffusers' own, whatever the class, and a tensor is mapped only where the
 converter itself proved it a range of the file's bytes.
-Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters do not know the
-scales (one would chunk a scale as it chunks its weight, leave it under its old name or drop it),
-so they never see them: a per-tensor scale follows its weight under every name a part of the weight took,
-and to a float8 tensor computed from that weight alone, whose values the private file keeps as
-float8 once the converter, run again on the weight dequantized, is seen to have only moved
-them (`_check_moved_float8`). A per-row scale follows only its weight whole. Any other tensor
+Scaled-float8 weights (ComfyUI's `scale_weight`, or `weight_scale`): converters know no scale
+(one would cut a scale as it cuts its weight, leave it under its old name or drop it), so they
+are never given one. A per-tensor scale follows its weight under every name a part of the
+weight took, and to a float8 tensor computed from that weight alone, whose values the private
+file keeps as float8 once the converter, run again on the weight dequantized, is seen to have
+only moved them (`_check_moved_float8`). A per-row scale follows its weight whole, and a range
+of whole rows of it as the same rows of the scale (a fused projection split). Any other tensor
 made of float8 values (rows a per-row scale would no longer match, a cast, a mix) is
 `unreadable`: the mapping is refused, and so the file (diffusers' loader would drop the scales).
 A few converters take options the file cannot tell (MiniMax-H3's `qkv_layout`: its fused
@@ -125,8 +126,13 @@ def converted_layout(
         scale_key = _scale_key(kept, float8_keys[0]) if len(float8_keys) == 1 and tensor.dtype in FLOAT8 else None
         scale = kept.get(scale_key) if scale_key is not None else None
         per_tensor = scale is not None and math.prod(scale.shape) == 1
-        # A per-row scale follows only its weight whole, as the file holds its rows.
+        # A per-row scale follows its weight whole (its shape checked with the weight's), or a
+        # range of whole rows of it as the rows of the scale beside those rows.
         whole_rows = scale is not None and where is not None and tuple(tensor.shape) == kept[where.key].shape
+        row_scales = (
+            _row_scales(kept[where.key], scale, where, tuple(tensor.shape))
+            if scale is not None and not per_tensor and where is not None and not whole_rows else None
+        )
         # Bytes read as another float8 format are other values.
         retyped = where is not None and tensor.dtype in FLOAT8 and tensor.dtype != kept[where.key].dtype
         if unscaled_file and len(made_from) == 1 and float8_keys and tensor.dtype == kept[float8_keys[0]].dtype:
@@ -138,7 +144,7 @@ def converted_layout(
                 entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
             layout.unit_scales.append(f"{_layer(name)}{SCALE_SUFFIXES[0]}")
             continue
-        if float8_keys and not (per_tensor or whole_rows) or len(made_from) > 1 and float8_keys or retyped:
+        if float8_keys and not (per_tensor or whole_rows or row_scales) or len(made_from) > 1 and float8_keys or retyped:
             unscaled = [key for key in float8_keys if _scale_key(kept, key) is None and not unscaled_file]
             layout.unreadable[name] = (
                 f"{unscaled[0]!r} holds float8 values without a scale beside it (dlo reads float8 weights with their "
@@ -163,7 +169,7 @@ def converted_layout(
             )
         if scale is not None:  # each part of a weight, or its float8 values moved, keeps its scale
             named = _scale_name(name, float8_keys[0], scale_key)
-            entries[named] = scale
+            entries[named] = row_scales or scale
             scaled[named] = float8_keys[0]
     return layout
 
@@ -371,6 +377,20 @@ def _scale_problem(kept: dict, converted: Mapping, scaled: Mapping[str, str], na
     if scaled.get(named, weight_key) != weight_key:
         return f"the scales of {scaled[named]!r} and {weight_key!r} would both be {named!r}"
     return None
+
+
+def _row_scales(weight: TensorEntry, scale: TensorEntry, where: _Range, shape: tuple[int, ...]) -> TensorEntry | None:
+    """The rows of the per-row `scale` of the 2-D `weight` that scale the range at `where` of
+    `shape`, where that is whole rows of the weight; else None."""
+    rows, columns = weight.shape if len(weight.shape) == 2 else (0, 0)
+    if scale.shape not in ((rows,), (rows, 1)) or len(shape) != 2 or shape[1] != columns:
+        return None
+    first, partial = divmod(where.begin - weight.begin, columns * weight.dtype.itemsize)
+    if partial:
+        return None
+    size = scale.dtype.itemsize
+    begin = scale.begin + first * size
+    return TensorEntry(scale.key, scale.dtype, (shape[0], *scale.shape[1:]), begin, begin + shape[0] * size)
 
 
 def _scale_key(kept: dict, weight_key: str) -> str | None:
