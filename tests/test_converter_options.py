@@ -15,7 +15,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
-from single_file_layouts import minimax_h3_original
+from single_file_layouts import minimax_h3_original, wan_original
 from test_single_file_mapping import random_model, write
 
 diffusers = pytest.importorskip("diffusers")
@@ -322,3 +322,68 @@ def test_dlo_inspect_says_whether_a_single_file_streams_from_its_mapping(tmp_pat
         assert main(["inspect", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+
+
+@pytest.fixture
+def wan_converter_with_typed_options(monkeypatch):
+    """diffusers' Wan converter given a bool option and an int one (as UNet's `extract_ema`):
+    what each run of it was given is recorded."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = dict(SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"])
+    convert = entry["checkpoint_mapping_fn"]
+    given = []
+
+    def converted(checkpoint, swap_qk=False, times=1, **kwargs):
+        given.append((swap_qk, times))
+        out = convert(checkpoint=checkpoint, **kwargs)
+        if swap_qk:
+            q, k = (f"blocks.0.attn1.to_{p}.weight" for p in "qk")
+            out[q], out[k] = out[k], out[q]
+        return out
+
+    entry["checkpoint_mapping_fn"] = converted
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES, "WanTransformer3DModel", entry)
+    return given
+
+
+@pytest.mark.parametrize(
+    ("options", "reaches"),
+    [
+        ({"swap_qk": "false", "times": "3"}, (False, 3)),  # as a command line gives them
+        ({"swap_qk": "True"}, (True, 1)),
+        ({"swap_qk": False, "times": 2}, (False, 2)),
+    ],
+)
+def test_an_option_is_read_as_the_type_of_its_default(tmp_path, wan_converter_with_typed_options, options, reaches):
+    """A string given for a bool option is true or false as it says ("false" is not a true
+    string), one for an int option is the number: the converter gets what was meant."""
+    from dlo.cli.main import main
+
+    model = TINY_MODELS["wan"].build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)  # diffusers' layout runs no converter
+    dlo.load_transformer(path, model_config=config_dir, converter_options=options)
+    assert set(wan_converter_with_typed_options) == {reaches}
+    wan_converter_with_typed_options.clear()
+    flags = [arg for key, value in options.items() for arg in ("--converter-option", f"{key}={value}".replace("False", "false"))]
+    assert main(["inspect", str(path), "--model-config", str(config_dir), *flags]) == 0
+    assert set(wan_converter_with_typed_options) == {reaches}
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"swap_qk": "no"}, "converter_options swap_qk='no': the converter takes true or false there (its default is False)"),
+        ({"swap_qk": 1}, "converter_options swap_qk=1: the converter takes true or false there (its default is False)"),
+        ({"times": "2.5"}, "converter_options times='2.5': the converter takes an int there (its default is 1)"),
+    ],
+)
+def test_a_value_not_of_the_type_of_the_options_default_is_refused_before_the_converter_runs(
+    tmp_path, wan_converter_with_typed_options, options, says
+):
+    model = TINY_MODELS["wan"].build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir, converter_options=options)
+    assert str(refused.value) == says
+    assert wan_converter_with_typed_options == []

@@ -142,9 +142,9 @@ def _inspect_file(path: Path, args: argparse.Namespace) -> int:
         print(render_file(path))
         return 0
     directory, cls, dtype = checked_single_file(path, args.model_config, torch_dtype(args.dtype) if args.dtype else None)
-    check_converter_flags(args.converter_option or [], path, cls)
+    options = check_converter_flags(args.converter_option or [], path, cls)
     config = inspect_config(args)
-    result = single_file_preflight(path, directory, dtype, False, dict(args.converter_option or ()))
+    result = single_file_preflight(path, directory, dtype, False, options)
     if isinstance(result, Fallback) and holds_float8(path):
         raise float8_refused(path, result)  # as dlo.load_transformer refuses it
     _print_mapping(result, config, args.nproc, lambda: render_file(path))

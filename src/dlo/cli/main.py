@@ -151,8 +151,8 @@ def _add_converter_option(parser: argparse.ArgumentParser, of: str) -> None:
     parser.add_argument(
         "--converter-option", action="append", type=converter_option, metavar="KEY=VALUE",
         help=f"pass an option to diffusers' single-file converter of {of}, one the file cannot tell (e.g. "
-        "qkv_layout=interleaved for a MiniMax-H3 file merged from its original shards); VALUE is a string; "
-        "repeat for several",
+        "qkv_layout=interleaved for a MiniMax-H3 file merged from its original shards); VALUE is read as the "
+        "type of the option's default (true or false, a number, else a string); repeat for several",
     )
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from dlo.cli.lora_flags import LoraFlag
 from dlo.errors import ConfigError, first_line
-from dlo.host.single_file_layout import check_converter_options
+from dlo.host.single_file_layout import checked_converter_options
 from dlo.pipelines.lora_adapters import LORA_WEIGHTS_FILE, LoraFile, check_lora, lora_weights_file
 from dlo.pipelines.single_file import check_single_file
 
@@ -105,17 +105,18 @@ def checked_weight_files(
     return transformer_file, loras
 
 
-def check_converter_flags(options: list[tuple[str, str]], transformer_file: Path | None, cls: type) -> None:
-    """Each --converter-option KEY once, with a --transformer file, and one its converter takes."""
+def check_converter_flags(options: list[tuple[str, str]], transformer_file: Path | None, cls: type) -> dict[str, object]:
+    """The --converter-option flags as the converter of --transformer FILE takes them: each KEY
+    once, one it takes, its VALUE read as the type of the option's default."""
     if not options:
-        return
+        return {}
     if transformer_file is None:
         raise ConfigError("--converter-option passes options to the single-file converter of --transformer FILE; give one")
     keys = [key for key, _ in options]
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
         raise ConfigError(f"--converter-option {repeated[0]}=...: given twice; give each KEY once")
-    check_converter_options(cls, dict(options), "--converter-option")
+    return checked_converter_options(cls, dict(options), "--converter-option")
 
 
 def check_gguf_kernels(transformer_file: Path | None, device: torch.device) -> None:

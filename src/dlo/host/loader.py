@@ -34,7 +34,7 @@ from dlo.host.single_file_load import (
     single_file_preflight,
     single_file_recipe,
 )
-from dlo.host.single_file_layout import check_converter_options
+from dlo.host.single_file_layout import checked_converter_options
 from dlo.host.tensor_source import MappedTensor, QuantizedSource
 from dlo.planning.gguf_weights import is_gguf_parameter, parameter_like
 from dlo.planning.offload_plan import discover
@@ -107,7 +107,7 @@ def _load_single_file(
     diffusers' converter] and [Note: GGUF files mapped]; one the mapping cannot stream goes
     through the host weight cache with `config.host_weight_cache` (See [Note: GGUF entries])."""
     directory, cls, torch_dtype = checked_single_file(path, model_config, torch_dtype)
-    check_converter_options(cls, converter_options)
+    converter_options = checked_converter_options(cls, converter_options)
     if path.suffix == GGUF_SUFFIX and fuse_qkv:
         raise ConfigError(f"{path}: fuse_qkv=True fuses float projections; a GGUF file's stay packed: set fuse_qkv=False")
     float8 = holds_float8(path)  # reads the header: a damaged file is a CheckpointError here

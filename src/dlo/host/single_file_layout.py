@@ -246,26 +246,53 @@ def has_converter(model_cls: type) -> bool:
     return model_cls.__name__ in SINGLE_FILE_LOADABLE_CLASSES
 
 
-def converter_option_names(model_cls: type) -> tuple[str, ...]:
+def _converter_options(model_cls: type) -> dict[str, inspect.Parameter]:
     """The options diffusers' single-file converter of `model_cls` takes by name (none where
     diffusers has no converter for it: loading a single file of it is refused)."""
     if not has_converter(model_cls):
-        return ()
+        return {}
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     parameters = inspect.signature(_converter(model_cls)).parameters.values()
-    return tuple(p.name for p in parameters if p.kind in named and p.name not in ("checkpoint", "config"))
+    return {p.name: p for p in parameters if p.kind in named and p.name not in ("checkpoint", "config")}
 
 
-def check_converter_options(model_cls: type, options: Mapping[str, object], label: str = "converter_options") -> None:
-    """Refuse in one line an option the converter does not take: diffusers passes a converter
-    only the options its signature names, so a misspelt one would be dropped unread."""
-    taken = converter_option_names(model_cls)
+def checked_converter_options(
+    model_cls: type, options: Mapping[str, object], label: str = "converter_options"
+) -> dict[str, object]:
+    """`options` as the converter of `model_cls` takes them, refused in one line where it takes
+    no such option (diffusers passes a converter only the options its signature names: a
+    misspelt one would be dropped unread) or where the value is not of the type of the option's
+    default; a string (a command line's) is read as that type ("false" as False: the string
+    "False" itself would be true)."""
+    taken = _converter_options(model_cls)
     unknown = sorted(set(options) - set(taken))
     if unknown:
         takes = f"takes {', '.join(taken)}" if taken else "takes no options"
         raise ConfigError(
             f"{label} {unknown[0]!r}: diffusers' single-file converter for {model_cls.__name__} {takes}"
         )
+    return {key: _option_value(value, taken[key].default, f"{label} {key}={value!r}") for key, value in options.items()}
+
+
+def _option_value(value: object, default: object, label: str) -> object:
+    """`value` as the type of a converter option's `default` (bool, int or float; an option with
+    any other default takes any value)."""
+    kind = type(default)
+    if kind not in (bool, int, float) or type(value) is kind:
+        return value
+    if kind is float and type(value) is int:
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if kind is bool and text in ("true", "false"):
+            return text == "true"
+        if kind is not bool:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    want = "true or false" if kind is bool else f"an {kind.__name__}" if kind is int else f"a {kind.__name__}"
+    raise ConfigError(f"{label}: the converter takes {want} there (its default is {default!r})")
 
 
 def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
