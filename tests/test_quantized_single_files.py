@@ -155,3 +155,46 @@ def test_a_layer_in_a_format_dlo_cannot_read_is_refused_before_anything_in_one_l
         assert "\n" not in str(refused.value) and str(refused.value).startswith(f"{path}: {says}"), str(refused.value)
     assert main(["inspect", str(path), "--model-config", str(config_dir)]) == 2
     assert capsys.readouterr().err.strip() == f"dlo: error: {refused.value}"
+
+
+def open_mappings() -> tuple[int, list[str]]:
+    """The process's open file descriptors (a count) and its file mappings of the tests' files
+    and of unlinked ones (dlo's private files)."""
+    import os
+
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split(maxsplit=5)[-1].strip() for line in maps if len(line.split()) == 6]
+    return len(os.listdir("/proc/self/fd")), sorted(m for m in mapped if "(deleted)" in m or "pytest-" in m)
+
+
+def test_an_interrupt_at_any_line_of_a_single_file_load_leaves_nothing_open(tmp_path):
+    """KeyboardInterrupt at sampled lines dlo runs loading a Flux.2 fp8mixed file (its header
+    checks, the converter's provenance run, the private file of the computed final norm, the
+    plan): nothing the load opened stays open or mapped, and the next load streams exact."""
+    import random
+
+    from test_one_load_path import PACKAGE, _LineInterrupt
+
+    path, config_dir, dequantized, inputs = flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks."))
+    expected = run(reference(dequantized, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16), inputs)
+    host = (str(PACKAGE / "host"),)
+
+    def interrupted_load(at):
+        before = open_mappings()
+        with _LineInterrupt(at, files=host) as traced:
+            try:
+                model, plan = dlo.load_transformer(path, model_config=config_dir)
+            except KeyboardInterrupt:
+                model = plan = None
+        if model is not None:  # past the last traced line: the load is whole
+            with dlo.enable(model, "cpu", plan=plan):
+                assert all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs))), at
+            del model, plan
+        assert open_mappings() == before, at
+        return traced.lines
+
+    lines = interrupted_load(None)
+    assert lines > 200
+    for at in sorted(random.Random(0).sample(range(1, lines + 1), 40)):
+        interrupted_load(at)
+    interrupted_load(None)
