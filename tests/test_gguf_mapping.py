@@ -13,7 +13,7 @@ import dlo
 from dlo.host.gguf_file import GgufFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux_original, minimax_h3_original, sd3_original, wan_original
+from single_file_layouts import flux2_original, flux_original, minimax_h3_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
@@ -235,6 +235,31 @@ def test_an_sd3_gguf_file_streams_its_last_blocks_swapped_norm_as_packed_parts(t
     parts = [mapping.tensors[f"{norm}#{i}"] for i in range(2)]
     assert {(part.entry.ggml_type, part.file.path) for part in parts} == {(quant_type.name, path)}
     assert adapters == {"concat": 2}  # the norm's weight and bias
+
+
+@pytest.mark.parametrize("quant_type", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_a_flux2_gguf_file_in_bfl_layout_streams_each_split_qkv_packed_in_place(tmp_path, quant_type):
+    """Flux.2's converter splits each stream's fused q/k/v into three: packed rows of the file
+    (a quant block never spans rows), each streamed as it lies, equal to diffusers' GGUF model."""
+    entry = TINY_MODELS["flux2"]
+    model = entry.build(seed=2, dtype=torch.float32)
+    model.save_config(tmp_path)
+    layers = model.config.num_layers, model.config.num_single_layers
+    path = write_gguf(model, tmp_path / "flux2.gguf", quant_type, layout=lambda state: flux2_original(state, *layers))
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(load_gguf(path, tmp_path, "Flux2Transformer2DModel", torch.bfloat16), inputs)
+    got, mapping, plan, adapters, stats = streamed(path, tmp_path, inputs, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    qkv = GgufFile(path)
+    try:
+        fused = qkv.entries["double_blocks.1.txt_attn.qkv.weight"]
+    finally:
+        qkv.close()
+    third = fused.nbytes // 3
+    for i, part in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+        source = mapping.tensors[f"transformer_blocks.1.attn.{part}.weight"]
+        assert (source.file.path, source.entry.begin, source.entry.ggml_type) == (path, fused.begin + i * third, quant_type.name)
+    assert adapters == {}
 
 
 def test_a_float16_gguf_file_computed_in_bfloat16_streams_its_casts_as_adapters(tmp_path):
