@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
@@ -47,15 +47,16 @@ def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, 
     return path, tmp_path / "config", dequantized, inputs
 
 
-def assert_streams_like(path, config_dir, dequantized, inputs):
-    """Streamed from the mapping alone, equal to diffusers' single-file model of `dequantized`."""
+def assert_streams_like(path, config_dir, dequantized, inputs, private_bytes=0):
+    """Streamed from the mapping (and `private_bytes` of dlo's private file), equal to diffusers'
+    single-file model of `dequantized`."""
     expected = run(reference(dequantized, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16), inputs)
     model, plan = dlo.load_transformer(path, model_config=config_dir)
     assert plan is not None and plan.backing == "checkpoint_mmap"
     offsets = {name: (source.entry.begin, source.entry.dtype) for name, source in plan.peek().checkpoint.tensors.items()}
     with dlo.enable(model, "cpu", plan=plan) as handle:
         assert all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))
-        assert handle.stats().host_bytes == 0  # every block tensor a range of the file
+        assert handle.stats().host_bytes == private_bytes  # every other block tensor a range of the file
     return offsets
 
 
@@ -125,10 +126,38 @@ REFUSED = {
     ),
     "marker not JSON": (
         lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": torch.tensor([0xFF, 0x00], dtype=torch.uint8)}), None,
-        "'double_blocks.0.img_mlp.0''s quantization format is unreadable",
+        "the quantization of 'double_blocks.0.img_mlp.0' is unreadable",
+    ),
+    "marker nested too deep": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": torch.full((4000,), ord("["), dtype=torch.uint8)}),
+        None, "the quantization of 'double_blocks.0.img_mlp.0' is unreadable",
+    ),
+    "marker too large": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker({"format": "float8_e4m3fn", "pad": " " * 5000})}),
+        None, "the quantization of 'double_blocks.0.img_mlp.0' is unreadable",
+    ),
+    "marker not bytes": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker("float8_e4m3fn").float()}), None,
+        "the quantization of 'double_blocks.0.img_mlp.0' is unreadable",
+    ),
+    "marker with a setting dlo does not know": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker({"format": "float8_e4m3fn", "convrot": True})}),
+        None, "'double_blocks.0.img_mlp.0' is quantized as 'float8_e4m3fn' with 'convrot' (says the file), which dlo does not know",
+    ),
+    "marker and header disagree": (
+        lambda s: None, {"_quantization_metadata": json.dumps({"layers": {"double_blocks.0.img_mlp.0": {"format": "nvfp4"}}})},
+        "'double_blocks.0.img_mlp.0' is quantized as {'format': 'float8_e4m3fn'} (its comfy_quant) and as {'format': 'nvfp4'} "
+        "(the header's _quantization_metadata)",
     ),
     "metadata not JSON": (
         lambda s: None, {"_quantization_metadata": "{layers"}, "the header's _quantization_metadata is unreadable",
+    ),
+    "metadata nested too deep": (
+        lambda s: None, {"_quantization_metadata": "[" * 5000}, "the header's _quantization_metadata is unreadable",
+    ),
+    "metadata layers not a table": (
+        lambda s: None, {"_quantization_metadata": json.dumps({"layers": ["double_blocks.0.img_mlp.0"]})},
+        "the header's _quantization_metadata is unreadable",
     ),
     "header metadata": (
         lambda s: None,
@@ -198,3 +227,52 @@ def test_an_interrupt_at_any_line_of_a_single_file_load_leaves_nothing_open(tmp_
     for at in sorted(random.Random(0).sample(range(1, lines + 1), 40)):
         interrupted_load(at)
     interrupted_load(None)
+
+
+DOUBLE_0 = [f"double_blocks.0.{layer}" for layer in ("img_attn.qkv", "txt_attn.qkv", "img_attn.proj", "txt_attn.proj",
+                                                      "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2")]
+ACCEPTED = {
+    "the header's table too": (lambda s: None, {layer: {"format": "float8_e4m3fn"} for layer in DOUBLE_0}),
+    "the header's table alone": (
+        lambda s: [s.pop(f"{layer}.comfy_quant") for layer in DOUBLE_0], {layer: "float8_e4m3fn" for layer in DOUBLE_0}
+    ),
+    "the header's table under another prefix": (
+        lambda s: None, {f"model.diffusion_model.{layer}": {"format": "float8_e4m3fn"} for layer in DOUBLE_0}
+    ),
+    "markers of a bare format, a matmul setting": (
+        lambda s: s.update({
+            "double_blocks.0.img_mlp.0.comfy_quant": marker("float8_e4m3fn"),
+            "double_blocks.0.img_mlp.2.comfy_quant": marker({"format": "float8_e4m3fn", "full_precision_matrix_mult": True}),
+        }), None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_float8_layers_the_file_describes_as_comfyui_does_stream(tmp_path, case):
+    """The descriptions ComfyUI writes of float8 layers (per layer, in the header's table, both,
+    the table's names under a prefix the keys lack, a bare format, how the matmul runs) are
+    taken, equal to diffusers' model of the dequantized weights."""
+    edit, layers = ACCEPTED[case]
+    metadata = None if layers is None else {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    assert_streams_like(*flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks.0."), edit=edit, metadata=metadata))
+
+
+def test_activation_scales_and_format_markers_say_nothing_about_the_weights(tmp_path):
+    """float8 weights with no weight scale beside an `input_scale` each hold their values as they
+    are (streamed with a scale of 1); a bfloat16 file keeping ComfyUI's empty float8 `scaled_fp8`
+    marker is a plain file, which diffusers' loader may take too."""
+    def unscaled(stored):
+        for key in [k for k in stored if k.endswith(".weight_scale")]:
+            stored.pop(key)
+
+    path, config_dir, _, inputs = flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks."), edit=unscaled)
+    values = {key: tensor.to(torch.bfloat16) for key, tensor in load_file(path).items() if not key.endswith((".comfy_quant", ".input_scale"))}
+    assert_streams_like(path, config_dir, values, inputs, private_bytes=2 * 12 * 4)  # float32 scales of 1, 12 a block
+    plain, config_dir, state, inputs = flux2_file(
+        tmp_path, edit=lambda stored: stored.update({"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)})
+    )
+    expected = run(reference(state, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16), inputs)
+    model, plan = dlo.load_transformer(plain, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
+    assert plan is None
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(model, inputs)))

@@ -69,6 +69,9 @@ MARKER_SUFFIX = ".comfy_quant"
 IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input", ".input_scale", MARKER_SUFFIX)
 # The formats of ComfyUI's markers dlo reads: float8 weights, whose dtype the format must be.
 MARKER_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# What a float8 layer's configuration may say besides its format: how ComfyUI runs its matmul
+# (dlo dequantizes the weight whatever it says). Anything else may change what the values mean.
+FLOAT8_SETTINGS = {"format", "full_precision_matrix_mult"}
 MARKER_MAX_BYTES = 4096
 NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
 
@@ -97,7 +100,7 @@ def converted_layout(
     """The file's tensors under the names of a model whose state dict has `model_keys`, as the
     converter run with `options` names them. See [Note: single files through diffusers' converter]"""
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
-    unscaled_file = unscaled_float8(file.entries)  # each float8 weight read whole is given a scale of 1
+    unscaled_file = unscaled_float8(kept)  # each float8 weight read whole is given a scale of 1
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
         unit = [f"{_layer(k)}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
         return ConvertedLayout(dict(kept), {}, {}, unit_scales=unit)
@@ -296,10 +299,11 @@ def _option_value(value: object, default: object, label: str) -> object:
 
 
 def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
-    """Whether `entries` (a file's, every key) hold float8 weights with no scale at all: the
+    """Whether `entries` (a file's, the keys no model reads aside: activation scales too, which
+    do not change what a weight's values mean) hold float8 weights with no scale at all: the
     values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so where
-    anything named like a scale lies beside a float8 weight (`weight_scale_inv`, an `input_scale`
-    without a weight scale...): what the values mean is then not what they are."""
+    anything else named like a scale lies beside a float8 weight (`weight_scale_inv`...): scales
+    dlo does not read, which diffusers' loader would drop."""
     float8_layers = {_layer(key) for key, entry in entries.items() if entry.dtype in FLOAT8}
     scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and _layer(key) in float8_layers]
     return bool(float8_layers) and not scales
@@ -320,24 +324,31 @@ def converter_inputs(file: SafetensorsFile) -> dict[str, TensorEntry]:
 
 
 def quantization_problem(file: SafetensorsFile) -> str | None:
-    """Why `file` holds a layer quantized in a format dlo cannot read (ComfyUI's int8, nvfp4,
-    mxfp8...: its `comfy_quant` marker or the header's `_quantization_metadata` says so, or an
-    integer weight lies beside a scale), or None. A float8 format must be its weight's dtype."""
-    formats = _metadata_formats(file)
-    if formats is None:
+    """Why `file` holds a layer quantized in a way dlo cannot read exactly, or None: a format
+    other than float8 (ComfyUI's int8, nvfp4, mxfp8...: its `comfy_quant` marker or the header's
+    `_quantization_metadata` says so, or an integer weight lies beside a scale), a float8 format
+    that is not its weight's dtype, a setting dlo does not know, or a marker and the header that
+    disagree."""
+    table = _metadata_layers(file)
+    if table is None:
         return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers)"
-    for key in file.entries:
-        if key.endswith(MARKER_SUFFIX):
-            formats[key[: -len(MARKER_SUFFIX)]] = _marker_format(file, key)
-    for layer, fmt in sorted(formats.items()):
-        weight = file.entries.get(f"{layer}.weight")
+    markers = {key[: -len(MARKER_SUFFIX)]: _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
+    for layer in sorted(set(table) | set(markers)):
+        confs = [confs[layer] for confs in (markers, table) if layer in confs]
+        fmt = confs[0].get("format") if all(confs) else None
         if not isinstance(fmt, str):
-            return f"{layer!r}'s quantization format is unreadable (ComfyUI writes UTF-8 JSON naming one)"
+            return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format)"
+        if len(confs) > 1 and confs[0] != confs[1]:
+            return f"{layer!r} is quantized as {confs[0]} (its comfy_quant) and as {confs[1]} (the header's _quantization_metadata)"
         if fmt not in MARKER_FLOAT8:
             return (
                 f"{layer!r} is quantized as {fmt!r} (says the file): dlo reads float8 weights ({', '.join(MARKER_FLOAT8)}, "
                 "with or without scales), GGUF files and unquantized ones"
             )
+        unknown = sorted(set(confs[0]) - FLOAT8_SETTINGS)
+        if unknown:
+            return f"{layer!r} is quantized as {fmt!r} with {unknown[0]!r} (says the file), which dlo does not know"
+        weight = file.entries.get(f"{layer}.weight")
         if weight is not None and weight.dtype != MARKER_FLOAT8[fmt]:
             return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight"
     for key in file.entries:
@@ -350,30 +361,33 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     return None
 
 
-def _metadata_formats(file: SafetensorsFile) -> dict[str, object] | None:
-    """Each layer's format as the header's `_quantization_metadata` (ComfyUI's) names it; None
-    where that is no such table."""
+def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
+    """Each layer's configuration in the header's `_quantization_metadata` (ComfyUI's; None
+    where one is unreadable); None where that is no such table."""
     raw = (file.metadata or {}).get("_quantization_metadata")
     if raw is None:
         return {}
     try:
         layers = json.loads(raw)["layers"]
-        return {str(layer): conf.get("format") if isinstance(conf, dict) else None for layer, conf in layers.items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
+        return {str(layer): _conf(conf) for layer, conf in layers.items()}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
 
 
-def _marker_format(file: SafetensorsFile, key: str) -> object:
-    """What a layer's `comfy_quant` marker names as its format (a string, or None where it is no
-    such marker)."""
+def _marker_conf(file: SafetensorsFile, key: str) -> dict | None:
+    """A layer's configuration in its `comfy_quant` marker, or None where it is no such marker."""
     entry = file.entries[key]
     if entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes > MARKER_MAX_BYTES:
         return None
     try:
-        conf = json.loads(file.view(key).numpy().tobytes().decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+        return _conf(json.loads(file.view(key).numpy().tobytes().decode("utf-8")))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
-    return conf.get("format") if isinstance(conf, dict) else conf
+
+
+def _conf(value: object) -> dict | None:
+    """A layer's quantization configuration: a table, or its format alone."""
+    return value if isinstance(value, dict) else {"format": value} if isinstance(value, str) else None
 
 
 def _layer(key: str) -> str:

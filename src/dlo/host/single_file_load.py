@@ -269,7 +269,8 @@ def holds_float8(path: Path) -> bool:
         return False
     file = SafetensorsFile(path)
     try:
-        return any(entry.dtype in FLOAT8 for entry in file.entries.values()) and not unscaled_float8(file.entries)
+        kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
+        return any(entry.dtype in FLOAT8 for entry in kept.values()) and not unscaled_float8(kept)
     finally:
         file.close()
 
