@@ -97,3 +97,23 @@ def test_an_sd3_scaled_fp8_file_streams_on_cuda_equal_to_its_dequantized_weights
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.registered_bytes > 0 and stats.host_bytes > 0  # the private norms beside the registered file
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["per tensor", "per row"])
+def test_a_comfyui_fp8mixed_flux2_file_streams_on_cuda_equal_to_its_dequantized_weights(tmp_path, per_row):
+    """ComfyUI's current format (`weight_scale`, `input_scale`, `comfy_quant`), the double blocks
+    float8: each split q/k/v part streams registered from the mapping with its weight's scale (per
+    row: the scale's rows beside its own), dequantized on the device, equal to diffusers' model of
+    the dequantized weights resident on the device."""
+    from test_quantized_single_files import flux2_file
+    from test_single_file_mapping import per_row_fp8, reference, scaled_fp8
+
+    quantize = per_row_fp8 if per_row else scaled_fp8
+    path, config_dir, dequantized, _ = flux2_file(tmp_path, quantized=lambda key: key.startswith("double_blocks."), quantize=quantize)
+    expected = run(reference(dequantized, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16).cuda(), "flux2", torch.bfloat16)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    with dlo.enable(loaded, "cuda", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(loaded, "flux2", torch.bfloat16)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.host_bytes == 0
