@@ -361,13 +361,35 @@ def test_an_option_is_read_as_the_type_of_its_default(tmp_path, wan_converter_wi
     from dlo.cli.main import main
 
     model = TINY_MODELS["wan"].build(seed=2)
-    path, config_dir = write(tmp_path, "wan", model, wan_original)  # diffusers' layout runs no converter
-    dlo.load_transformer(path, model_config=config_dir, converter_options=options)
-    assert set(wan_converter_with_typed_options) == {reaches}
-    wan_converter_with_typed_options.clear()
+    path, config_dir = write(tmp_path, "wan", model, wan_original)  # Wan's own layout: diffusers' needs no converter
+    for config in (dlo.OffloadConfig(), dlo.OffloadConfig(checkpoint_mmap=False)):  # diffusers' own loader too
+        dlo.load_transformer(path, config, model_config=config_dir, converter_options=options)
+        assert set(wan_converter_with_typed_options) == {reaches}
+        wan_converter_with_typed_options.clear()
     flags = [arg for key, value in options.items() for arg in ("--converter-option", f"{key}={value}".replace("False", "false"))]
     assert main(["inspect", str(path), "--model-config", str(config_dir), *flags]) == 0
     assert set(wan_converter_with_typed_options) == {reaches}
+
+
+def test_one_meaning_of_the_options_is_one_host_weight_cache_entry(tmp_path, wan_converter_with_typed_options):
+    """Converted once through the host weight cache: the same options however they are written
+    ("false", False, left to the default) map that entry without running diffusers' loader
+    again; other values convert anew."""
+    from dlo.host.cache.entry_store import EntryStore
+
+    model = TINY_MODELS["wan"].build(seed=2)
+    path, config_dir = write(tmp_path, "wan", model, wan_original)
+    config = dlo.OffloadConfig(
+        checkpoint_mmap=False, host_weight_cache=True, cache_dir=str(tmp_path / "cache"), cache_allow_any_filesystem=True
+    )
+    for options, converts in [
+        ({"swap_qk": "false", "times": "1"}, True), ({"swap_qk": False}, False), ({}, False), ({"swap_qk": " TRUE "}, True),
+        ({"swap_qk": True, "times": 1}, False),
+    ]:
+        dlo.load_transformer(path, config, model_config=config_dir, converter_options=options)
+        assert bool(wan_converter_with_typed_options) == converts, options
+        wan_converter_with_typed_options.clear()
+    assert len(EntryStore(config.cache_dir).keys()) == 2
 
 
 @pytest.mark.parametrize(

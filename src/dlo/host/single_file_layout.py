@@ -72,6 +72,8 @@ MARKER_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.floa
 # What a float8 layer's configuration may say besides its format: how ComfyUI runs its matmul
 # (dlo dequantizes the weight whatever it says). Anything else may change what the values mean.
 FLOAT8_SETTINGS = {"format", "full_precision_matrix_mult"}
+# Where ComfyUI's files name a diffusion model's layers (their keys or the header's table).
+COMFY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 MARKER_MAX_BYTES = 4096
 NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
 
@@ -266,7 +268,8 @@ def checked_converter_options(
     no such option (diffusers passes a converter only the options its signature names: a
     misspelt one would be dropped unread) or where the value is not of the type of the option's
     default; a string (a command line's) is read as that type ("false" as False: the string
-    "False" itself would be true)."""
+    "False" itself would be true). Options equal to their default are left out: the converter
+    takes its default (one meaning, one host weight cache entry)."""
     taken = _converter_options(model_cls)
     unknown = sorted(set(options) - set(taken))
     if unknown:
@@ -274,7 +277,8 @@ def checked_converter_options(
         raise ConfigError(
             f"{label} {unknown[0]!r}: diffusers' single-file converter for {model_cls.__name__} {takes}"
         )
-    return {key: _option_value(value, taken[key].default, f"{label} {key}={value!r}") for key, value in options.items()}
+    typed = {key: _option_value(value, taken[key].default, f"{label} {key}={value!r}") for key, value in options.items()}
+    return {key: value for key, value in typed.items() if value != taken[key].default}
 
 
 def _option_value(value: object, default: object, label: str) -> object:
@@ -328,29 +332,38 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     other than float8 (ComfyUI's int8, nvfp4, mxfp8...: its `comfy_quant` marker or the header's
     `_quantization_metadata` says so, or an integer weight lies beside a scale), a float8 format
     that is not its weight's dtype, a setting dlo does not know, or a marker and the header that
-    disagree."""
+    name two formats. Layers are matched with ComfyUI's key prefixes (`model.diffusion_model.`)
+    left out on both sides."""
     table = _metadata_layers(file)
     if table is None:
-        return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers)"
-    markers = {key[: -len(MARKER_SUFFIX)]: _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
+        return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers): re-save the file"
+    markers = {_unprefixed(key[: -len(MARKER_SUFFIX)]): _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
+    weights = {_unprefixed(_layer(key)): entry for key, entry in file.entries.items() if key.endswith(".weight")}
     for layer in sorted(set(table) | set(markers)):
         confs = [confs[layer] for confs in (markers, table) if layer in confs]
-        fmt = confs[0].get("format") if all(confs) else None
-        if not isinstance(fmt, str):
-            return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format)"
-        if len(confs) > 1 and confs[0] != confs[1]:
-            return f"{layer!r} is quantized as {confs[0]} (its comfy_quant) and as {confs[1]} (the header's _quantization_metadata)"
+        formats = [conf.get("format") if conf else None for conf in confs]
+        if not all(isinstance(fmt, str) for fmt in formats):
+            return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format): re-save the file"
+        fmt = formats[0]
+        if len(set(formats)) > 1:
+            return (
+                f"{layer!r} is quantized as {formats[0]!r} (its comfy_quant) and as {formats[1]!r} (the header's "
+                "_quantization_metadata): the file contradicts itself; re-save it"
+            )
         if fmt not in MARKER_FLOAT8:
             return (
                 f"{layer!r} is quantized as {fmt!r} (says the file): dlo reads float8 weights ({', '.join(MARKER_FLOAT8)}, "
                 "with or without scales), GGUF files and unquantized ones"
             )
-        unknown = sorted(set(confs[0]) - FLOAT8_SETTINGS)
+        unknown = sorted(set().union(*confs) - FLOAT8_SETTINGS)
         if unknown:
-            return f"{layer!r} is quantized as {fmt!r} with {unknown[0]!r} (says the file), which dlo does not know"
-        weight = file.entries.get(f"{layer}.weight")
+            return (
+                f"{layer!r} is quantized as {fmt!r} with {unknown[0]!r} (says the file), which dlo does not know: it "
+                "reads float8 weights as their values times their scale"
+            )
+        weight = weights.get(layer)
         if weight is not None and weight.dtype != MARKER_FLOAT8[fmt]:
-            return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight"
+            return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight: re-save the file"
     for key in file.entries:
         weight = file.entries.get(f"{_layer(key)}.weight")
         if key.endswith(SCALE_SUFFIXES) and weight is not None and not weight.dtype.is_floating_point:
@@ -361,6 +374,11 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     return None
 
 
+def _unprefixed(layer: str) -> str:
+    """`layer` without the prefix ComfyUI may put before a diffusion model's keys."""
+    return next((layer[len(prefix):] for prefix in COMFY_PREFIXES if layer.startswith(prefix)), layer)
+
+
 def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
     """Each layer's configuration in the header's `_quantization_metadata` (ComfyUI's; None
     where one is unreadable); None where that is no such table."""
@@ -369,7 +387,7 @@ def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
         return {}
     try:
         layers = json.loads(raw)["layers"]
-        return {str(layer): _conf(conf) for layer, conf in layers.items()}
+        return {_unprefixed(str(layer)): _conf(conf) for layer, conf in layers.items()}
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
 
