@@ -290,3 +290,26 @@ def test_activation_scales_and_format_markers_say_nothing_about_the_weights(tmp_
     assert_streams_like(plain, config_dir, state, inputs)
     model, plan = dlo.load_transformer(plain, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
     assert plan is None  # not refused as a float8 file: diffusers' loader takes it
+
+
+def test_dlo_inspect_says_how_a_files_float8_weights_are_scaled(tmp_path, capsys):
+    """From the header alone: per-tensor, per-row or no scale, and the tensors beside them no
+    model reads; no such line for a file without float8."""
+    from dlo.cli.main import main
+
+    def unscaled(stored):
+        for key in [k for k in stored if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]:
+            stored.pop(key)
+
+    cases = {
+        "per tensor": ({}, "8: 8 with a per-tensor scale; beside them 16 tensors no model reads (activation scales, format markers)"),
+        "per row": ({"quantize": per_row_fp8}, "8: 8 with a per-row scale; beside them 16"),
+        "none": ({"edit": unscaled}, "8: 8 with no scale\n"),
+    }
+    for case, (kwargs, says) in cases.items():
+        path, *_ = flux2_file(tmp_path / case, quantized=lambda key: key.startswith("double_blocks.0."), **kwargs)
+        assert main(["inspect", str(path)]) == 0
+        assert f"float8 weights:       {says}" in capsys.readouterr().out + "\n", case
+    path, *_ = flux2_file(tmp_path / "plain")
+    assert main(["inspect", str(path)]) == 0
+    assert "float8" not in capsys.readouterr().out

@@ -10,15 +10,18 @@ from pathlib import Path
 from dlo.cli.format import human_bytes, table
 from dlo.errors import ConfigError
 from dlo.host.gguf_file import read_gguf_index
-from dlo.host.safetensors_file import SAFETENSORS_DTYPE, read_entries
+from dlo.host.preflight import FLOAT8
+from dlo.host.safetensors_file import SAFETENSORS_DTYPE, TensorEntry, read_entries
+from dlo.host.single_file_layout import SCALE_SUFFIXES, ignored_key
 
 # "<list>.<index>." starts a block's tensor name: transformer_blocks.3.attn.to_q.weight
 _BLOCK = re.compile(r"^(?P<list>.+?)\.(?P<index>\d+)\.")
 FILE_SUFFIXES = (".gguf", ".safetensors")
 
 
-def _tensors(path: Path) -> list[tuple[str, str, int]]:
-    """(name, type, bytes) of every tensor of the file; a damaged header is a CheckpointError."""
+def _tensors(path: Path) -> tuple[list[tuple[str, str, int]], dict[str, TensorEntry]]:
+    """(name, type, bytes) of every tensor of the file, and a safetensors file's entries; a
+    damaged header is a CheckpointError."""
     if path.suffix == ".gguf":
         try:
             import gguf  # noqa: F401  (the index reader's quant tables)
@@ -26,10 +29,31 @@ def _tensors(path: Path) -> list[tuple[str, str, int]]:
             raise ConfigError(f"{path}: GGUF files need the [gguf] extra: pip install 'dlo[gguf]'") from None
     try:
         if path.suffix == ".gguf":
-            return [(t.name, t.quant, t.nbytes) for t in read_gguf_index(path).tensors.values()]
-        return [(e.key, SAFETENSORS_DTYPE[e.dtype], e.nbytes) for e in read_entries(path).values()]
+            return [(t.name, t.quant, t.nbytes) for t in read_gguf_index(path).tensors.values()], {}
+        entries = read_entries(path)
+        return [(e.key, SAFETENSORS_DTYPE[e.dtype], e.nbytes) for e in entries.values()], entries
     except OSError as err:
         raise ConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
+
+
+def _float8_weights(entries: dict[str, TensorEntry]) -> str | None:
+    """How the file's float8 weights are scaled, and what lies beside them that no model reads
+    (ComfyUI's activation scales and format markers); None without float8."""
+    float8 = [key for key, entry in entries.items() if entry.dtype in FLOAT8]
+    if not float8:
+        return None
+    kinds: Counter = Counter()
+    for key in float8:
+        layer = key.rsplit(".", 1)[0]
+        scales = [entries[layer + suffix] for suffix in SCALE_SUFFIXES if layer + suffix in entries]
+        rows = entries[key].shape[0] if entries[key].shape else 0
+        per_tensor = len(scales) == 1 and scales[0].shape in ((), (1,), (1, 1))
+        per_row = len(scales) == 1 and scales[0].shape in ((rows,), (rows, 1))
+        kinds["a per-tensor scale" if per_tensor else "a per-row scale" if per_row else "no scale" if not scales else
+              "other scales"] += 1
+    unread = sum(ignored_key(key) for key in entries)
+    beside = f"; beside them {unread} tensors no model reads (activation scales, format markers)" if unread else ""
+    return f"{len(float8)}: {', '.join(f'{n} with {kind}' for kind, n in kinds.most_common())}{beside}"
 
 
 def _types(counts: Counter) -> str:
@@ -52,7 +76,7 @@ def _block_lists(tensors: list[tuple[str, str, int]]) -> dict[str, list[list[tup
 
 
 def render_file(path: Path) -> str:
-    tensors = _tensors(path)
+    tensors, entries = _tensors(path)
     lists = _block_lists(tensors)
     rows = []
     for list_name, blocks in lists.items():
@@ -71,4 +95,7 @@ def render_file(path: Path) -> str:
         f"outside the blocks:   {human_bytes(sum(n for _, n in others))} ({_types(Counter(k for k, _ in others)) or 'none'})",
         f"tensor types:         {_types(Counter(kind for _, kind, _ in tensors))}",
     ]
+    float8 = _float8_weights(entries)
+    if float8 is not None:
+        lines.append(f"float8 weights:       {float8}")
     return "\n".join(lines)
