@@ -11,8 +11,8 @@ from dlo.cli.format import human_bytes, table
 from dlo.errors import ConfigError
 from dlo.host.gguf_file import read_gguf_index
 from dlo.host.preflight import FLOAT8
+from dlo.host.quantized_layers import SCALE_SUFFIXES, ignored_key, layer_of
 from dlo.host.safetensors_file import SAFETENSORS_DTYPE, TensorEntry, read_entries
-from dlo.host.single_file_layout import SCALE_SUFFIXES, ignored_key
 
 # "<list>.<index>." starts a block's tensor name: transformer_blocks.3.attn.to_q.weight
 _BLOCK = re.compile(r"^(?P<list>.+?)\.(?P<index>\d+)\.")
@@ -44,7 +44,7 @@ def _float8_weights(entries: dict[str, TensorEntry]) -> str | None:
         return None
     kinds: Counter = Counter()
     for key in float8:
-        layer = key.rsplit(".", 1)[0]
+        layer = layer_of(key)
         scales = [entries[layer + suffix] for suffix in SCALE_SUFFIXES if layer + suffix in entries]
         rows = entries[key].shape[0] if entries[key].shape else 0
         per_tensor = len(scales) == 1 and scales[0].shape in ((), (1,), (1, 1))

@@ -42,7 +42,6 @@ run of the converter, and one it does not take is refused (diffusers would drop 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import tempfile
 from collections.abc import Mapping
@@ -55,26 +54,9 @@ from torch.utils._pytree import tree_leaves
 
 from dlo.errors import ConfigError
 from dlo.host.preflight import FLOAT8
+from dlo.host.quantized_layers import SCALE_SUFFIXES, ignored_key, layer_of, unscaled_float8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
-# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI's first format) or
-# <layer>.weight_scale (its current one, ModelOpt's), beside <layer>.weight.
-SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
-# A layer's quantization format in ComfyUI's current files: UTF-8 JSON bytes ({"format": ...}).
-MARKER_SUFFIX = ".comfy_quant"
-# What ComfyUI's quantized files hold beside the weights and a diffusers model does not read: the
-# format markers (the file's `scaled_fp8`, under its key prefix; each layer's `comfy_quant`) and
-# the activations' scales of its fp8 matmuls (dlo dequantizes the weights; activations stay as
-# they are, as in diffusers' model of the dequantized weights).
-IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input", ".input_scale", MARKER_SUFFIX)
-# The formats of ComfyUI's markers dlo reads: float8 weights, whose dtype the format must be.
-MARKER_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-# What a float8 layer's configuration may say besides its format: how ComfyUI runs its matmul
-# (dlo dequantizes the weight whatever it says). Anything else may change what the values mean.
-FLOAT8_SETTINGS = {"format", "full_precision_matrix_mult"}
-# Where ComfyUI's files name a diffusion model's layers (their keys or the header's table).
-COMFY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-MARKER_MAX_BYTES = 4096
 NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
 
 
@@ -104,7 +86,7 @@ def converted_layout(
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
     unscaled_file = unscaled_float8(kept)  # each float8 weight read whole is given a scale of 1
     if model_keys == {key for key in kept if not key.endswith(SCALE_SUFFIXES)}:  # diffusers' layout already
-        unit = [f"{_layer(k)}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
+        unit = [f"{layer_of(k)}{SCALE_SUFFIXES[0]}" for k, e in kept.items() if unscaled_file and e.dtype in FLOAT8]
         return ConvertedLayout(dict(kept), {}, {}, unit_scales=unit)
     inputs = converter_inputs(file)
     # Outside inference mode: views of inference tensors have no `_base` to follow.
@@ -147,7 +129,7 @@ def converted_layout(
                 layout.moved_float8[name] = (float8_keys[0], None)
             else:
                 entries[name] = TensorEntry(name, tensor.dtype, tuple(tensor.shape), where.begin, where.begin + _nbytes(tensor))
-            layout.unit_scales.append(f"{_layer(name)}{SCALE_SUFFIXES[0]}")
+            layout.unit_scales.append(f"{layer_of(name)}{SCALE_SUFFIXES[0]}")
             continue
         if float8_keys and not (per_tensor or whole_rows or row_scales) or len(made_from) > 1 and float8_keys or retyped:
             unscaled = [key for key in float8_keys if _scale_key(kept, key) is None and not unscaled_file]
@@ -302,114 +284,13 @@ def _option_value(value: object, default: object, label: str) -> object:
     raise ConfigError(f"{label}: the converter takes {want} there (its default is {default!r})")
 
 
-def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
-    """Whether `entries` (a file's, the keys no model reads aside: activation scales too, which
-    do not change what a weight's values mean) hold float8 weights with no scale at all: the
-    values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so where
-    anything else named like a scale lies beside a float8 weight (`weight_scale_inv`...): scales
-    dlo does not read, which diffusers' loader would drop."""
-    float8_layers = {_layer(key) for key, entry in entries.items() if entry.dtype in FLOAT8}
-    scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and _layer(key) in float8_layers]
-    return bool(float8_layers) and not scales
-
-
-def ignored_key(key: str) -> bool:
-    """A key of a ComfyUI quantized file no diffusers model reads."""
-    return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
-
-
 def converter_inputs(file: SafetensorsFile) -> dict[str, TensorEntry]:
     """What diffusers' converter is given of `file`: its tensors but the keys no model reads and
     the scales beside its float8 weights (dlo gives each scale to the tensors made of its weight:
     See [Note: single files through diffusers' converter])."""
     kept = {key: entry for key, entry in file.entries.items() if not ignored_key(key)}
-    float8_layers = {_layer(key) for key, entry in kept.items() if entry.dtype in FLOAT8}
-    return {key: entry for key, entry in kept.items() if not (key.endswith(SCALE_SUFFIXES) and _layer(key) in float8_layers)}
-
-
-def quantization_problem(file: SafetensorsFile) -> str | None:
-    """Why `file` holds a layer quantized in a way dlo cannot read exactly, or None: a format
-    other than float8 (ComfyUI's int8, nvfp4, mxfp8...: its `comfy_quant` marker or the header's
-    `_quantization_metadata` says so, or an integer weight lies beside a scale), a float8 format
-    that is not its weight's dtype, a setting dlo does not know, or a marker and the header that
-    name two formats. Layers are matched with ComfyUI's key prefixes (`model.diffusion_model.`)
-    left out on both sides."""
-    table = _metadata_layers(file)
-    if table is None:
-        return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers): re-save the file"
-    markers = {_unprefixed(key[: -len(MARKER_SUFFIX)]): _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
-    weights = {_unprefixed(_layer(key)): entry for key, entry in file.entries.items() if key.endswith(".weight")}
-    for layer in sorted(set(table) | set(markers)):
-        confs = [confs[layer] for confs in (markers, table) if layer in confs]
-        formats = [conf.get("format") if conf else None for conf in confs]
-        if not all(isinstance(fmt, str) for fmt in formats):
-            return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format): re-save the file"
-        fmt = formats[0]
-        if len(set(formats)) > 1:
-            return (
-                f"{layer!r} is quantized as {formats[0]!r} (its comfy_quant) and as {formats[1]!r} (the header's "
-                "_quantization_metadata): the file contradicts itself; re-save it"
-            )
-        if fmt not in MARKER_FLOAT8:
-            return (
-                f"{layer!r} is quantized as {fmt!r} (says the file): dlo reads float8 weights ({', '.join(MARKER_FLOAT8)}, "
-                "with or without scales), GGUF files and unquantized ones"
-            )
-        unknown = sorted(set().union(*confs) - FLOAT8_SETTINGS)
-        if unknown:
-            return (
-                f"{layer!r} is quantized as {fmt!r} with {unknown[0]!r} (says the file), which dlo does not know: it "
-                "reads float8 weights as their values times their scale"
-            )
-        weight = weights.get(layer)
-        if weight is not None and weight.dtype != MARKER_FLOAT8[fmt]:
-            return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight: re-save the file"
-    for key in file.entries:
-        weight = file.entries.get(f"{_layer(key)}.weight")
-        if key.endswith(SCALE_SUFFIXES) and weight is not None and not weight.dtype.is_floating_point:
-            return (
-                f"'{_layer(key)}.weight' holds {weight.dtype} values beside a scale (an integer-quantized layer): dlo "
-                "reads float8 weights, GGUF files and unquantized ones"
-            )
-    return None
-
-
-def _unprefixed(layer: str) -> str:
-    """`layer` without the prefix ComfyUI may put before a diffusion model's keys."""
-    return next((layer[len(prefix):] for prefix in COMFY_PREFIXES if layer.startswith(prefix)), layer)
-
-
-def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
-    """Each layer's configuration in the header's `_quantization_metadata` (ComfyUI's; None
-    where one is unreadable); None where that is no such table."""
-    raw = (file.metadata or {}).get("_quantization_metadata")
-    if raw is None:
-        return {}
-    try:
-        layers = json.loads(raw)["layers"]
-        return {_unprefixed(str(layer)): _conf(conf) for layer, conf in layers.items()}
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        return None
-
-
-def _marker_conf(file: SafetensorsFile, key: str) -> dict | None:
-    """A layer's configuration in its `comfy_quant` marker, or None where it is no such marker."""
-    entry = file.entries[key]
-    if entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes > MARKER_MAX_BYTES:
-        return None
-    try:
-        return _conf(json.loads(file.view(key).numpy().tobytes().decode("utf-8")))
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return None
-
-
-def _conf(value: object) -> dict | None:
-    """A layer's quantization configuration: a table, or its format alone."""
-    return value if isinstance(value, dict) else {"format": value} if isinstance(value, str) else None
-
-
-def _layer(key: str) -> str:
-    return key.rsplit(".", 1)[0]
+    float8_layers = {layer_of(key) for key, entry in kept.items() if entry.dtype in FLOAT8}
+    return {key: entry for key, entry in kept.items() if not (key.endswith(SCALE_SUFFIXES) and layer_of(key) in float8_layers)}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -419,7 +300,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _scale_name(name: str, weight_key: str, scale_key: str) -> str:
     """Where the scale `scale_key` of the file's weight `weight_key` goes beside its converted
     tensor `name`: the same suffix after the converted layer's name."""
-    return _layer(name) + scale_key[len(_layer(weight_key)):]
+    return layer_of(name) + scale_key[len(layer_of(weight_key)):]
 
 
 def _scale_problem(kept: dict, converted: Mapping, scaled: Mapping[str, str], name: str, weight_key: str, scale_key: str) -> str | None:
@@ -427,7 +308,7 @@ def _scale_problem(kept: dict, converted: Mapping, scaled: Mapping[str, str], na
     float8 values, from `weight_key`): the file keeps two scales for the weight, or the converter
     made another tensor of that name, or another weight's scale goes there (`scaled`: the scales
     given so far, by name). None when it can."""
-    layer = _layer(weight_key)
+    layer = layer_of(weight_key)
     named = _scale_name(name, weight_key, scale_key)
     if sum(layer + suffix in kept for suffix in SCALE_SUFFIXES) > 1:
         return f"{weight_key!r} has two scales beside it ({' and '.join(layer + s for s in SCALE_SUFFIXES)})"
@@ -454,7 +335,7 @@ def _row_scales(weight: TensorEntry, scale: TensorEntry, where: _Range, shape: t
 
 def _scale_key(kept: dict, weight_key: str) -> str | None:
     """The key of the scale the file keeps beside the weight `weight_key`, if any."""
-    layer = _layer(weight_key)
+    layer = layer_of(weight_key)
     return next((layer + suffix for suffix in SCALE_SUFFIXES if layer + suffix in kept), None)
 
 

@@ -1,0 +1,136 @@
+"""How quantized single files describe their float8 layers: where a weight's scale lies, what
+ComfyUI's files keep beside it that no diffusers model reads (activation scales, format markers),
+and the descriptions of each layer's format (a `comfy_quant` marker, the header's
+`_quantization_metadata`), which dlo reads only to refuse a layer it cannot read exactly. See
+[Note: single files through diffusers' converter] in dlo.host.single_file_layout."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import torch
+
+from dlo.host.preflight import FLOAT8
+from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
+
+# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI's first format) or
+# <layer>.weight_scale (its current one, ModelOpt's), beside <layer>.weight.
+SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
+# A layer's quantization format in ComfyUI's current files: UTF-8 JSON bytes ({"format": ...}).
+MARKER_SUFFIX = ".comfy_quant"
+# What ComfyUI's quantized files hold beside the weights and a diffusers model does not read: the
+# format markers (the file's `scaled_fp8`, under its key prefix; each layer's `comfy_quant`) and
+# the activations' scales of its fp8 matmuls (dlo dequantizes the weights; activations stay as
+# they are, as in diffusers' model of the dequantized weights).
+IGNORED_SUFFIXES = (".scaled_fp8", ".scale_input", ".input_scale", MARKER_SUFFIX)
+# The formats of ComfyUI's markers dlo reads: float8 weights, whose dtype the format must be.
+MARKER_FLOAT8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# What a float8 layer's configuration may say besides its format: how ComfyUI runs its matmul
+# (dlo dequantizes the weight whatever it says). Anything else may change what the values mean.
+FLOAT8_SETTINGS = {"format", "full_precision_matrix_mult"}
+# Where ComfyUI's files name a diffusion model's layers (their keys or the header's table).
+COMFY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+MARKER_MAX_BYTES = 4096
+
+
+def layer_of(key: str) -> str:
+    """The layer a key of a weight, its scale or its marker belongs to: all but the last name."""
+    return key.rsplit(".", 1)[0]
+
+
+def ignored_key(key: str) -> bool:
+    """A key of a ComfyUI quantized file no diffusers model reads."""
+    return key == "scaled_fp8" or key.endswith(IGNORED_SUFFIXES)
+
+
+def unscaled_float8(entries: Mapping[str, TensorEntry]) -> bool:
+    """Whether `entries` (a file's, the keys no model reads aside: activation scales too, which
+    do not change what a weight's values mean) hold float8 weights with no scale at all: the
+    values as they are (e4m3fn checkpoints), which diffusers' loader casts exactly. Not so where
+    anything else named like a scale lies beside a float8 weight (`weight_scale_inv`...): scales
+    dlo does not read, which diffusers' loader would drop."""
+    float8_layers = {layer_of(key) for key, entry in entries.items() if entry.dtype in FLOAT8}
+    scales = [key for key in entries if "scale" in key.rsplit(".", 1)[-1] and layer_of(key) in float8_layers]
+    return bool(float8_layers) and not scales
+
+
+def quantization_problem(file: SafetensorsFile) -> str | None:
+    """Why `file` holds a layer quantized in a way dlo cannot read exactly, or None: a format
+    other than float8 (ComfyUI's int8, nvfp4, mxfp8...: its `comfy_quant` marker or the header's
+    `_quantization_metadata` says so, or an integer weight lies beside a scale), a float8 format
+    that is not its weight's dtype, a setting dlo does not know, or a marker and the header that
+    name two formats. Layers are matched with ComfyUI's key prefixes (`model.diffusion_model.`)
+    left out on both sides."""
+    table = _metadata_layers(file)
+    if table is None:
+        return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers): re-save the file"
+    markers = {_unprefixed(key[: -len(MARKER_SUFFIX)]): _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
+    weights = {_unprefixed(layer_of(key)): entry for key, entry in file.entries.items() if key.endswith(".weight")}
+    for layer in sorted(set(table) | set(markers)):
+        confs = [confs[layer] for confs in (markers, table) if layer in confs]
+        formats = [conf.get("format") if conf else None for conf in confs]
+        if not all(isinstance(fmt, str) for fmt in formats):
+            return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format): re-save the file"
+        fmt = formats[0]
+        if len(set(formats)) > 1:
+            return (
+                f"{layer!r} is quantized as {formats[0]!r} (its comfy_quant) and as {formats[1]!r} (the header's "
+                "_quantization_metadata): the file contradicts itself; re-save it"
+            )
+        if fmt not in MARKER_FLOAT8:
+            return (
+                f"{layer!r} is quantized as {fmt!r} (says the file): dlo reads float8 weights ({', '.join(MARKER_FLOAT8)}, "
+                "with or without scales), GGUF files and unquantized ones"
+            )
+        unknown = sorted(set().union(*confs) - FLOAT8_SETTINGS)
+        if unknown:
+            return (
+                f"{layer!r} is quantized as {fmt!r} with {unknown[0]!r} (says the file), which dlo does not know: it "
+                "reads float8 weights as their values times their scale"
+            )
+        weight = weights.get(layer)
+        if weight is not None and weight.dtype != MARKER_FLOAT8[fmt]:
+            return f"{layer!r} is quantized as {fmt!r} (says the file) but has a {weight.dtype} weight: re-save the file"
+    for key in file.entries:
+        weight = file.entries.get(f"{layer_of(key)}.weight")
+        if key.endswith(SCALE_SUFFIXES) and weight is not None and not weight.dtype.is_floating_point:
+            return (
+                f"'{layer_of(key)}.weight' holds {weight.dtype} values beside a scale (an integer-quantized layer): dlo "
+                "reads float8 weights, GGUF files and unquantized ones"
+            )
+    return None
+
+
+def _unprefixed(layer: str) -> str:
+    """`layer` without the prefix ComfyUI may put before a diffusion model's keys."""
+    return next((layer[len(prefix):] for prefix in COMFY_PREFIXES if layer.startswith(prefix)), layer)
+
+
+def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
+    """Each layer's configuration in the header's `_quantization_metadata` (ComfyUI's; None
+    where one is unreadable); None where that is no such table."""
+    raw = (file.metadata or {}).get("_quantization_metadata")
+    if raw is None:
+        return {}
+    try:
+        layers = json.loads(raw)["layers"]
+        return {_unprefixed(str(layer)): _conf(conf) for layer, conf in layers.items()}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
+def _marker_conf(file: SafetensorsFile, key: str) -> dict | None:
+    """A layer's configuration in its `comfy_quant` marker, or None where it is no such marker."""
+    entry = file.entries[key]
+    if entry.dtype != torch.uint8 or len(entry.shape) != 1 or entry.nbytes > MARKER_MAX_BYTES:
+        return None
+    try:
+        return _conf(json.loads(file.view(key).numpy().tobytes().decode("utf-8")))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+
+
+def _conf(value: object) -> dict | None:
+    """A layer's quantization configuration: a table, or its format alone."""
+    return value if isinstance(value, dict) else {"format": value} if isinstance(value, str) else None
