@@ -409,3 +409,14 @@ def test_a_value_not_of_the_type_of_the_options_default_is_refused_before_the_co
         dlo.load_transformer(path, model_config=config_dir, converter_options=options)
     assert str(refused.value) == says
     assert wan_converter_with_typed_options == []
+
+
+def test_a_value_of_another_type_than_a_string_default_reaches_the_converter_and_is_one_line(tmp_path):
+    """Only a value of the default's own type equal to it is left out: another (an array, whose
+    comparison has no truth value) reaches the converter, whose refusal is one line."""
+    import numpy as np
+
+    _, path, config_dir = minimax_file(tmp_path, "stacked")
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir, converter_options={"qkv_layout": np.array([1, 2])})
+    assert "\n" not in str(refused.value) and "diffusers' single-file converter for MiniMaxH3Transformer3DModel cannot read it" in str(refused.value)

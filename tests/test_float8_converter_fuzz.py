@@ -15,7 +15,7 @@ from test_single_file_mapping import patched_wan_converter, per_row_fp8, referen
 
 diffusers = pytest.importorskip("diffusers")
 
-WEIGHTS = [f"blocks.0.attn1.{name}.weight" for name in ("to_q", "to_k", "to_v", "to_out.0")]  # all (dim, dim)
+WEIGHTS = [f"blocks.0.{attn}.{name}.weight" for attn in ("attn1", "attn2") for name in ("to_q", "to_k", "to_v", "to_out.0")]  # (dim, dim)
 FFN = "blocks.0.ffn.net.0.proj.weight"  # (2 dim, dim)
 
 
@@ -67,10 +67,20 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["per tensor", "per row"])
-def test_random_converters_load_float8_weights_exactly_or_refuse_them(tmp_path, monkeypatch, per_row):
+def per_row_bf16(weight):
+    """Per-row scales stored in bfloat16 (the values dequantized with them as stored)."""
+    data, scale, _ = per_row_fp8(weight)
+    scale = scale.to(torch.bfloat16).reshape(-1)
+    return data, scale, (data.float() * scale.float()[:, None]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("per_row", "quantize"), [(False, scaled_fp8), (True, per_row_fp8), (True, per_row_bf16)],
+    ids=["per tensor", "per row", "per row bf16 [rows]"],
+)
+def test_random_converters_load_float8_weights_exactly_or_refuse_them(tmp_path, monkeypatch, per_row, quantize):
     rng = random.Random(1 + per_row)
-    path, config_dir, dequantized, _ = wan_scaled_fp8_file(tmp_path, quantize=per_row_fp8 if per_row else scaled_fp8)
+    path, config_dir, dequantized, _ = wan_scaled_fp8_file(tmp_path, quantize=quantize)
     outcomes = {"loaded": 0, "refused": 0}
     for trial in range(24):
         steps = [(rng.choice(list(OPS)), *rng.sample(WEIGHTS, 2)) for _ in range(rng.randint(1, 3))]
@@ -81,7 +91,7 @@ def test_random_converters_load_float8_weights_exactly_or_refuse_them(tmp_path, 
             _, plan = dlo.load_transformer(path, model_config=config_dir)
         except dlo.ConfigError as refused:
             assert not must_load, (steps, str(refused))
-            assert "\n" not in str(refused)
+            assert "\n" not in str(refused) and f"{path} holds float8 weights" in str(refused), str(refused)
             outcomes["refused"] += 1
             continue
         expected = reference(dict(dequantized), config_dir, diffusers.WanTransformer3DModel, torch.bfloat16)  # it pops keys

@@ -161,6 +161,27 @@ REFUSED = {
         {"_quantization_metadata": json.dumps({"layers": {"model.diffusion_model.double_blocks.0.img_mlp.0": "float8_e5m2"}})},
         "'double_blocks.0.img_mlp.0' is quantized as 'float8_e5m2' (says the file) but has a torch.float8_e4m3fn weight",
     ),
+    "a prefixed marker naming another float8 than its prefixed weight": (
+        lambda s: s.update({
+            "model.diffusion_model.double_blocks.0.img_mlp.0.comfy_quant": marker("float8_e5m2"),
+            "model.diffusion_model.double_blocks.0.img_mlp.0.weight": s.pop("double_blocks.0.img_mlp.0.weight"),
+        }) or s.pop("double_blocks.0.img_mlp.0.comfy_quant"), None,
+        "'double_blocks.0.img_mlp.0' is quantized as 'float8_e5m2' (says the file) but has a torch.float8_e4m3fn weight",
+    ),
+    "a prefixed marker against the table": (
+        lambda s: s.update({"model.diffusion_model.double_blocks.0.img_mlp.0.comfy_quant": s.pop("double_blocks.0.img_mlp.0.comfy_quant")}),
+        {"_quantization_metadata": json.dumps({"layers": {"double_blocks.0.img_mlp.0": "nvfp4"}})},
+        "'double_blocks.0.img_mlp.0' is quantized as 'float8_e4m3fn' (its comfy_quant) and as 'nvfp4'",
+    ),
+    "a setting in the table only": (
+        lambda s: s.update({"double_blocks.0.img_mlp.0.comfy_quant": marker("float8_e4m3fn")}),
+        {"_quantization_metadata": json.dumps({"layers": {"double_blocks.0.img_mlp.0": {"format": "float8_e4m3fn", "convrot": 1}}})},
+        "'double_blocks.0.img_mlp.0' is quantized as 'float8_e4m3fn' with 'convrot' (says the file)",
+    ),
+    "a layer described with and without the prefix": (
+        lambda s: s.update({"model.diffusion_model.double_blocks.0.img_mlp.0.comfy_quant": marker("nvfp4")}), None,
+        "the file names the layer 'double_blocks.0.img_mlp.0' twice, with and without a prefix",
+    ),
     "metadata not JSON": (
         lambda s: None, {"_quantization_metadata": "{layers"}, "the header's _quantization_metadata is unreadable",
     ),
@@ -301,10 +322,25 @@ def test_dlo_inspect_says_how_a_files_float8_weights_are_scaled(tmp_path, capsys
         for key in [k for k in stored if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]:
             stored.pop(key)
 
+    def first_format(stored):
+        for key in [k for k in stored if k.endswith((".weight_scale", ".input_scale", ".comfy_quant"))]:
+            value = stored.pop(key)
+            if key.endswith(".weight_scale"):
+                stored[key.replace(".weight_scale", ".scale_weight")] = value
+        stored["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+
+    def block_scales(stored):  # one scale per 16 values of a row
+        weight = stored["double_blocks.0.img_mlp.0.weight"]
+        stored["double_blocks.0.img_mlp.0.weight_scale"] = torch.ones(weight.shape[0], weight.shape[1] // 16)
+
     cases = {
         "per tensor": ({}, "8: 8 with a per-tensor scale; beside them 16 tensors no model reads (activation scales, format markers)"),
         "per row": ({"quantize": per_row_fp8}, "8: 8 with a per-row scale; beside them 16"),
         "none": ({"edit": unscaled}, "8: 8 with no scale\n"),
+        "comfyui's first format": (  # scale_weight beside each, one empty float8 `scaled_fp8` marker for the file
+            {"edit": first_format}, "8: 8 with a per-tensor scale; beside them 1 tensor no model reads"
+        ),
+        "scales of another shape": ({"edit": block_scales}, "8: 7 with a per-tensor scale, 1 with scales dlo does not read;"),
     }
     for case, (kwargs, says) in cases.items():
         path, *_ = flux2_file(tmp_path / case, quantized=lambda key: key.startswith("double_blocks.0."), **kwargs)

@@ -10,8 +10,7 @@ from pathlib import Path
 from dlo.cli.format import human_bytes, table
 from dlo.errors import ConfigError
 from dlo.host.gguf_file import read_gguf_index
-from dlo.host.preflight import FLOAT8
-from dlo.host.quantized_layers import SCALE_SUFFIXES, ignored_key, layer_of
+from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, ignored_key, layer_of, scale_layout
 from dlo.host.safetensors_file import SAFETENSORS_DTYPE, TensorEntry, read_entries
 
 # "<list>.<index>." starts a block's tensor name: transformer_blocks.3.attn.to_q.weight
@@ -38,22 +37,20 @@ def _tensors(path: Path) -> tuple[list[tuple[str, str, int]], dict[str, TensorEn
 
 def _float8_weights(entries: dict[str, TensorEntry]) -> str | None:
     """How the file's float8 weights are scaled, and what lies beside them that no model reads
-    (ComfyUI's activation scales and format markers); None without float8."""
-    float8 = [key for key, entry in entries.items() if entry.dtype in FLOAT8]
-    if not float8:
+    (ComfyUI's activation scales and format markers); None without float8 weights."""
+    weights = [key for key, entry in entries.items() if entry.dtype in FLOAT8 and key.endswith(".weight")]
+    if not weights:
         return None
     kinds: Counter = Counter()
-    for key in float8:
-        layer = layer_of(key)
-        scales = [entries[layer + suffix] for suffix in SCALE_SUFFIXES if layer + suffix in entries]
+    for key in weights:
+        scales = [entries[layer_of(key) + suffix] for suffix in SCALE_SUFFIXES if layer_of(key) + suffix in entries]
         rows = entries[key].shape[0] if entries[key].shape else 0
-        per_tensor = len(scales) == 1 and scales[0].shape in ((), (1,), (1, 1))
-        per_row = len(scales) == 1 and scales[0].shape in ((rows,), (rows, 1))
-        kinds["a per-tensor scale" if per_tensor else "a per-row scale" if per_row else "no scale" if not scales else
-              "other scales"] += 1
+        layout = scale_layout(rows, scales[0].shape) if len(scales) == 1 else None
+        kinds[f"a {layout.replace(' ', '-')} scale" if layout else "no scale" if not scales else "scales dlo does not read"] += 1
     unread = sum(ignored_key(key) for key in entries)
-    beside = f"; beside them {unread} tensors no model reads (activation scales, format markers)" if unread else ""
-    return f"{len(float8)}: {', '.join(f'{n} with {kind}' for kind, n in kinds.most_common())}{beside}"
+    plural = "s" if unread > 1 else ""
+    beside = f"; beside them {unread} tensor{plural} no model reads (activation scales, format markers)" if unread else ""
+    return f"{len(weights)}: {', '.join(f'{n} with {kind}' for kind, n in kinds.most_common())}{beside}"
 
 
 def _types(counts: Counter) -> str:

@@ -16,14 +16,8 @@ from dlo.host.cache.consume import directory_recipe, load_through_cache
 from dlo.host.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint, find_transformer_dir, read_model_config, read_weight_map
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.host.model_build import model_class, ordinary_load, runtime_dtype_rule, skeleton
-from dlo.host.preflight import (
-    FLOAT8,
-    CheckpointSources,
-    Fallback,
-    MappedLoad,
-    mapped_load,
-    topology_fallback,
-)
+from dlo.host.preflight import CheckpointSources, Fallback, MappedLoad, mapped_load, topology_fallback
+from dlo.host.quantized_layers import FLOAT8
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind, read_entries
 from dlo.host.single_file_load import (
     GGUF_SUFFIX,

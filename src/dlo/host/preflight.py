@@ -15,16 +15,13 @@ from torch import nn
 
 from dlo.config import Topology
 from dlo.host.checkpoint import Checkpoint
+from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, scale_layout
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.planning.offload_plan import OffloadPlan
 from dlo.planning.tensor_walk import owned_tensors
 from dlo.planning.wire_layout import Fp8Format
 
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Where scaled-float8 checkpoints keep a weight's scales: `<layer>.weight_scale` (ModelOpt,
-# compressed-tensors), `<layer>.scale_weight` (ComfyUI's scaled fp8 files).
-SCALE_SUFFIXES = ("weight_scale", "scale_weight")
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32, which dequantizing uses
 
 FALLBACK_CODES = (
@@ -167,7 +164,7 @@ def _quantized_source(
             checkpoint, keys[0], f"{data.dtype} {list(data.shape)} for {name!r} {list(tensor.shape)}: dlo reads "
             "float8 only as the 2-D weight of a Linear layer, with scales"
         )
-    stem = name[: -len("weight")]
+    stem = name[: -len(".weight")]
     found = [f"{stem}{suffix}" for suffix in SCALE_SUFFIXES if f"{stem}{suffix}" in checkpoint.tensors]
     if len(found) != 1:
         looked = " or ".join(repr(f"{stem}{suffix}") for suffix in SCALE_SUFFIXES)
@@ -177,11 +174,8 @@ def _quantized_source(
     rows = data.shape[0]
     if scale.dtype not in SCALE_DTYPES:
         raise _fp8_refusal(checkpoint, found[0], f"scales must be fp32, bf16 or fp16, found {scale.dtype}")
-    if scale.shape in ((), (1,), (1, 1)):
-        per_channel = False
-    elif scale.shape in ((rows,), (rows, 1)):
-        per_channel = True
-    else:
+    layout = scale_layout(rows, scale.shape)
+    if layout is None:
         raise _fp8_refusal(
             checkpoint, found[0], f"scales of shape {list(scale.shape)} for a weight of {rows} rows: dlo reads one "
             f"scale per weight ([] or [1]) or per output row ([{rows}] or [{rows}, 1])"
@@ -189,7 +183,7 @@ def _quantized_source(
     # Computed in the dtype the weight would have unquantized: the checkpoint's other floats'
     # (or torch_dtype).
     dtype = runtime_dtype(name, unquantized_dtype)
-    return QuantizedSource(keys[0], found[0], tuple(tensor.shape), dtype, Fp8Format(data.dtype, per_channel))
+    return QuantizedSource(keys[0], found[0], tuple(tensor.shape), dtype, Fp8Format(data.dtype, layout == "per row"))
 
 
 def _source_for(

@@ -11,12 +11,13 @@ from collections.abc import Mapping
 
 import torch
 
-from dlo.host.preflight import FLOAT8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
-# Where scaled-float8 files keep a weight's scale: <layer>.scale_weight (ComfyUI's first format) or
-# <layer>.weight_scale (its current one, ModelOpt's), beside <layer>.weight.
-SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Where scaled-float8 checkpoints keep a weight's scale, beside <layer>.weight: <layer>.weight_scale
+# (ModelOpt, compressed-tensors, ComfyUI's current files) or <layer>.scale_weight (ComfyUI's first
+# format).
+SCALE_SUFFIXES = (".weight_scale", ".scale_weight")
 # A layer's quantization format in ComfyUI's current files: UTF-8 JSON bytes ({"format": ...}).
 MARKER_SUFFIX = ".comfy_quant"
 # What ComfyUI's quantized files hold beside the weights and a diffusers model does not read: the
@@ -37,6 +38,14 @@ MARKER_MAX_BYTES = 4096
 def layer_of(key: str) -> str:
     """The layer a key of a weight, its scale or its marker belongs to: all but the last name."""
     return key.rsplit(".", 1)[0]
+
+
+def scale_layout(rows: int, scale_shape: tuple[int, ...]) -> str | None:
+    """"per tensor" or "per row" for a scale of `scale_shape` beside a weight of `rows` rows;
+    None for any other shape (which dlo does not read)."""
+    if scale_shape in ((), (1,), (1, 1)):
+        return "per tensor"
+    return "per row" if scale_shape in ((rows,), (rows, 1)) else None
 
 
 def ignored_key(key: str) -> bool:
@@ -65,9 +74,15 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     table = _metadata_layers(file)
     if table is None:
         return "the header's _quantization_metadata is unreadable (ComfyUI writes JSON with a table of layers): re-save the file"
-    markers = {_unprefixed(key[: -len(MARKER_SUFFIX)]): _marker_conf(file, key) for key in file.entries if key.endswith(MARKER_SUFFIX)}
-    weights = {_unprefixed(layer_of(key)): entry for key, entry in file.entries.items() if key.endswith(".weight")}
-    for layer in sorted(set(table) | set(markers)):
+    markers = _by_layer((key[: -len(MARKER_SUFFIX)], key) for key in file.entries if key.endswith(MARKER_SUFFIX))
+    weights = _by_layer((layer_of(key), key) for key in file.entries if key.endswith(".weight"))
+    described = set(table) | set(markers)
+    twice = next((layer for found in (table, markers, weights) for layer in described if isinstance(found.get(layer), list)), None)
+    if twice is not None:
+        return f"the file names the layer {twice!r} twice, with and without a prefix ({COMFY_PREFIXES[0]}...): re-save it"
+    markers = {layer: _marker_conf(file, key) for layer, key in markers.items()}
+    weights = {layer: file.entries[key] for layer, key in weights.items() if layer in described}
+    for layer in sorted(described):
         confs = [confs[layer] for confs in (markers, table) if layer in confs]
         formats = [conf.get("format") if conf else None for conf in confs]
         if not all(isinstance(fmt, str) for fmt in formats):
@@ -102,6 +117,16 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     return None
 
 
+def _by_layer(named) -> dict:
+    """(layer, value) pairs by their layer without ComfyUI's prefix; a layer named twice (with
+    and without the prefix) holds a list of its values."""
+    found: dict = {}
+    for layer, value in named:
+        layer = _unprefixed(layer)
+        found[layer] = [found[layer], value] if layer in found else value
+    return found
+
+
 def _unprefixed(layer: str) -> str:
     """`layer` without the prefix ComfyUI may put before a diffusion model's keys."""
     return next((layer[len(prefix):] for prefix in COMFY_PREFIXES if layer.startswith(prefix)), layer)
@@ -109,13 +134,13 @@ def _unprefixed(layer: str) -> str:
 
 def _metadata_layers(file: SafetensorsFile) -> dict[str, dict | None] | None:
     """Each layer's configuration in the header's `_quantization_metadata` (ComfyUI's; None
-    where one is unreadable); None where that is no such table."""
+    where one is unreadable): empty without that table, None where it is unreadable."""
     raw = (file.metadata or {}).get("_quantization_metadata")
     if raw is None:
         return {}
     try:
         layers = json.loads(raw)["layers"]
-        return {_unprefixed(str(layer)): _conf(conf) for layer, conf in layers.items()}
+        return _by_layer((str(layer), _conf(conf)) for layer, conf in layers.items())
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
 

@@ -53,8 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dlo.errors import ConfigError
-from dlo.host.preflight import FLOAT8
-from dlo.host.quantized_layers import SCALE_SUFFIXES, ignored_key, layer_of, unscaled_float8
+from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, ignored_key, layer_of, unscaled_float8
 from dlo.host.safetensors_file import SafetensorsFile, TensorEntry
 
 NO_OPTIONS: Mapping[str, object] = MappingProxyType({})
@@ -260,7 +259,7 @@ def checked_converter_options(
             f"{label} {unknown[0]!r}: diffusers' single-file converter for {model_cls.__name__} {takes}"
         )
     typed = {key: _option_value(value, taken[key].default, f"{label} {key}={value!r}") for key, value in options.items()}
-    return {key: value for key, value in typed.items() if value != taken[key].default}
+    return {key: value for key, value in typed.items() if not (type(value) is type(taken[key].default) and value == taken[key].default)}
 
 
 def _option_value(value: object, default: object, label: str) -> object:

@@ -23,8 +23,8 @@ from dlo.host.checkpoint import Checkpoint, find_transformer_dir, read_model_con
 from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
 from dlo.host.gguf_file import GgufFile, check_diffusers_reads, diffusers_gguf_types, read_gguf_index
 from dlo.host.gguf_model import as_gguf_skeleton, private_conversions
-from dlo.host.preflight import FLOAT8, Fallback, MappedLoad, mapped_load
-from dlo.host.quantized_layers import SCALE_SUFFIXES, ignored_key, quantization_problem, unscaled_float8
+from dlo.host.preflight import Fallback, MappedLoad, mapped_load
+from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, ignored_key, quantization_problem, unscaled_float8
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import computed_values, converted_layout, has_converter, private_file
 from dlo.planning.offload_plan import discover
