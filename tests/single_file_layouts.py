@@ -1,5 +1,5 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
-written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts), by
+written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -141,6 +141,20 @@ def flux2_original(state: dict[str, torch.Tensor], double: int, single: int) -> 
         d, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
         out.update({f"{b}{original}": state[f"{d}{name}"] for name, original in FLUX2_SINGLE.items()})
     return {key: tensor.contiguous() for key, tensor in out.items()}
+
+
+LTX_RENAMES = [("proj_in", "patchify_proj"), ("time_embed", "adaln_single"), ("norm_q", "q_norm"), ("norm_k", "k_norm")]
+
+
+def ltx_original(state: dict[str, torch.Tensor], vae: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LTX-Video's own single file: the transformer under `model.diffusion_model.` with its own
+    names, and the VAE's tensors beside it under `vae.`."""
+    out = {}
+    for key, tensor in state.items():
+        for new, old in LTX_RENAMES:
+            key = key.replace(new, old)
+        out[f"model.diffusion_model.{key}"] = tensor
+    return {**out, **{f"vae.{key}": tensor for key, tensor in vae.items()}}
 
 
 MINIMAX_H3_RENAMES = [  # diffusers -> MiniMax-H3 (applied in order, on the key with a dot in front)

@@ -127,6 +127,21 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
         file.close()
 
 
+def test_an_ltx_file_in_its_own_layout_streams_its_transformer_and_leaves_its_vae(tmp_path):
+    """LTX-Video's single files hold the VAE beside the transformer (under `vae.`): diffusers'
+    converter keeps the transformer's tensors, renamed, and they stream from the mapping; the
+    VAE's are no part of the model (not refused as tensors it does not read)."""
+    from single_file_layouts import ltx_original
+
+    entry = TINY_MODELS["ltx"]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    vae = {"decoder.conv_in.weight": torch.randn(8, 4, 3, 3, 3, dtype=torch.bfloat16), "encoder.conv_out.bias": torch.zeros(8)}
+    path, config_dir = write(tmp_path, "ltx", model, lambda state: ltx_original(state, vae))
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    adapters, _ = assert_streams_equal_to_diffusers(path, config_dir, type(model), torch.bfloat16, inputs)
+    assert adapters == {}  # renames only
+
+
 def test_an_sd3_file_streams_its_last_blocks_swapped_norm_as_a_concatenation(tmp_path):
     """SD3's converter swaps the halves of the last block's context norm (a block tensor): two
     ranges of the file, concatenated when the block is packed, so the whole file streams from
