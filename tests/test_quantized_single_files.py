@@ -349,3 +349,30 @@ def test_dlo_inspect_says_how_a_files_float8_weights_are_scaled(tmp_path, capsys
     path, *_ = flux2_file(tmp_path / "plain")
     assert main(["inspect", str(path)]) == 0
     assert "float8" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["qwenimage", "hunyuanvideo"])
+def test_a_comfyui_file_in_diffusers_names_streams_like_its_dequantized_weights(tmp_path, name):
+    """A file in diffusers' names (as ComfyUI's Qwen-Image files are: no converter runs), its
+    float8 block weights with `weight_scale`, `input_scale` and `comfy_quant` beside them:
+    streamed as float8, equal to diffusers' model of the dequantized weights."""
+    entry = TINY_MODELS[name]
+    model = entry.build(seed=2, dtype=torch.bfloat16)
+    model.save_config(tmp_path / "config")
+    stored, dequantized = {}, {}
+    for key, tensor in model.state_dict().items():
+        if key.startswith("transformer_blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            layer = key[: -len(".weight")]
+            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = scaled_fp8(tensor)
+            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
+            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+        else:
+            stored[key] = dequantized[key] = tensor.contiguous()
+    save_file(stored, tmp_path / f"{name}.safetensors")
+    inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    expected = run(reference(dequantized, tmp_path / "config", type(model), torch.bfloat16), inputs)
+    loaded, plan = dlo.load_transformer(tmp_path / f"{name}.safetensors", model_config=tmp_path / "config")
+    assert plan.peek().bindings["transformer_blocks.0.attn.to_q.weight"].format.dtype == torch.float8_e4m3fn
+    with dlo.enable(loaded, "cpu", plan=plan) as handle:
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
+        assert handle.stats().host_bytes == 0
