@@ -18,14 +18,18 @@ slots" (slots never shrink between size classes, so no refit after the first cal
 without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further ahead).
 "dlo timeline" records the device intervals and prints the last forward's blocks: copy,
 compute, the compute stream's idle time before each block, and whether its copy came late.
+"resident timeline" times each block of the resident model on the device (CUDA events around
+it), so a block's compute beside dlo's copies can be set against the same block alone.
 
   python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
+  (per-block device times: --variants "resident timeline,dlo timeline")
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import sys
@@ -39,9 +43,11 @@ import dlo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gguf import VARIANTS, Dlo, load_gguf, write_gguf  # noqa: E402
+from bench_streaming import Resident  # noqa: E402
 from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
 
 from dlo.hotpath import slot_queue  # noqa: E402
+from dlo.planning.offload_plan import discover  # noqa: E402
 
 SHRINK_BELOW = slot_queue._SHRINK_BELOW
 SLEEP_CYCLES = 2_000_000_000  # about a second at the H200's clock: longer than any issue here
@@ -118,9 +124,44 @@ class DloTimeline(Dlo):
     config = dlo.OffloadConfig(record_timeline=True)
 
 
+class ResidentTimeline(Resident):
+    """The resident model with CUDA events around each block: `print_blocks` gives the last
+    forward's per-block device time, named as dlo's timeline names them."""
+
+    def __init__(self, model, device) -> None:
+        super().__init__(model, device)
+        self.events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self.hooks = []
+        plan = discover(self.model)
+        for path in plan.block_lists:
+            for i, block in enumerate(self.model.get_submodule(path)):
+                name = f"{path}.{i}"
+                self.hooks.append(block.register_forward_pre_hook(functools.partial(self._mark, name, 0)))
+                self.hooks.append(block.register_forward_hook(functools.partial(self._mark_after, name)))
+
+    def _mark(self, name, index, module, args):
+        events = self.events.setdefault(name, (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        events[index].record()
+
+    def _mark_after(self, name, module, args, output):
+        self._mark(name, 1, module, args)
+
+    def print_blocks(self) -> None:
+        torch.cuda.synchronize()
+        print("\n| block | resident compute |")
+        print("|---|---|")
+        for name, (begin, end) in self.events.items():
+            print(f"| {name} | {begin.elapsed_time(end):.2f} |")
+        print(f"blocks: compute {sum(b.elapsed_time(e) for b, e in self.events.values()):.1f} ms")
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 VARIANTS = {
     **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots,
-    "dlo timeline": DloTimeline,
+    "dlo timeline": DloTimeline, "resident timeline": ResidentTimeline,
 }
 
 
@@ -180,6 +221,8 @@ def main() -> None:
                     profile_forwards(variant, session.model, inputs, args.iters)
                 if isinstance(session, DloTimeline):
                     print_block_timeline(session.handle)
+                if isinstance(session, ResidentTimeline):
+                    session.print_blocks()
         finally:
             session.close()
         del session
