@@ -83,7 +83,7 @@ def quantization_problem(file: SafetensorsFile) -> str | None:
     markers = {layer: _marker_conf(file, key) for layer, key in markers.items()}
     weights = {layer: file.entries[key] for layer, key in weights.items() if layer in described}
     for layer in sorted(described):
-        confs = [confs[layer] for confs in (markers, table) if layer in confs]
+        confs = [found[layer] for found in (markers, table) if layer in found]
         formats = [conf.get("format") if conf else None for conf in confs]
         if not all(isinstance(fmt, str) for fmt in formats):
             return f"the quantization of {layer!r} is unreadable (ComfyUI writes UTF-8 JSON naming its format): re-save the file"
