@@ -376,3 +376,49 @@ def test_a_comfyui_file_in_diffusers_names_streams_like_its_dequantized_weights(
     with dlo.enable(loaded, "cpu", plan=plan) as handle:
         assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
         assert handle.stats().host_bytes == 0
+
+
+QWEN21 = dict(in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32,
+              mlp_ratio=3, axes_dims_rope=(4, 6, 6))
+
+
+@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
+def test_a_comfyui_qwen_image_21_file_streams_its_fused_gate_and_up_split_with_their_scales(tmp_path, quantize):
+    """ComfyUI's Qwen-Image 2.1 files: keys under `model.diffusion_model.`, each block's SwiGLU
+    gate and up projections fused into one `gate_up` (gate rows first), the block weights float8
+    in ComfyUI's current format. diffusers' converter strips the prefix, splits `gate_up`, and
+    would have left a scale under its old name: each half streams as float8 from the file with
+    the fused weight's scale (per row: its half of the rows), every tensor equal to diffusers'
+    single-file model of the dequantized weights."""
+    from test_single_file_mapping import random_model
+
+    cls = diffusers.QwenImage21Transformer2DModel
+    model = random_model(cls, QWEN21, torch.bfloat16)
+    model.save_config(tmp_path / "config")
+    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    for key in [k for k in state if k.endswith(".img_mlp.gate_layer.weight")]:
+        state[key.replace("gate_layer", "gate_up")] = torch.cat([state.pop(key), state.pop(key.replace("gate_layer", "proj"))])
+    stored, dequantized = {}, {}
+    for key, tensor in state.items():
+        name = f"model.diffusion_model.{key}"
+        if key.startswith("transformer_blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            layer = name[: -len(".weight")]
+            stored[name], stored[f"{layer}.weight_scale"], dequantized[name] = quantize(tensor)
+            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
+            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+        else:
+            stored[name] = dequantized[name] = tensor
+    path = tmp_path / "qwen_image_2.1_fp8mixed.safetensors"
+    save_file(stored, path)
+    expected = reference(dequantized, tmp_path / "config", cls, torch.bfloat16)
+    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    layout = plan.peek()
+    for part in ("gate_layer", "proj"):
+        source = layout.bindings[f"transformer_blocks.1.img_mlp.{part}.weight"]
+        assert source.format.dtype == torch.float8_e4m3fn and source.keys[0] in layout.checkpoint.tensors
+    for name, source in layout.bindings.items():
+        assert torch.equal(source.materialize(layout.checkpoint), expected.get_parameter(name).data), name
+    outside = {name: tensor for name, tensor in loaded.state_dict().items() if name not in layout.bindings}
+    assert all(torch.equal(tensor, expected.state_dict()[name]) for name, tensor in outside.items())
+    with dlo.enable(loaded, "cpu", plan=plan) as handle:
+        assert handle.stats().host_bytes == 0  # every block tensor a range of the file
