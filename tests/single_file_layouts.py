@@ -1,5 +1,5 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
-written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's), by
+written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's, Z-Image's), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -155,6 +155,31 @@ def ltx_original(state: dict[str, torch.Tensor], vae: dict[str, torch.Tensor]) -
             key = key.replace(new, old)
         out[f"model.diffusion_model.{key}"] = tensor
     return {**out, **{f"vae.{key}": tensor for key, tensor in vae.items()}}
+
+
+Z_IMAGE_RENAMES = [  # diffusers -> Z-Image's own names (on the key with a dot in front)
+    (".all_final_layer.2-1.", ".final_layer."),
+    (".all_x_embedder.2-1.", ".x_embedder."),
+    (".attention.to_out.0.", ".attention.out."),
+    (".attention.norm_k.", ".attention.k_norm."),
+    (".attention.norm_q.", ".attention.q_norm."),
+]
+
+
+def z_image_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Z-Image's own layout: each attention's q, k and v in one `qkv`."""
+    out = {}
+    for key, tensor in state.items():
+        if key.endswith((".attention.to_k.weight", ".attention.to_v.weight")):
+            continue
+        if key.endswith(".attention.to_q.weight"):
+            tensor = torch.cat([state[key.replace("to_q", f"to_{p}")] for p in "qkv"])
+            key = key.replace("to_q", "qkv")
+        name = f".{key}"
+        for new, old in Z_IMAGE_RENAMES:
+            name = name.replace(new, old)
+        out[name[1:]] = tensor.contiguous()
+    return out
 
 
 MINIMAX_H3_RENAMES = [  # diffusers -> MiniMax-H3 (applied in order, on the key with a dot in front)

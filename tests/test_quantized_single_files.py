@@ -13,7 +13,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.models.tiny import TINY_MODELS
 from single_file_layouts import flux2_original
-from test_single_file_mapping import per_row_fp8, reference, run, scaled_fp8
+from test_single_file_mapping import per_row_fp8, random_model, reference, run, scaled_fp8
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -378,6 +378,8 @@ def test_a_comfyui_file_in_diffusers_names_streams_like_its_dequantized_weights(
         assert handle.stats().host_bytes == 0
 
 
+Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
+               n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])
 QWEN21 = dict(in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32,
               mlp_ratio=3, axes_dims_rope=(4, 6, 6))
 
@@ -390,8 +392,6 @@ def test_a_comfyui_qwen_image_21_file_streams_its_fused_gate_and_up_split_with_t
     would have left a scale under its old name: each half streams as float8 from the file with
     the fused weight's scale (per row: its half of the rows), every tensor equal to diffusers'
     single-file model of the dequantized weights."""
-    from test_single_file_mapping import random_model
-
     cls = diffusers.QwenImage21Transformer2DModel
     model = random_model(cls, QWEN21, torch.bfloat16)
     model.save_config(tmp_path / "config")
@@ -410,15 +410,51 @@ def test_a_comfyui_qwen_image_21_file_streams_its_fused_gate_and_up_split_with_t
             stored[name] = dequantized[name] = tensor
     path = tmp_path / "qwen_image_2.1_fp8mixed.safetensors"
     save_file(stored, path)
-    expected = reference(dequantized, tmp_path / "config", cls, torch.bfloat16)
-    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    bindings = assert_loads_like(path, tmp_path / "config", cls, dequantized)
+    assert all(bindings[f"transformer_blocks.1.img_mlp.{part}.weight"].format.dtype == torch.float8_e4m3fn
+               for part in ("gate_layer", "proj"))
+
+
+def assert_loads_like(path, config_dir, cls, dequantized) -> dict:
+    """Every tensor of the file's model as dlo loads it (block tensors as they will stream)
+    equal to diffusers' single-file model of `dequantized`; no block tensor held privately.
+    Returns the plan's bindings."""
+    expected = reference(dequantized, config_dir, cls, torch.bfloat16)
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
     layout = plan.peek()
-    for part in ("gate_layer", "proj"):
-        source = layout.bindings[f"transformer_blocks.1.img_mlp.{part}.weight"]
-        assert source.format.dtype == torch.float8_e4m3fn and source.keys[0] in layout.checkpoint.tensors
     for name, source in layout.bindings.items():
         assert torch.equal(source.materialize(layout.checkpoint), expected.get_parameter(name).data), name
     outside = {name: tensor for name, tensor in loaded.state_dict().items() if name not in layout.bindings}
     assert all(torch.equal(tensor, expected.state_dict()[name]) for name, tensor in outside.items())
+    bindings = dict(layout.bindings)
     with dlo.enable(loaded, "cpu", plan=plan) as handle:
         assert handle.stats().host_bytes == 0  # every block tensor a range of the file
+    return bindings
+
+
+@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
+def test_a_comfyui_z_image_file_streams_its_split_qkv_with_the_fused_scale(tmp_path, quantize):
+    """Z-Image in its own layout (q, k and v fused into `qkv`), every block's 2-D weight float8
+    in ComfyUI's current format, under `model.diffusion_model.`: diffusers' converter would have
+    cut the fused weight's 0-dim scale in three (it splits every key containing `qkv.weight`).
+    Each of q, k, v streams as float8 from the file with the fused weight's scale (per row: its
+    third of the rows)."""
+    from single_file_layouts import z_image_original
+
+    cls = diffusers.ZImageTransformer2DModel
+    model = random_model(cls, Z_IMAGE, torch.bfloat16)
+    model.save_config(tmp_path / "config")
+    stored, dequantized = {}, {}
+    for key, tensor in z_image_original(model.state_dict()).items():
+        name = f"model.diffusion_model.{key}"
+        if key.startswith("layers.") and key.endswith(".weight") and tensor.dim() == 2:
+            layer = name[: -len(".weight")]
+            stored[name], stored[f"{layer}.weight_scale"], dequantized[name] = quantize(tensor)
+            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
+            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+        else:
+            stored[name] = dequantized[name] = tensor
+    path = tmp_path / "z_image_fp8.safetensors"
+    save_file(stored, path)
+    bindings = assert_loads_like(path, tmp_path / "config", cls, dequantized)
+    assert all(bindings[f"layers.1.attention.to_{p}.weight"].format.dtype == torch.float8_e4m3fn for p in "qkv")
