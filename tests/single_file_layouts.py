@@ -1,5 +1,6 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
-written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's, Z-Image's), by
+written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's, Z-Image's, ComfyUI's
+Qwen-Image 2.1), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -179,6 +180,20 @@ def z_image_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for new, old in Z_IMAGE_RENAMES:
             name = name.replace(new, old)
         out[name[1:]] = tensor.contiguous()
+    return out
+
+
+def qwen_image21_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen-Image 2.1 as ComfyUI writes it: each block's SwiGLU gate and up projections fused
+    into one `gate_up`, gate rows first (the other names are diffusers')."""
+    out = {}
+    for key, tensor in state.items():
+        if key.endswith(".img_mlp.proj.weight"):
+            continue
+        if key.endswith(".img_mlp.gate_layer.weight"):
+            tensor = torch.cat([tensor, state[key.replace("gate_layer", "proj")]])
+            key = key.replace("gate_layer", "gate_up")
+        out[key] = tensor.contiguous()
     return out
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux2_original
+from single_file_layouts import flux2_original, qwen_image21_original, z_image_original
 from test_single_file_mapping import per_row_fp8, random_model, reference, run, scaled_fp8
 
 diffusers = pytest.importorskip("diffusers")
@@ -21,6 +21,16 @@ diffusers = pytest.importorskip("diffusers")
 def marker(conf) -> torch.Tensor:
     """A layer's `comfy_quant`: its configuration as UTF-8 JSON bytes."""
     return torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+
+
+def comfyui_layer(stored: dict, dequantized: dict, key: str, tensor: torch.Tensor, quantize=scaled_fp8) -> None:
+    """The weight `key` as ComfyUI's current format writes it into `stored`: float8 values, a
+    `weight_scale` (`quantize`: per tensor, or `per_row_fp8`), an `input_scale` and a
+    `comfy_quant` marker; its values dequantized into `dequantized`."""
+    layer = key[: -len(".weight")]
+    stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = quantize(tensor)
+    stored[f"{layer}.input_scale"] = torch.tensor(0.01)
+    stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
 
 
 def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, metadata=None, quantize=scaled_fp8) -> tuple:
@@ -34,10 +44,7 @@ def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, 
     stored, dequantized = {}, {}
     for key, tensor in state.items():
         if key.startswith(("double_blocks.", "single_blocks.")) and tensor.dim() == 2 and quantized(key):
-            layer = key[: -len(".weight")]
-            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = quantize(tensor)
-            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
-            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+            comfyui_layer(stored, dequantized, key, tensor, quantize)
         else:
             stored[key] = dequantized[key] = tensor
     edit(stored)
@@ -47,10 +54,11 @@ def flux2_file(tmp_path, quantized=lambda key: False, edit=lambda stored: None, 
     return path, tmp_path / "config", dequantized, inputs
 
 
-def assert_streams_like(path, config_dir, dequantized, inputs, private_bytes=0):
+def assert_streams_like(path, config_dir, dequantized, inputs, private_bytes=0, cls=None):
     """Streamed from the mapping (and `private_bytes` of dlo's private file), equal to diffusers'
-    single-file model of `dequantized`."""
-    expected = run(reference(dequantized, config_dir, diffusers.Flux2Transformer2DModel, torch.bfloat16), inputs)
+    single-file model (of `cls`, default Flux.2) of `dequantized`."""
+    cls = diffusers.Flux2Transformer2DModel if cls is None else cls
+    expected = run(reference(dict(dequantized), config_dir, cls, torch.bfloat16), inputs)
     model, plan = dlo.load_transformer(path, model_config=config_dir)
     assert plan is not None and plan.backing == "checkpoint_mmap"
     offsets = {name: (source.entry.begin, source.entry.dtype) for name, source in plan.peek().checkpoint.tensors.items()}
@@ -353,29 +361,21 @@ def test_dlo_inspect_says_how_a_files_float8_weights_are_scaled(tmp_path, capsys
 
 @pytest.mark.parametrize("name", ["qwenimage", "hunyuanvideo"])
 def test_a_comfyui_file_in_diffusers_names_streams_like_its_dequantized_weights(tmp_path, name):
-    """A file in diffusers' names (as ComfyUI's Qwen-Image files are: no converter runs), its
-    float8 block weights with `weight_scale`, `input_scale` and `comfy_quant` beside them:
-    streamed as float8, equal to diffusers' model of the dequantized weights."""
+    """A file in diffusers' names (as ComfyUI's Qwen-Image files are: no converter runs), the
+    float8 weights of its `transformer_blocks` in ComfyUI's current format: streamed as float8,
+    equal to diffusers' model of the dequantized weights."""
     entry = TINY_MODELS[name]
     model = entry.build(seed=2, dtype=torch.bfloat16)
     model.save_config(tmp_path / "config")
     stored, dequantized = {}, {}
     for key, tensor in model.state_dict().items():
         if key.startswith("transformer_blocks.") and key.endswith(".weight") and tensor.dim() == 2:
-            layer = key[: -len(".weight")]
-            stored[key], stored[f"{layer}.weight_scale"], dequantized[key] = scaled_fp8(tensor)
-            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
-            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+            comfyui_layer(stored, dequantized, key, tensor)
         else:
             stored[key] = dequantized[key] = tensor.contiguous()
     save_file(stored, tmp_path / f"{name}.safetensors")
     inputs = [entry.inputs(seed, torch.bfloat16) for seed in (1, 2)]
-    expected = run(reference(dequantized, tmp_path / "config", type(model), torch.bfloat16), inputs)
-    loaded, plan = dlo.load_transformer(tmp_path / f"{name}.safetensors", model_config=tmp_path / "config")
-    assert plan.peek().bindings["transformer_blocks.0.attn.to_q.weight"].format.dtype == torch.float8_e4m3fn
-    with dlo.enable(loaded, "cpu", plan=plan) as handle:
-        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, inputs)))
-        assert handle.stats().host_bytes == 0
+    assert_streams_like(tmp_path / f"{name}.safetensors", tmp_path / "config", dequantized, inputs, cls=type(model))
 
 
 Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
@@ -384,48 +384,37 @@ QWEN21 = dict(in_channels=16, out_channels=16, num_layers=2, attention_head_dim=
               mlp_ratio=3, axes_dims_rope=(4, 6, 6))
 
 
-@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
-def test_a_comfyui_qwen_image_21_file_streams_its_fused_gate_and_up_split_with_their_scales(tmp_path, quantize):
-    """ComfyUI's Qwen-Image 2.1 files: keys under `model.diffusion_model.`, each block's SwiGLU
-    gate and up projections fused into one `gate_up` (gate rows first), the block weights float8
-    in ComfyUI's current format. diffusers' converter strips the prefix, splits `gate_up`, and
-    would have left a scale under its old name: each half streams as float8 from the file with
-    the fused weight's scale (per row: its half of the rows), every tensor equal to diffusers'
-    single-file model of the dequantized weights."""
-    cls = diffusers.QwenImage21Transformer2DModel
-    model = random_model(cls, QWEN21, torch.bfloat16)
+def comfyui_file(tmp_path, cls, config: dict, layout, quantize) -> tuple:
+    """A random `cls(**config)` in bfloat16 written as ComfyUI writes it: in `layout`, under
+    `model.diffusion_model.`, its `layers`' or `transformer_blocks`' 2-D weights in ComfyUI's
+    current float8 format. Its path, config directory, and the dequantized weights."""
+    model = random_model(cls, config, torch.bfloat16)
     model.save_config(tmp_path / "config")
-    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
-    for key in [k for k in state if k.endswith(".img_mlp.gate_layer.weight")]:
-        state[key.replace("gate_layer", "gate_up")] = torch.cat([state.pop(key), state.pop(key.replace("gate_layer", "proj"))])
     stored, dequantized = {}, {}
-    for key, tensor in state.items():
+    for key, tensor in layout(model.state_dict()).items():
         name = f"model.diffusion_model.{key}"
-        if key.startswith("transformer_blocks.") and key.endswith(".weight") and tensor.dim() == 2:
-            layer = name[: -len(".weight")]
-            stored[name], stored[f"{layer}.weight_scale"], dequantized[name] = quantize(tensor)
-            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
-            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
+        if key.startswith(("layers.", "transformer_blocks.")) and key.endswith(".weight") and tensor.dim() == 2:
+            comfyui_layer(stored, dequantized, name, tensor, quantize)
         else:
-            stored[name] = dequantized[name] = tensor
-    path = tmp_path / "qwen_image_2.1_fp8mixed.safetensors"
+            stored[name] = dequantized[name] = tensor.contiguous()
+    path = tmp_path / f"{cls.__name__}.safetensors"
     save_file(stored, path)
-    bindings = assert_loads_like(path, tmp_path / "config", cls, dequantized)
-    assert all(bindings[f"transformer_blocks.1.img_mlp.{part}.weight"].format.dtype == torch.float8_e4m3fn
-               for part in ("gate_layer", "proj"))
+    return path, tmp_path / "config", dequantized
 
 
 def assert_loads_like(path, config_dir, cls, dequantized) -> dict:
-    """Every tensor of the file's model as dlo loads it (block tensors as they will stream)
-    equal to diffusers' single-file model of `dequantized`; no block tensor held privately.
-    Returns the plan's bindings."""
-    expected = reference(dequantized, config_dir, cls, torch.bfloat16)
+    """Every parameter and buffer of the file's model as dlo loads it (block tensors as their
+    sources will stream them) equal, dtype and values, to diffusers' single-file model of
+    `dequantized`, no block tensor held privately. Returns the plan's bindings."""
+    expected = reference(dict(dequantized), config_dir, cls, torch.bfloat16)
+    wanted = {**dict(expected.named_parameters(remove_duplicate=False)), **dict(expected.named_buffers())}
     loaded, plan = dlo.load_transformer(path, model_config=config_dir)
     layout = plan.peek()
-    for name, source in layout.bindings.items():
-        assert torch.equal(source.materialize(layout.checkpoint), expected.get_parameter(name).data), name
-    outside = {name: tensor for name, tensor in loaded.state_dict().items() if name not in layout.bindings}
-    assert all(torch.equal(tensor, expected.state_dict()[name]) for name, tensor in outside.items())
+    got = {**dict(loaded.named_parameters(remove_duplicate=False)), **dict(loaded.named_buffers())}
+    got.update({name: source.materialize(layout.checkpoint) for name, source in layout.bindings.items()})
+    assert got.keys() == wanted.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == wanted[name].dtype and torch.equal(tensor, wanted[name]), name
     bindings = dict(layout.bindings)
     with dlo.enable(loaded, "cpu", plan=plan) as handle:
         assert handle.stats().host_bytes == 0  # every block tensor a range of the file
@@ -433,28 +422,45 @@ def assert_loads_like(path, config_dir, cls, dequantized) -> dict:
 
 
 @pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
-def test_a_comfyui_z_image_file_streams_its_split_qkv_with_the_fused_scale(tmp_path, quantize):
-    """Z-Image in its own layout (q, k and v fused into `qkv`), every block's 2-D weight float8
-    in ComfyUI's current format, under `model.diffusion_model.`: diffusers' converter would have
-    cut the fused weight's 0-dim scale in three (it splits every key containing `qkv.weight`).
-    Each of q, k, v streams as float8 from the file with the fused weight's scale (per row: its
-    third of the rows)."""
-    from single_file_layouts import z_image_original
+def test_a_comfyui_qwen_image_21_file_loads_its_fused_gate_and_up_split_with_their_scales(tmp_path, quantize):
+    """ComfyUI's Qwen-Image 2.1 files: keys under `model.diffusion_model.`, each block's SwiGLU
+    gate and up projections fused into one `gate_up`, the block weights float8. diffusers'
+    converter strips the prefix, splits `gate_up`, and would have left a scale under its old
+    name: each half loads as float8 from the file with the fused weight's scale (per row: its
+    half of the rows), every parameter and buffer equal to diffusers' single-file model of the
+    dequantized weights (no forward: its inputs are beyond the tiny builders)."""
+    cls = diffusers.QwenImage21Transformer2DModel
+    path, config_dir, dequantized = comfyui_file(tmp_path, cls, QWEN21, qwen_image21_original, quantize)
+    bindings = assert_loads_like(path, config_dir, cls, dequantized)
+    assert all(bindings[f"transformer_blocks.1.img_mlp.{part}.weight"].format.dtype == torch.float8_e4m3fn
+               for part in ("gate_layer", "proj"))
 
+
+def z_image_run(model) -> list[torch.Tensor]:
+    """Two forwards of a tiny Z-Image: one 8x8 latent frame, 8 caption tokens."""
+    outputs = []
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        latents = [torch.randn(16, 1, 8, 8, generator=generator).to(torch.bfloat16)]
+        caption = [torch.randn(8, 32, generator=generator).to(torch.bfloat16)]
+        with torch.inference_mode():
+            outputs.append(model(latents, torch.tensor([0.3 * seed]), caption, return_dict=False)[0][0])
+    return outputs
+
+
+@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
+def test_a_comfyui_z_image_file_streams_its_split_qkv_with_the_fused_scale(tmp_path, quantize):
+    """Z-Image in its own layout (q, k and v fused into `qkv`) under `model.diffusion_model.`,
+    its blocks' weights float8 in ComfyUI's current format: diffusers' converter would have cut
+    the fused weight's 0-dim scale in three (it splits every key containing `qkv.weight`). Each
+    of q, k, v streams as float8 from the file with the fused weight's scale (per row: its third
+    of the rows): every tensor and two forwards equal to diffusers' model of the dequantized
+    weights."""
     cls = diffusers.ZImageTransformer2DModel
-    model = random_model(cls, Z_IMAGE, torch.bfloat16)
-    model.save_config(tmp_path / "config")
-    stored, dequantized = {}, {}
-    for key, tensor in z_image_original(model.state_dict()).items():
-        name = f"model.diffusion_model.{key}"
-        if key.startswith("layers.") and key.endswith(".weight") and tensor.dim() == 2:
-            layer = name[: -len(".weight")]
-            stored[name], stored[f"{layer}.weight_scale"], dequantized[name] = quantize(tensor)
-            stored[f"{layer}.input_scale"] = torch.tensor(0.01)
-            stored[f"{layer}.comfy_quant"] = marker({"format": "float8_e4m3fn"})
-        else:
-            stored[name] = dequantized[name] = tensor
-    path = tmp_path / "z_image_fp8.safetensors"
-    save_file(stored, path)
-    bindings = assert_loads_like(path, tmp_path / "config", cls, dequantized)
+    path, config_dir, dequantized = comfyui_file(tmp_path, cls, Z_IMAGE, z_image_original, quantize)
+    bindings = assert_loads_like(path, config_dir, cls, dequantized)
     assert all(bindings[f"layers.1.attention.to_{p}.weight"].format.dtype == torch.float8_e4m3fn for p in "qkv")
+    expected = z_image_run(reference(dict(dequantized), config_dir, cls, torch.bfloat16))
+    loaded, plan = dlo.load_transformer(path, model_config=config_dir)
+    with dlo.enable(loaded, "cpu", plan=plan):
+        assert all(torch.equal(a, b) for a, b in zip(expected, z_image_run(loaded)))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import pstats
 import statistics
 import sys
@@ -126,7 +125,8 @@ class DloTimeline(Dlo):
 
 class ResidentTimeline(Resident):
     """The resident model with CUDA events around each block: `print_blocks` gives the last
-    forward's per-block device time, named as dlo's timeline names them."""
+    forward's per-block device time, named as dlo's timeline names them. The hooks stay on for
+    the timed forwards: this row's wall and enqueue times include their cost."""
 
     def __init__(self, model, device) -> None:
         super().__init__(model, device)
@@ -136,15 +136,9 @@ class ResidentTimeline(Resident):
         for path in plan.block_lists:
             for i, block in enumerate(self.model.get_submodule(path)):
                 name = f"{path}.{i}"
-                self.hooks.append(block.register_forward_pre_hook(functools.partial(self._mark, name, 0)))
-                self.hooks.append(block.register_forward_hook(functools.partial(self._mark_after, name)))
-
-    def _mark(self, name, index, module, args):
-        events = self.events.setdefault(name, (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        events[index].record()
-
-    def _mark_after(self, name, module, args, output):
-        self._mark(name, 1, module, args)
+                self.events[name] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                self.hooks.append(block.register_forward_pre_hook(lambda *_, at=self.events[name][0]: at.record()))
+                self.hooks.append(block.register_forward_hook(lambda *_, at=self.events[name][1]: at.record()))
 
     def print_blocks(self) -> None:
         torch.cuda.synchronize()
@@ -157,6 +151,7 @@ class ResidentTimeline(Resident):
     def close(self) -> None:
         for hook in self.hooks:
             hook.remove()
+        super().close()
 
 
 VARIANTS = {
