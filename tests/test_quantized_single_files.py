@@ -464,3 +464,31 @@ def test_a_comfyui_z_image_file_streams_its_split_qkv_with_the_fused_scale(tmp_p
     loaded, plan = dlo.load_transformer(path, model_config=config_dir)
     with dlo.enable(loaded, "cpu", plan=plan):
         assert all(torch.equal(a, b) for a, b in zip(expected, z_image_run(loaded)))
+
+
+def test_dlo_generate_streams_a_comfyui_fp8mixed_transformer_file_as_its_dequantized_weights(tiny_wan_dir, tmp_path):
+    """`dlo generate MODEL --transformer FILE` with a ComfyUI-format Wan file (its blocks' weights
+    float8 with `weight_scale`, `input_scale` and `comfy_quant`, in Wan's own layout): the same
+    video, byte for byte, as the same pipeline given a bfloat16 file of the dequantized weights."""
+    from test_generate import flags
+
+    from dlo.cli.main import main
+    from single_file_layouts import wan_original
+
+    state = diffusers.WanTransformer3DModel.from_pretrained(tiny_wan_dir / "transformer").state_dict()
+    stored, dequantized = {}, {}
+    for key, tensor in wan_original(state).items():
+        if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            comfyui_layer(stored, dequantized, key, tensor)
+        else:
+            stored[key] = dequantized[key] = tensor.contiguous()
+    save_file(stored, tmp_path / "wan_fp8mixed.safetensors")
+    save_file(dequantized, tmp_path / "wan_dequantized.safetensors")
+    save_file({key: tensor.contiguous() for key, tensor in wan_original(state).items()}, tmp_path / "wan_unquantized.safetensors")
+    argv = ["generate", str(tiny_wan_dir), "--prompt", "a cat", "--device", "cpu", *flags("wan"), "--dtype", "bfloat16"]
+    videos = {}
+    for name in ("wan_fp8mixed", "wan_dequantized", "wan_unquantized"):
+        out = tmp_path / f"{name}.webp"  # lossless: the frames as generated
+        assert main([*argv, "--output", str(out), "--transformer", str(tmp_path / f"{name}.safetensors")]) == 0
+        videos[name] = out.read_bytes()
+    assert videos["wan_fp8mixed"] == videos["wan_dequantized"] != videos["wan_unquantized"]  # float8 changes the video
