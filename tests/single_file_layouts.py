@@ -1,6 +1,6 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
-written in the key layout its original repository uses (Wan 2.1's, Flux's and Flux.2's BFL layouts, LTX-Video's, Z-Image's, ComfyUI's
-Qwen-Image 2.1), by
+written in the key layout its original repository uses (Wan 2.1's, Flux's, Flux.2's and Flux.3's BFL layouts, LTX-Video's, Z-Image's,
+ComfyUI's Qwen-Image 2.1), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -195,6 +195,37 @@ def qwen_image21_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             key = key.replace("gate_layer", "gate_up")
         out[key] = tensor.contiguous()
     return out
+
+
+FLUX3_EXACT = {  # diffusers -> Flux.3's own names, whole keys
+    "timestep_embedder.linear_1.weight": "time_in.in_layer.weight",
+    "timestep_embedder.linear_2.weight": "time_in.out_layer.weight",
+    "proj_out.weight": "final_layer.image.linear.weight",
+}
+FLUX3_PREFIXES = {"x_embedders.": "emb_in.", "context_embedder.": "txt_in.", "mode_blocks.": "content_mode_blocks.",
+                  "single_transformer_blocks.": "single_blocks."}
+FLUX3_SUFFIXES = {  # diffusers -> Flux.3, the end of a block's key
+    "attn.to_q.weight": "q_proj.weight", "attn.to_k.weight": "k_proj.weight", "attn.to_v.weight": "v_proj.weight",
+    "attn.to_out.0.weight": "attn_out.weight", "attn.norm_q.weight": "norm.query_norm.scale",
+    "attn.norm_k.weight": "norm.key_norm.scale", "ff.linear_in.weight": "mlp_in.weight", "ff.linear_out.weight": "mlp_out.weight",
+}
+
+
+def flux3_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Flux.3's own layout: renames, and the final modulation's shift before its scale."""
+    out = {"final_layer.image.adaLN_modulation.1.weight": _swapped_halves(state["norm_out.linear.weight"])}
+    for key, tensor in state.items():
+        if key == "norm_out.linear.weight":
+            continue
+        if key in FLUX3_EXACT:
+            out[FLUX3_EXACT[key]] = tensor
+            continue
+        prefix = next((p for p in FLUX3_PREFIXES if key.startswith(p)), None)
+        name = FLUX3_PREFIXES[prefix] + key[len(prefix):] if prefix else key
+        name = name.replace(".linear.weight", ".lin.weight")
+        suffix = next((s for s in FLUX3_SUFFIXES if name.endswith(s)), None)
+        out[name[: -len(suffix)] + FLUX3_SUFFIXES[suffix] if suffix else name] = tensor
+    return {key: tensor.contiguous() for key, tensor in out.items()}
 
 
 MINIMAX_H3_RENAMES = [  # diffusers -> MiniMax-H3 (applied in order, on the key with a dot in front)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux2_original, qwen_image21_original, z_image_original
+from single_file_layouts import flux2_original, flux3_original, qwen_image21_original, z_image_original
 from test_single_file_mapping import per_row_fp8, random_model, reference, run, scaled_fp8
 
 diffusers = pytest.importorskip("diffusers")
@@ -380,20 +380,24 @@ def test_a_comfyui_file_in_diffusers_names_streams_like_its_dequantized_weights(
 
 Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
                n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])
+FLUX3 = dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+             joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4))
 QWEN21 = dict(in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32,
               mlp_ratio=3, axes_dims_rope=(4, 6, 6))
 
 
-def comfyui_file(tmp_path, cls, config: dict, layout, quantize) -> tuple:
+def comfyui_file(
+    tmp_path, cls, config: dict, layout, quantize, blocks=("layers.", "transformer_blocks."), prefix="model.diffusion_model."
+) -> tuple:
     """A random `cls(**config)` in bfloat16 written as ComfyUI writes it: in `layout`, under
-    `model.diffusion_model.`, its `layers`' or `transformer_blocks`' 2-D weights in ComfyUI's
-    current float8 format. Its path, config directory, and the dequantized weights."""
+    `prefix`, the 2-D weights of its `blocks` (key prefixes in `layout`) in ComfyUI's current
+    float8 format. Its path, config directory, and the dequantized weights."""
     model = random_model(cls, config, torch.bfloat16)
     model.save_config(tmp_path / "config")
     stored, dequantized = {}, {}
     for key, tensor in layout(model.state_dict()).items():
-        name = f"model.diffusion_model.{key}"
-        if key.startswith(("layers.", "transformer_blocks.")) and key.endswith(".weight") and tensor.dim() == 2:
+        name = f"{prefix}{key}"
+        if key.startswith(blocks) and key.endswith(".weight") and tensor.dim() == 2:
             comfyui_layer(stored, dequantized, name, tensor, quantize)
         else:
             stored[name] = dequantized[name] = tensor.contiguous()
@@ -434,6 +438,20 @@ def test_a_comfyui_qwen_image_21_file_loads_its_fused_gate_and_up_split_with_the
     bindings = assert_loads_like(path, config_dir, cls, dequantized)
     assert all(bindings[f"transformer_blocks.1.img_mlp.{part}.weight"].format.dtype == torch.float8_e4m3fn
                for part in ("gate_layer", "proj"))
+
+
+@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
+def test_a_comfyui_flux3_file_loads_its_renamed_float8_weights_with_their_scales(tmp_path, quantize):
+    """Flux.3 in its own layout (no key prefix: diffusers' converter strips none), every block's
+    weights float8 in ComfyUI's current format: diffusers' converter renames the weights by their
+    ends (`q_proj.weight`) and would have left each scale under its old name. Each weight loads as float8 with its own
+    scale, every parameter and buffer equal to diffusers' single-file model of the dequantized
+    weights (no forward: its inputs are beyond the tiny builders)."""
+    cls = diffusers.Flux3Transformer2DModel
+    blocks = ("content_mode_blocks.", "txt_mode_blocks.", "single_blocks.")
+    path, config_dir, dequantized = comfyui_file(tmp_path, cls, FLUX3, flux3_original, quantize, blocks, prefix="")
+    bindings = assert_loads_like(path, config_dir, cls, dequantized)
+    assert bindings["mode_blocks.image.1.attn.to_q.weight"].format.dtype == torch.float8_e4m3fn
 
 
 def z_image_run(model) -> list[torch.Tensor]:
