@@ -4,7 +4,6 @@ changed. Any doubt returns a `Fallback`, and the caller loads the ordinary way."
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from torch import nn
 
 from dlo.config import Topology
 from dlo.host.checkpoint import Checkpoint
-from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, scale_layout
+from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, scale_layout, unquantized_float_dtype
 from dlo.host.safetensors_file import CheckpointError, CheckpointErrorKind
 from dlo.host.tensor_source import MappedTensor, QuantizedSource, TensorSource
 from dlo.planning.offload_plan import OffloadPlan
@@ -225,16 +224,9 @@ def _source_for(
 
 
 def _unquantized_dtype(checkpoint: Checkpoint) -> torch.dtype:
-    """The most common float dtype of the checkpoint's tensors that are neither float8 nor
-    scales (bf16 when there are none): what its float8 weights are dequantized into."""
-    counts = Counter(
-        source.entry.dtype
-        for key, source in checkpoint.tensors.items()
-        if source.entry.dtype.is_floating_point
-        and source.entry.dtype not in FLOAT8
-        and not key.endswith(SCALE_SUFFIXES)
-    )
-    return counts.most_common(1)[0][0] if counts else torch.bfloat16
+    """What the checkpoint's float8 weights are dequantized into (bf16 where it has no other
+    floats)."""
+    return unquantized_float_dtype({key: source.entry for key, source in checkpoint.tensors.items()}) or torch.bfloat16
 
 
 def plan_checkpoint_sources(

@@ -7,6 +7,7 @@ and the descriptions of each layer's format (a `comfy_quant` marker, the header'
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -46,6 +47,19 @@ def scale_layout(rows: int, scale_shape: tuple[int, ...]) -> str | None:
     if scale_shape in ((), (1,), (1, 1)):
         return "per tensor"
     return "per row" if scale_shape in ((rows,), (rows, 1)) else None
+
+
+def unquantized_float_dtype(entries: Mapping[str, TensorEntry]) -> torch.dtype | None:
+    """The most common float dtype of `entries` but float8 values, their scales and the keys no
+    model reads (ComfyUI's float32 activation scales): what the file's float8 weights are
+    dequantized into and, for a single file with torch_dtype=None, what its model is cast to.
+    None without such floats."""
+    counts = Counter(
+        entry.dtype for key, entry in entries.items()
+        if entry.dtype.is_floating_point and entry.dtype not in FLOAT8 and not key.endswith(SCALE_SUFFIXES)
+        and not ignored_key(key)
+    )
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def ignored_key(key: str) -> bool:

@@ -7,7 +7,6 @@ dlo.host.gguf_model."""
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +23,8 @@ from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
 from dlo.host.gguf_file import GgufFile, check_diffusers_reads, diffusers_gguf_types, read_gguf_index
 from dlo.host.gguf_model import as_gguf_skeleton, private_conversions
 from dlo.host.preflight import Fallback, MappedLoad, mapped_load
-from dlo.host.quantized_layers import FLOAT8, SCALE_SUFFIXES, ignored_key, quantization_problem, unscaled_float8
-from dlo.host.safetensors_file import SafetensorsFile
+from dlo.host.quantized_layers import FLOAT8, ignored_key, quantization_problem, unquantized_float_dtype, unscaled_float8
+from dlo.host.safetensors_file import SafetensorsFile, read_entries
 from dlo.host.single_file_layout import computed_values, converted_layout, has_converter, private_file
 from dlo.planning.offload_plan import discover
 
@@ -201,7 +200,7 @@ def _packed_tensors(checkpoint: Checkpoint, concatenated: dict[str, tuple[str, .
 def loaded_dtype(path: Path, torch_dtype: torch.dtype | None) -> torch.dtype | None:
     """What dlo gives diffusers' `from_single_file` as torch_dtype for a non-GGUF file: torch_dtype,
     or the file's most common float dtype."""
-    return torch_dtype if torch_dtype is not None else _float_dtype(path)
+    return torch_dtype if torch_dtype is not None else unquantized_float_dtype(read_entries(path))
 
 
 def loaded_dtype_rule(path: Path, cls: type[nn.Module], torch_dtype: torch.dtype | None) -> Callable[[str, torch.dtype], torch.dtype]:
@@ -227,22 +226,6 @@ def loaded_skeleton(
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[key] = buffer.to(dtype)
     return model
-
-
-def _float_dtype(path: Path) -> torch.dtype | None:
-    """The file's most common floating dtype (float8, scales and the keys no model reads aside):
-    with torch_dtype=None, what dlo gives diffusers' loader (which would otherwise keep each
-    tensor's dtype) and what the mapped load casts to as it does."""
-    file = SafetensorsFile(path)
-    try:
-        counts = Counter(
-            entry.dtype for key, entry in file.entries.items()
-            if entry.dtype.is_floating_point and entry.dtype not in FLOAT8 and not key.endswith(SCALE_SUFFIXES)
-            and not ignored_key(key)  # ComfyUI's fp32 scale_input scalars, one per float8 Linear
-        )
-    finally:
-        file.close()
-    return counts.most_common(1)[0][0] if counts else None
 
 
 def float8_refused(path: Path, fallback: Fallback) -> ConfigError:
