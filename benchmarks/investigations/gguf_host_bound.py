@@ -17,7 +17,8 @@ Variants beyond bench_gguf's, each removing one piece of dlo's per-block host wo
 slots" (slots never shrink between size classes, so no refit after the first call), "dlo
 without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further ahead).
 "dlo timeline" records the device intervals and prints the last forward's blocks: copy,
-compute, the compute stream's idle time before each block, and whether its copy came late.
+compute, the compute stream's idle time before each block, and whether its copy came late
+("dlo 4 slots timeline": the same with four slots).
 "resident timeline" times each block of the resident model on the device (CUDA events around
 it), so a block's compute beside dlo's copies can be set against the same block alone.
 
@@ -123,6 +124,12 @@ class DloTimeline(Dlo):
     config = dlo.OffloadConfig(record_timeline=True)
 
 
+class DloFourSlotsTimeline(DloTimeline):
+    """"dlo timeline" with four slots."""
+
+    config = dlo.OffloadConfig(num_slots=4, record_timeline=True)
+
+
 class ResidentTimeline(Resident):
     """The resident model with CUDA events around each block: `print_blocks` gives the last
     forward's per-block device time, named as dlo's timeline names them. The hooks stay on for
@@ -156,7 +163,7 @@ class ResidentTimeline(Resident):
 
 VARIANTS = {
     **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots,
-    "dlo timeline": DloTimeline, "resident timeline": ResidentTimeline,
+    "dlo timeline": DloTimeline, "dlo 4 slots timeline": DloFourSlotsTimeline, "resident timeline": ResidentTimeline,
 }
 
 
