@@ -42,7 +42,7 @@ import torch
 import dlo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gguf import VARIANTS, Dlo, load_gguf, write_gguf  # noqa: E402
+from bench_gguf import VARIANTS, Dlo, DloKernels, load_gguf, write_gguf  # noqa: E402
 from bench_streaming import Resident  # noqa: E402
 from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
 
@@ -53,8 +53,11 @@ SHRINK_BELOW = slot_queue._SHRINK_BELOW
 SLEEP_CYCLES = 2_000_000_000  # about a second at the H200's clock: longer than any issue here
 
 
-def timed(model, inputs, iters: int) -> tuple[float, float, float, int]:
-    """Median wall, enqueue and device seconds, and how many device timings were issued ahead."""
+def timed(model, inputs, iters: int) -> tuple[float, float, float, int, float]:
+    """Median wall, enqueue and device seconds, how many device timings were issued ahead, and
+    the seconds a forward of `iters` forwards run back to back (synchronized before the first
+    and after the last only, as a sampler's steps run: loads for the next forward overlap this
+    one's end instead of being counted in it)."""
     walls, enqueues, devices, ahead = [], [], [], 0
     for _ in range(iters):
         torch.cuda.synchronize()
@@ -73,7 +76,13 @@ def timed(model, inputs, iters: int) -> tuple[float, float, float, int]:
         ahead += not begin.query()  # the sleep still runs: every launch was queued before it ended
         torch.cuda.synchronize()
         devices.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(walls), statistics.median(enqueues), statistics.median(devices), ahead
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        model(**inputs)
+    torch.cuda.synchronize()
+    loop = (time.perf_counter() - started) / iters
+    return statistics.median(walls), statistics.median(enqueues), statistics.median(devices), ahead, loop
 
 
 def profile_forwards(variant: str, model, inputs, iters: int) -> None:
@@ -115,6 +124,16 @@ class DloFourSlots(Dlo):
     """dlo with four slots (the default is two): loads may run further ahead of the compute."""
 
     config = dlo.OffloadConfig(num_slots=4)
+
+
+class DloThreeSlots(Dlo):
+    """dlo with three slots."""
+
+    config = dlo.OffloadConfig(num_slots=3)
+
+
+class DloKernelsSlots(DloKernels):
+    """"dlo + kernels" with --slots slots (set by main)."""
 
 
 class DloTimeline(Dlo):
@@ -162,7 +181,8 @@ class ResidentTimeline(Resident):
 
 
 VARIANTS = {
-    **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots,
+    **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots, "dlo 3 slots": DloThreeSlots,
+    "dlo + kernels --slots": DloKernelsSlots,
     "dlo timeline": DloTimeline, "dlo 4 slots timeline": DloFourSlotsTimeline, "resident timeline": ResidentTimeline,
 }
 
@@ -199,7 +219,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--variants", default="resident,dlo,resident + kernels,dlo + kernels")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--slots", type=int, default=4, help="slots of the 'dlo + kernels, --slots' variant")
     args = parser.parse_args()
+    DloKernelsSlots.config = dlo.OffloadConfig(num_slots=args.slots)
     device = torch.device("cuda")
     shape = SHAPES["flux"]
     directory = Path(tempfile.mkdtemp(prefix="gguf_host_bound_", dir=args.tmp))
@@ -230,10 +252,10 @@ def main() -> None:
         del session
         torch.cuda.empty_cache()
     print(f"\nFlux-shaped Q8_0, median of {args.iters}, ms a forward")
-    print("| variant | wall | enqueue | device (issued ahead) | ahead |")
-    print("|---|---|---|---|---|")
-    for variant, wall, enqueue, device_s, ahead in rows:
-        print(f"| {variant} | {wall * 1e3:.1f} | {enqueue * 1e3:.1f} | {device_s * 1e3:.1f} | {ahead}/{args.iters} |")
+    print("| variant | wall | enqueue | device (issued ahead) | ahead | back to back |")
+    print("|---|---|---|---|---|---|")
+    for variant, wall, enqueue, device_s, ahead, loop in rows:
+        print(f"| {variant} | {wall * 1e3:.1f} | {enqueue * 1e3:.1f} | {device_s * 1e3:.1f} | {ahead}/{args.iters} | {loop * 1e3:.1f} |")
 
 
 if __name__ == "__main__":
