@@ -1,11 +1,14 @@
 """Registering an as-saved checkpoint mapping (docs/guides/host-weight-cache.md, for the mappings
 of docs/guides/checkpoints.md), on CPU with a fake driver: blocks copy straight from the
-checkpoint's pages when no tensor needs an adapter; a cast keeps the staging path."""
+checkpoint's pages when no tensor needs a cast (a concatenation is copied part by part into its
+rows of the slot); a cast keeps the staging path."""
 
 import logging
 
 import pytest
 import torch
+
+from safetensors.torch import save_file
 
 import dlo
 from test_checkpoint_mmap import ordinary
@@ -55,6 +58,53 @@ def test_an_as_saved_checkpoint_mapping_is_registered_and_copied_from_directly(f
     assert driver.registered == {}
 
 
+def test_fused_projections_copy_part_by_part_from_the_registered_mapping(flux, driver, monkeypatch):
+    """fuse_qkv=True: each fused weight is its checkpoint's q, k and v, one after another; the
+    mapping is registered all the same and every part is copied from it into its rows of the slot."""
+    directory, _ = flux
+    expected = run(ordinary(directory, "flux", torch.float32, fuse_qkv=True))
+    sources = []
+    issue = CpuExecutor.run
+
+    def record(self, load):
+        sources.extend(task.source.data_ptr() for task in load.copies(0))
+        return issue(self, load)
+
+    monkeypatch.setattr(CpuExecutor, "run", record)
+    model, plan = dlo.load_transformer(directory, fuse_qkv=True)
+    assert plan.adapter_counts().get("concat", 0) > 0
+    mapping = plan._weights.checkpoint
+    parts = {mapping.view(key).data_ptr() for key in mapping.tensors if ".to_q." in key or ".to_k." in key}
+    with dlo.enable(model, "cpu", plan=plan) as handle:
+        got = run(model)
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.registration_fallback == "" and stats.staging_bytes == 0
+    assert parts and parts <= set(sources)  # straight from the mapping, part by part
+
+
+def test_an_sd3_single_file_with_a_swapped_norm_is_registered(tmp_path, driver):
+    """diffusers' converter concatenates SD3's last context norm from the file's halves in
+    another order: that tensor's parts are copied from the registered file like the rest."""
+    from single_file_layouts import sd3_original
+
+    model = TINY_MODELS["sd3"].build(seed=2)
+    model.save_config(tmp_path / "config")
+    path = tmp_path / "sd3.safetensors"
+    save_file(sd3_original({k: v.contiguous() for k, v in model.state_dict().items()}, model.config.num_layers), path)
+    reference = diffusers.SD3Transformer2DModel.from_single_file(str(path), config=str(tmp_path / "config")).eval()
+    inputs = [TINY_MODELS["sd3"].inputs(seed, torch.float32) for seed in (1, 2)]
+    with torch.inference_mode():
+        expected = [reference(**i)[0] for i in inputs]
+    loaded, plan = dlo.load_transformer(path, model_config=tmp_path / "config")
+    assert plan.adapter_counts() == {"concat": 2}
+    with dlo.enable(loaded, "cpu", plan=plan) as handle, torch.inference_mode():
+        got = [loaded(**i)[0] for i in inputs]
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.staging_bytes == 0 and stats.host_bytes == 0
+
+
 def test_a_checkpoint_that_needs_a_cast_is_staged_not_registered(flux, driver, caplog):
     directory, _ = flux
     expected = run(ordinary(directory, "flux", torch.bfloat16), torch.bfloat16)
@@ -63,7 +113,7 @@ def test_a_checkpoint_that_needs_a_cast_is_staged_not_registered(flux, driver, c
         got = run(model, torch.bfloat16)
         stats = handle.stats()
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert "not used as saved" in stats.registration_fallback and "cast" in stats.registration_fallback
+    assert "not used in their saved dtype (a cast)" in stats.registration_fallback
     assert stats.registered_bytes == 0 and driver.calls == []  # decided before any driver call
     assert "host registration not used" not in caplog.text  # expected, so not a warning
 

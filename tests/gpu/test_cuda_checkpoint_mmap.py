@@ -34,8 +34,23 @@ def test_mapped_streaming_matches_ordinary_load_on_cuda(tmp_path, name, torch_dt
     if torch_dtype is None:  # used as saved: the mapping is registered, blocks copy straight from it
         assert stats.registered_bytes > 0 and stats.staging_bytes == 0
     else:  # a cast on every load: packed through the staging buffers
-        assert stats.staging_bytes > 0 and stats.pack_s > 0 and "1 cast" not in stats.registration_fallback
-        assert "not used as saved" in stats.registration_fallback and stats.registered_bytes == 0
+        assert stats.staging_bytes > 0 and stats.pack_s > 0 and stats.registered_bytes == 0
+        assert "not used in their saved dtype (a cast)" in stats.registration_fallback
+
+
+def test_fused_projections_copy_part_by_part_from_the_registered_mapping_on_cuda(tmp_path):
+    """fuse_qkv=True: the mapping is registered all the same, and each fused weight's q, k and v
+    are copied from it into their rows of the slot: equal to diffusers' fused model on the device."""
+    TINY_MODELS["flux"].build(seed=2).save_pretrained(tmp_path, max_shard_size="100KB")
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path).eval()
+    reference.fuse_qkv_projections()
+    expected = run(reference.cuda(), "flux", torch.float32, (1, 2, 3))
+    model, plan = dlo.load_transformer(tmp_path, fuse_qkv=True)
+    with dlo.enable(model, "cuda", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+        got = run(model, "flux", torch.float32, (1, 2, 3))
+        stats = handle.stats()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert stats.registered_bytes > 0 and stats.staging_bytes == 0 and stats.host_bytes == 0
 
 
 def test_mapped_streaming_follows_changing_paths(tmp_path):
@@ -179,8 +194,9 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on
             with _LineInterrupt(None) as counted:
                 run(model, "flux", torch.float32, (0,))
             counts.append(counted.lines)
-    # The main thread's waits for the stager run more or fewer lines from one call to the next:
-    # sample below the fewest seen, and say so where a call still ran fewer.
+    # A call runs more or fewer lines from one to the next on CUDA (the main thread's waits for
+    # the stager; packed too: 3275 to 3303 lines seen): sample below the fewest seen, and say so
+    # where a call still ran fewer.
     for at in sorted(random.Random(backing).sample(range(1, min(counts) + 1), 40)):
         model, plan = fresh()
         with dlo.enable(model, "cuda", config, plan=plan):
@@ -192,6 +208,6 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on
             except KeyboardInterrupt:
                 pass
             else:
-                assert backing == "staged" and interrupted.lines < at, f"line {at} of {counts} was never cut"
+                assert interrupted.lines < at, f"line {at} of {counts} was never cut"
             got = run(model, "flux", torch.float32, (0, 1))
         assert [torch.equal(a, b) for a, b in zip(got, expected)] == [True, True], at

@@ -85,14 +85,16 @@ class BoundPlan:
 
     def register(self, config: OffloadConfig, device: torch.device) -> None:
         """Register the whole mapping read-only for direct copies, or record why not
-        (docs/guides/host-weight-cache.md). Only tensors used as saved can be copied straight from the pages: a mapping
-        with cast or concat adapters is packed on every load instead. A failed rollback
-        propagates, and `release` then keeps the mapping open."""
-        adapters = count_adapters(self.weights.bindings.values(), self.weights.checkpoint)
-        if adapters:
-            steps = ", ".join(f"{count} {step}" for step, count in sorted(adapters.items()))
+        (docs/guides/host-weight-cache.md). Only tensors used in their saved dtype can be
+        copied straight from the pages: a mapping with cast adapters is packed on every load
+        instead. A concatenation (fused q/k/v, a converter's swapped halves) is copied part by
+        part into its rows of the slot. A failed rollback propagates, and `release` then keeps
+        the mapping open."""
+        casts = count_adapters(self.weights.bindings.values(), self.weights.checkpoint).get("cast", 0)
+        if casts:
             self.registration = registration_refused(
-                f"the {self.backing} tensors are not used as saved ({steps}): each load packs them", quiet=True
+                f"{casts} of the {self.backing} tensors are not used in their saved dtype (a cast): each load packs them",
+                quiet=True,
             )
             return
         try:

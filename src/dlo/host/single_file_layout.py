@@ -13,8 +13,8 @@ made of:
 - a `cat` along the rows of such ranges in another order (a fused projection's halves
   swapped: SD3's last context norm, Mochi's and MiniMax-H3's gated MLPs): one entry per part
   (`<name>#<i>`), joined by the declared "concat" adapter that fuse_qkv uses, so the block
-  still streams from the mapping (packed on the host) instead of leaving the file to diffusers'
-  loader. A GGUF file's packed parts join too when they are of one quant type (its blocks
+  still streams from the mapping (each part copied into its rows of the slot) instead of
+  leaving the file to diffusers' loader. A GGUF file's packed parts join too when they are of one quant type (its blocks
   never span rows); parts of float8 tensors or of GGUF tensors of different types are
   computed instead;
 - anything else (a transposed or strided view, a cast, a tensor written in place):
