@@ -167,6 +167,7 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on
     """As on the CPU (tests/test_one_load_path.py), with the copy, dequantization and stager
     streams: a load cut between its enqueued work and its events must not race a later load."""
     import copy
+    import dataclasses
     import random
     import sys
     from pathlib import Path
@@ -182,13 +183,17 @@ def test_an_interrupt_at_any_line_of_the_hot_path_leaves_the_next_calls_exact_on
     expected = run(reference, "flux", torch.float32, (0, 1))
     if backing == "staged":
         weights.save_pretrained(tmp_path / "flux")
+        # Unpinned: the mapping is not registered, so its block (the others are quantized into
+        # private packed copies) goes through the stager, not straight from the pages.
+        config = dataclasses.replace(config, pin_memory=False)
 
     def fresh():
         return dlo.load_transformer(tmp_path / "flux", config) if backing == "staged" else (copy.deepcopy(weights), None)
 
     model, plan = fresh()
-    with dlo.enable(model, "cuda", config, plan=plan):
+    with dlo.enable(model, "cuda", config, plan=plan) as handle:
         run(model, "flux", torch.float32, (0,))
+        assert (handle.stats().staging_bytes > 0) == (backing == "staged")
         counts = []
         for _ in range(3):
             with _LineInterrupt(None) as counted:

@@ -285,7 +285,7 @@ def enable(
     Non-streamed parts and the first `config.resident_layers` blocks move to `device`; the
     other blocks are packed into (pinned) host memory, or read from the checkpoint or cache
     mapping of a `HostWeightPlan` from `dlo.load_transformer`, and copied into rotating device
-    slots just before they run. A mapping whose tensors are used as saved is registered with
+    slots just before they run. A mapping whose tensors are used in their saved dtype is registered with
     the driver when it can be (docs/guides/host-weight-cache.md), so its blocks are copied straight from the shared
     pages.
     Call the model under torch.inference_mode() or torch.no_grad().
