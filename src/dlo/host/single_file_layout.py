@@ -13,10 +13,10 @@ made of:
 - a `cat` along the rows of such ranges in another order (a fused projection's halves
   swapped: SD3's last context norm, Mochi's and MiniMax-H3's gated MLPs): one entry per part
   (`<name>#<i>`), joined by the declared "concat" adapter that fuse_qkv uses, so the block
-  still streams from the mapping (each part copied into its rows of the slot) instead of
-  leaving the file to diffusers' loader. A GGUF file's packed parts join too when they are of one quant type (its blocks
-  never span rows); parts of float8 tensors or of GGUF tensors of different types are
-  computed instead;
+  still streams from the mapping (each part copied into its rows of the slot, or joined while
+  packing) instead of leaving the file to diffusers' loader. A GGUF file's packed parts join
+  too when they are of one quant type (its blocks never span rows); parts of float8 tensors or
+  of GGUF tensors of different types are computed instead;
 - anything else (a transposed or strided view, a cast, a tensor written in place):
   computed. Computed tensors are computed once from the file's own bytes (only the tensors
   they are made of are read), by the same converter, and held in a small private file beside
