@@ -53,7 +53,8 @@ def timed(model, inputs, iters: int, device: torch.device) -> tuple[float, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--slots", default="2,4")
+    parser.add_argument("--slots", default="2,4", help="one enable per entry: 2,2,2 enables 2 slots three times")
+    parser.add_argument("--kinds", default="bf16,fp8")
     parser.add_argument("--shape", default="flux", help="a bench_streaming.py shape (CPU smoke test: tiny)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
@@ -62,7 +63,7 @@ def main() -> None:
     weights = build_model(shape, 0, device)
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
     rows, references = [], {}
-    for kind, config in (("bf16", None), ("fp8", FP8)):
+    for kind, config in ((k, {"bf16": None, "fp8": FP8}[k]) for k in args.kinds.split(",")):
         resident = copy.deepcopy(weights)
         if config is not None:
             dlo.quantize_resident(resident, config)

@@ -1,0 +1,146 @@
+"""Does the backing of the pinned host buffers set an fp8 enable's speed? (issue 31: enables of
+one Flux-shaped fp8 configuration stream at different speeds, back to back too, while their
+copies run at the full link rate with the device idle and beside GEMMs; one hypothesis was the
+buffers' backing: transparent huge pages or 4 KiB pages.)
+
+dlo allocates each block's host copy with torch.empty and page-locks it with cudaHostRegister
+(dlo.host.pinned_buffer). Here that allocation is replaced, per enable, by an anonymous mapping
+aligned to 2 MiB and advised before its first touch:
+  thp      madvise(MADV_HUGEPAGE): huge pages wherever the kernel has them;
+  4k       madvise(MADV_NOHUGEPAGE): 4 KiB pages only;
+  default  torch.empty, as dlo does (the system's transparent_hugepage setting decides).
+Rounds enable every variant once each, in turn, so drift over the run falls on all alike. Per
+enable: the share of its host buffers backed by huge pages (AnonHugePages over Rss of the
+mappings holding them, /proc/self/smaps), then the median of --iters forwards each from a
+synchronized device, and --iters forwards back to back; outputs compared (torch.equal) with the
+first enable's.
+
+  PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
+  CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import mmap
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_streaming import SHAPES, build_model, synchronize, to_device  # noqa: E402
+
+import dlo  # noqa: E402
+from dlo.host import pinned_buffer  # noqa: E402
+
+HUGE = 2 << 20
+ADVICE = {"thp": getattr(mmap, "MADV_HUGEPAGE", None), "4k": getattr(mmap, "MADV_NOHUGEPAGE", None), "default": None}
+
+
+class Allocations:
+    """Stands in for pinned_buffer.aligned_empty on the CPU: allocates as the variant says and
+    records every host range, so the enable's buffers can be found in /proc/self/smaps."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.variant = "default"
+        self.ranges: list[tuple[int, int]] = []
+
+    def __call__(self, nbytes: int, device: torch.device, alignment: int = pinned_buffer.ALIGNMENT) -> torch.Tensor:
+        if device.type != "cpu":
+            return self.original(nbytes, device, alignment)
+        if self.variant == "default":
+            tensor = self.original(nbytes, device, alignment)
+        else:
+            region = mmap.mmap(-1, nbytes + HUGE)
+            region.madvise(ADVICE[self.variant])  # before the first touch: the pages follow it
+            raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+            skip = (-raw.data_ptr()) % HUGE
+            tensor = raw[skip : skip + nbytes]
+        self.ranges.append((tensor.data_ptr(), tensor.data_ptr() + nbytes))
+        return tensor
+
+
+def huge_share(ranges: list[tuple[int, int]]) -> float:
+    """AnonHugePages / Rss over the mappings that overlap `ranges`."""
+    rss = huge = 0
+    hit = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: its address range
+                low, high = (int(part, 16) for part in head[0].split("-"))
+                hit = any(a < high and b > low for a, b in ranges)
+            elif hit and head[0] == "Rss:":
+                rss += int(head[1])
+            elif hit and head[0] == "AnonHugePages:":
+                huge += int(head[1])
+    return huge / rss if rss else 0.0
+
+
+def timed(model, inputs, iters: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
+    with torch.inference_mode():
+        for _ in range(2):
+            out = model(**inputs)[0]
+        walls = []
+        for _ in range(iters):
+            synchronize(device)
+            started = time.perf_counter()
+            model(**inputs)
+            synchronize(device)
+            walls.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for _ in range(iters):
+            model(**inputs)
+        synchronize(device)
+        loop = (time.perf_counter() - started) / iters
+    return statistics.median(walls), loop, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="thp,4k,default")
+    parser.add_argument("--shape", default="flux", help="a bench_streaming.py shape (CPU smoke test: tiny)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    for name in ("enabled", "defrag"):
+        path = Path(f"/sys/kernel/mm/transparent_hugepage/{name}")
+        print(f"transparent_hugepage/{name}: {path.read_text().strip() if path.exists() else 'absent'}")
+    iommu = Path("/sys/class/iommu")
+    print(f"/sys/class/iommu: {sorted(p.name for p in iommu.iterdir()) if iommu.exists() else 'absent'}")
+    shape = SHAPES[args.shape]
+    weights = build_model(shape, 0, device)
+    inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
+    allocations = Allocations(pinned_buffer.aligned_empty)
+    pinned_buffer.aligned_empty = allocations
+    rows, reference = [], None
+    for round_ in range(args.rounds):
+        for variant in args.variants.split(","):
+            allocations.variant, allocations.ranges = variant, []
+            model = copy.deepcopy(weights)
+            with dlo.enable(model, device, dlo.OffloadConfig(stream_dtype="fp8")):
+                share = huge_share(allocations.ranges)
+                wall, loop, out = timed(model, inputs, args.iters, device)
+            reference = out if reference is None else reference
+            same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
+            rows.append((round_, variant, share, wall, loop, same))
+            print(rows[-1], flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n{args.shape}-shaped fp8, 2 slots, ms a forward (median of {args.iters} synchronized; {args.iters} back to back)")
+    print("| round | host buffers | huge-page share | synchronized | back to back | output vs first |")
+    print("|---|---|---|---|---|---|")
+    for round_, variant, share, wall, loop, same in rows:
+        print(f"| {round_} | {variant} | {share:.2f} | {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
