@@ -15,7 +15,10 @@ With --cprofile, the dlo variants' forwards also run under cProfile (wall time p
 function, blocking C calls included) and the functions that took the most are printed.
 Variants beyond bench_gguf's, each removing one piece of dlo's per-block host work: "dlo fixed
 slots" (slots never shrink between size classes, so no refit after the first call), "dlo
-without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further ahead).
+without probe" (no pre-hooks on the blocks' submodules); and "dlo 4 slots" (loads further
+ahead), "dlo 4 fixed slots" (both). Each variant prints the caching allocator's cudaMalloc and
+cudaFree calls, retries and all-stream synchronizations over its timed forwards (each stalls
+the host until the device catches up).
 "dlo timeline" records the device intervals and prints the last forward's blocks: copy,
 compute, the compute stream's idle time before each block, and whether its copy came late
 ("dlo 4 slots timeline": the same with four slots).
@@ -50,6 +53,9 @@ from dlo.hotpath import slot_queue  # noqa: E402
 from dlo.planning.offload_plan import discover  # noqa: E402
 
 SHRINK_BELOW = slot_queue._SHRINK_BELOW
+# cudaMalloc / cudaFree calls, retries after a failed cudaMalloc, and synchronizations of every
+# stream by the caching allocator: each stalls the host until the device catches up.
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 SLEEP_CYCLES = 2_000_000_000  # about a second at the H200's clock: longer than any issue here
 
 
@@ -109,6 +115,12 @@ class DloFixedSlots(Dlo):
     def close(self) -> None:
         slot_queue._SHRINK_BELOW = SHRINK_BELOW
         super().close()
+
+
+class DloFourFixedSlots(DloFixedSlots):
+    """"dlo fixed slots" with four slots: no refit and loads further ahead."""
+
+    config = dlo.OffloadConfig(num_slots=4)
 
 
 class DloWithoutProbe(Dlo):
@@ -182,6 +194,7 @@ class ResidentTimeline(Resident):
 
 VARIANTS = {
     **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots, "dlo 3 slots": DloThreeSlots,
+    "dlo 4 fixed slots": DloFourFixedSlots,
     "dlo + kernels --slots": DloKernelsSlots,
     "dlo timeline": DloTimeline, "dlo 4 slots timeline": DloFourSlotsTimeline, "resident timeline": ResidentTimeline,
 }
@@ -239,7 +252,11 @@ def main() -> None:
                 for _ in range(2):
                     session.model(**inputs)
                 session.start_window()
+                before = torch.cuda.memory_stats()
                 rows.append((variant, *timed(session.model, inputs, args.iters)))
+                after = torch.cuda.memory_stats()
+                counts = {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_COUNTS}
+                print(f"  {variant}: caching allocator over the timed forwards {counts}", flush=True)
                 session.streaming(2 * args.iters)  # a dlo session's close prints its CPU seconds from it
                 if args.cprofile:
                     profile_forwards(variant, session.model, inputs, args.iters)
