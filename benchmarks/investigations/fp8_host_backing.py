@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import copy
 import mmap
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_streaming import SHAPES, build_model, synchronize, to_device  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
+from slots_back_to_back import timed  # noqa: E402
 
 import dlo  # noqa: E402
 from dlo.host import pinned_buffer  # noqa: E402
@@ -80,25 +80,6 @@ def huge_share(ranges: list[tuple[int, int]]) -> float:
             elif hit and head[0] == "AnonHugePages:":
                 huge += int(head[1])
     return huge / rss if rss else 0.0
-
-
-def timed(model, inputs, iters: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
-    with torch.inference_mode():
-        for _ in range(2):
-            out = model(**inputs)[0]
-        walls = []
-        for _ in range(iters):
-            synchronize(device)
-            started = time.perf_counter()
-            model(**inputs)
-            synchronize(device)
-            walls.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for _ in range(iters):
-            model(**inputs)
-        synchronize(device)
-        loop = (time.perf_counter() - started) / iters
-    return statistics.median(walls), loop, out
 
 
 def main() -> None:
