@@ -13,7 +13,8 @@ Rounds enable every variant once each, in turn, so drift over the run falls on a
 enable: the share of its host buffers backed by huge pages (AnonHugePages over Rss of the
 mappings holding them, /proc/self/smaps), then the median of --iters forwards each from a
 synchronized device, and --iters forwards back to back; outputs compared (torch.equal) with the
-first enable's.
+first enable's. Before the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its
+share printed: 0 there means the system grants no huge pages, whatever the advice.
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
@@ -56,7 +57,8 @@ class Allocations:
         if self.variant == "default":
             tensor = self.original(nbytes, device, alignment)
         else:
-            region = mmap.mmap(-1, nbytes + HUGE)
+            # Private: a shared anonymous mapping is shmem, whose huge pages follow another setting.
+            region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE)
             region.madvise(ADVICE[self.variant])  # before the first touch: the pages follow it
             raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
             skip = (-raw.data_ptr()) % HUGE
@@ -94,6 +96,13 @@ def main() -> None:
     for name in ("enabled", "defrag"):
         path = Path(f"/sys/kernel/mm/transparent_hugepage/{name}")
         print(f"transparent_hugepage/{name}: {path.read_text().strip() if path.exists() else 'absent'}")
+    mthp = Path("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/enabled")
+    print(f"hugepages-2048kB/enabled: {mthp.read_text().strip() if mthp.exists() else 'absent'}")
+    probe = Allocations(pinned_buffer.aligned_empty)
+    probe.variant = "thp"
+    region = probe(64 << 20, torch.device("cpu")).fill_(1)  # does this system grant huge pages at all?
+    print(f"huge-page share of a touched 64 MiB region advised MADV_HUGEPAGE: {huge_share(probe.ranges):.2f}")
+    del region
     iommu = Path("/sys/class/iommu")
     print(f"/sys/class/iommu: {sorted(p.name for p in iommu.iterdir()) if iommu.exists() else 'absent'}")
     shape = SHAPES[args.shape]
