@@ -158,6 +158,35 @@ def ltx_original(state: dict[str, torch.Tensor], vae: dict[str, torch.Tensor]) -
     return {**out, **{f"vae.{key}": tensor for key, tensor in vae.items()}}
 
 
+LTX2_RENAMES = [  # diffusers -> LTX-2's own names (anywhere in the key)
+    ("proj_in", "patchify_proj"),
+    ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+    ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+    ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+    ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+    ("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video"),
+    ("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio"),
+    ("norm_q", "q_norm"),
+    ("norm_k", "k_norm"),
+]
+LTX2_STARTS = [("time_embed.", "adaln_single."), ("audio_time_embed.", "audio_adaln_single.")]
+
+
+def ltx2_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LTX-2's own layout (renames only), with the text connectors' tensors beside the
+    transformer's, as its files hold them (diffusers' converter drops them)."""
+    out = {}
+    for key, tensor in state.items():
+        for new, old in LTX2_RENAMES:
+            key = key.replace(new, old)
+        for new, old in LTX2_STARTS:
+            key = old + key.removeprefix(new) if key.startswith(new) else key
+        out[key] = tensor.contiguous()
+    out["video_embeddings_connector.learnable_registers"] = torch.ones(4, 8, dtype=torch.bfloat16)
+    out["audio_embeddings_connector.learnable_registers"] = torch.ones(4, 8, dtype=torch.bfloat16)
+    return out
+
+
 Z_IMAGE_RENAMES = [  # diffusers -> Z-Image's own names (on the key with a dot in front)
     (".all_final_layer.2-1.", ".final_layer."),
     (".all_x_embedder.2-1.", ".x_embedder."),

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux2_original, flux3_original, qwen_image21_original, z_image_original
+from single_file_layouts import flux2_original, flux3_original, ltx2_original, qwen_image21_original, z_image_original
 from test_single_file_mapping import per_row_fp8, random_model, reference, run, scaled_fp8
 
 diffusers = pytest.importorskip("diffusers")
@@ -382,6 +382,9 @@ Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=6
                n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])
 FLUX3 = dict(in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
              joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4))
+LTX2 = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=8,
+            audio_cross_attention_dim=16, num_layers=2, caption_channels=16)
 QWEN21 = dict(in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=32,
               mlp_ratio=3, axes_dims_rope=(4, 6, 6))
 
@@ -452,6 +455,20 @@ def test_a_comfyui_flux3_file_loads_its_renamed_float8_weights_with_their_scales
     path, config_dir, dequantized = comfyui_file(tmp_path, cls, FLUX3, flux3_original, quantize, blocks, prefix="")
     bindings = assert_loads_like(path, config_dir, cls, dequantized)
     assert bindings["mode_blocks.image.1.attn.to_q.weight"].format.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("quantize", [scaled_fp8, per_row_fp8], ids=["per tensor", "per row"])
+def test_a_comfyui_ltx2_file_loads_its_renamed_float8_weights_with_their_scales(tmp_path, quantize):
+    """LTX-2 in its own layout under `model.diffusion_model.`, with its text connectors'
+    tensors beside the transformer's (diffusers' converter drops them), every block weight
+    float8 in ComfyUI's current format: each loads as float8 with its own scale, every
+    parameter and buffer equal to diffusers' single-file model of the dequantized weights (no
+    forward: its audio and video inputs are beyond the tiny builders)."""
+    cls = diffusers.LTX2VideoTransformer3DModel
+    path, config_dir, dequantized = comfyui_file(tmp_path, cls, LTX2, ltx2_original, quantize)
+    bindings = assert_loads_like(path, config_dir, cls, dequantized)
+    assert all(bindings[f"transformer_blocks.1.{name}.weight"].format.dtype == torch.float8_e4m3fn
+               for name in ("attn1.to_q", "audio_to_video_attn.to_out.0", "audio_ff.net.2"))
 
 
 def z_image_run(model) -> list[torch.Tensor]:
