@@ -84,6 +84,29 @@ def test_a_flux2_file_in_bfl_layout_streams_from_its_mapping(tmp_path):
     assert offsets["transformer_blocks.0.attn.to_k.weight"] == (qkv + 32 * 32 * 2, torch.bfloat16)
 
 
+@pytest.mark.parametrize("prefix", ["model.diffusion_model.", ""])
+def test_a_converter_failing_on_a_prefixed_file_is_refused_naming_the_prefix(tmp_path, prefix):
+    """Flux.2's converter does not strip ComfyUI's `model.diffusion_model.` (diffusers'
+    from_single_file fails too): the refusal names the prefix, not the config. The same failure
+    on a file without a prefix (another model's file) still asks about the config."""
+    path, config_dir, *_ = flux2_file(tmp_path)
+    if prefix:
+        save_file({f"{prefix}{key}": tensor for key, tensor in load_file(path).items()}, path)
+    else:  # Flux's converter given a Wan file
+        save_file(TINY_MODELS["wan"].build(seed=0).state_dict(), path)
+        config_dir = tmp_path / "flux"
+        TINY_MODELS["flux"].build(seed=0).save_config(config_dir)
+    with pytest.raises(dlo.ConfigError) as refused:
+        dlo.load_transformer(path, model_config=config_dir)
+    message = str(refused.value)
+    assert "\n" not in message and "cannot read it" in message
+    if prefix:
+        assert f"every key of the file is under {prefix!r}, which that converter does not strip" in message
+        assert "the config of the model" not in message
+    else:
+        assert f"is {config_dir} the config of the model this file holds?" in message and "prefix" not in message
+
+
 def test_a_comfyui_fp8mixed_flux2_file_streams_like_its_dequantized_weights(tmp_path):
     """Every double block's Linear weights float8 (the fused q/k/v too: Flux.2's converter would
     chunk a 0-dim scale beside it as it chunks the weight, so it is never given one) and the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -139,6 +139,12 @@ def _by_layer(named) -> dict:
         layer = _unprefixed(layer)
         found[layer] = [found[layer], value] if layer in found else value
     return found
+
+
+def shared_comfy_prefix(keys: Iterable[str]) -> str | None:
+    """The ComfyUI prefix every one of `keys` starts with, or None."""
+    keys = list(keys)
+    return next((prefix for prefix in COMFY_PREFIXES if keys and all(key.startswith(prefix) for key in keys)), None)
 
 
 def _unprefixed(layer: str) -> str:

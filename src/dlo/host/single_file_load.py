@@ -23,9 +23,11 @@ from dlo.host.model_build import model_class, runtime_dtype_rule, skeleton
 from dlo.host.gguf_file import GgufFile, check_diffusers_reads, diffusers_gguf_types, read_gguf_index
 from dlo.host.gguf_model import as_gguf_skeleton, private_conversions
 from dlo.host.preflight import Fallback, MappedLoad, mapped_load
-from dlo.host.quantized_layers import FLOAT8, ignored_key, quantization_problem, unquantized_float_dtype, unscaled_float8
+from dlo.host.quantized_layers import (
+    FLOAT8, ignored_key, quantization_problem, shared_comfy_prefix, unquantized_float_dtype, unscaled_float8,
+)
 from dlo.host.safetensors_file import SafetensorsFile, read_entries
-from dlo.host.single_file_layout import computed_values, converted_layout, has_converter, private_file
+from dlo.host.single_file_layout import computed_values, converted_layout, converter_inputs, has_converter, private_file
 from dlo.planning.offload_plan import discover
 
 GGUF_SUFFIX = ".gguf"
@@ -129,10 +131,15 @@ def single_file_preflight(
         try:
             layout = converted_layout(file, cls, model_config, names, options)
         except Exception as err:  # diffusers' converters raise many kinds
+            prefix = shared_comfy_prefix(converter_inputs(file))
             check = f"are converter_options={dict(options)} right for it, and " if options else ""
+            why = (
+                f"every key of the file is under {prefix!r}, which that converter does not strip (diffusers' "
+                "from_single_file fails on it too): use the file saved without the prefix (ComfyUI's diffusion_models files)"
+                if prefix else f"{check}is {directory} the config of the model this file holds?"
+            )
             raise ConfigError(
-                f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); "
-                f"{check}is {directory} the config of the model this file holds?"
+                f"{path}: diffusers' single-file converter for {cls.__name__} cannot read it ({first_line(err)}); {why}"
             ) from None
         offload_plan = discover(model)
         prefixes = tuple(f"{block}." for block in offload_plan.block_lists)
