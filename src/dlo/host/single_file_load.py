@@ -135,7 +135,7 @@ def single_file_preflight(
             check = f"are converter_options={dict(options)} right for it, and " if options else ""
             why = (
                 f"every key of the file is under {prefix!r}, which that converter does not strip (diffusers' "
-                "from_single_file fails on it too): use the file saved without the prefix (ComfyUI's diffusion_models files)"
+                "from_single_file fails on it too): use the file saved without the prefix"
                 if prefix else f"{check}is {directory} the config of the model this file holds?"
             )
             raise ConfigError(
