@@ -23,7 +23,10 @@ the host until the device catches up).
 compute, the compute stream's idle time before each block, and whether its copy came late
 ("dlo 4 slots timeline": the same with four slots).
 "resident timeline" times each block of the resident model on the device (CUDA events around
-it), so a block's compute beside dlo's copies can be set against the same block alone.
+it), so a block's compute beside dlo's copies can be set against the same block alone. Both
+timelines also print the gap from the previous forward's last block to the last forward's
+first (the forwards before it ran back to back): the work outside the blocks, and any wait for
+the host's launches at a call's start.
 
   python3 benchmarks/investigations/gguf_host_bound.py --tmp /tmp [--cprofile]
   (per-block device times: --variants "resident timeline,dlo timeline")
@@ -162,29 +165,43 @@ class DloFourSlotsTimeline(DloTimeline):
 
 
 class ResidentTimeline(Resident):
-    """The resident model with CUDA events around each block: `print_blocks` gives the last
-    forward's per-block device time, named as dlo's timeline names them. The hooks stay on for
-    the timed forwards: this row's wall and enqueue times include their cost."""
+    """The resident model with CUDA events around each block call: `print_blocks` gives the last
+    forward's per-block device time, named as dlo's timeline names them, and the gap before it
+    (from the previous forward's last block). The hooks stay on for the timed forwards: this
+    row's wall and enqueue times include their cost."""
 
     def __init__(self, model, device) -> None:
         super().__init__(model, device)
-        self.events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self.calls: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # every block call, in order
+        self.blocks = 0
         self.hooks = []
-        plan = discover(self.model)
-        for path in plan.block_lists:
+        started: dict[str, torch.cuda.Event] = {}
+
+        def begin(name: str) -> None:
+            started[name] = torch.cuda.Event(enable_timing=True)
+            started[name].record()
+
+        def end(name: str) -> None:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self.calls.append((name, started.pop(name), ended))
+
+        for path in discover(self.model).block_lists:
             for i, block in enumerate(self.model.get_submodule(path)):
-                name = f"{path}.{i}"
-                self.events[name] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                self.hooks.append(block.register_forward_pre_hook(lambda *_, at=self.events[name][0]: at.record()))
-                self.hooks.append(block.register_forward_hook(lambda *_, at=self.events[name][1]: at.record()))
+                self.blocks += 1
+                self.hooks.append(block.register_forward_pre_hook(lambda *_, name=f"{path}.{i}": begin(name)))
+                self.hooks.append(block.register_forward_hook(lambda *_, name=f"{path}.{i}": end(name)))
 
     def print_blocks(self) -> None:
         torch.cuda.synchronize()
+        last = self.calls[-self.blocks:]
         print("\n| block | resident compute |")
         print("|---|---|")
-        for name, (begin, end) in self.events.items():
+        for name, begin, end in last:
             print(f"| {name} | {begin.elapsed_time(end):.2f} |")
-        print(f"blocks: compute {sum(b.elapsed_time(e) for b, e in self.events.values()):.1f} ms")
+        gap = self.calls[-self.blocks - 1][2].elapsed_time(last[0][1]) if len(self.calls) > self.blocks else float("nan")
+        print(f"blocks: compute {sum(b.elapsed_time(e) for _, b, e in last):.1f} ms; from the previous forward's last "
+              f"block to this one's first {gap:.2f} ms")
 
     def close(self) -> None:
         for hook in self.hooks:
@@ -208,7 +225,9 @@ def print_block_timeline(handle: dlo.OffloadHandle) -> None:
     handle.stats()  # settles the ledger
     runtime = handle._runtime
     timeline = runtime.ledger.timeline
-    computes = [i for i in timeline if i.track == "compute"][-len(runtime.blocks):]
+    every_compute = [i for i in timeline if i.track == "compute"]
+    computes = every_compute[-len(runtime.blocks):]
+    before = every_compute[-len(runtime.blocks) - 1] if len(every_compute) > len(runtime.blocks) else None
     rows, previous_end = [], None
     for block in computes:
         copies = [i for i in timeline if i.track == "copy" and i.name == block.name and i.start_s <= block.start_s]
@@ -223,7 +242,9 @@ def print_block_timeline(handle: dlo.OffloadHandle) -> None:
         print(f"| {name} | {copy_s * 1e3:.2f} | {compute_s * 1e3:.2f} | {idle_s * 1e3:.2f} | {late_s * 1e3:.2f} |")
     span = previous_end - computes[0].start_s if computes else 0.0
     compute_ms, idle_ms = sum(r[2] for r in rows) * 1e3, sum(r[3] for r in rows) * 1e3
-    print(f"blocks: compute {compute_ms:.1f} ms, idle between them {idle_ms:.1f} ms, first start to last end {span * 1e3:.1f} ms")
+    gap = computes[0].start_s - before.start_s - before.duration_s if before and computes else float("nan")
+    print(f"blocks: compute {compute_ms:.1f} ms, idle between them {idle_ms:.1f} ms, first start to last end {span * 1e3:.1f} ms; "
+          f"from the previous forward's last block to this one's first {gap * 1e3:.2f} ms")
 
 
 def main() -> None:
