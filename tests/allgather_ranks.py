@@ -563,10 +563,11 @@ SCENARIOS["cuda_cache_shards"] = cuda_cache_shards
 
 
 def interrupt_then_disable(
-    rank: int, world: int, directory: str | None = None, budget_gib: float | None = None
+    rank: int, world: int, directory: str | None = None, budget_gib: float | None = None, restore: bool = True
 ) -> dict:
     """Ctrl-C reaches rank 1 inside block 1 of a call (torch runs no end hook for it) while
-    rank 0 finishes the call; then each rank disables, as leaving `with dlo.enable(...)` does.
+    rank 0 finishes the call; then each rank disables, as leaving `with dlo.enable(...)` does
+    (`restore` False: disable(restore=False), no gather; the model then refuses calls).
     With `directory` and `budget_gib`: loaded from that checkpoint, shards beyond the budget
     read from disk (the rest of rank 1's call reads them as disable() begins)."""
     reference = TINY_MODELS["sd3"].build(seed=1)
@@ -589,7 +590,13 @@ def interrupt_then_disable(
         _tiny_outputs(model, "sd3", [0])
     except KeyboardInterrupt:
         outcome = "interrupted"
-    handle.disable()
+    handle.disable(restore=restore)
+    if not restore:
+        try:
+            _tiny_outputs(model, "sd3", [0])
+        except dlo.StreamingError as refused:
+            return dict(outcome=outcome, refused=str(refused))
+        return dict(outcome=outcome, refused=None)
     restored = all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
     return dict(outcome=outcome, restored=restored)
 

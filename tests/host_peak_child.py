@@ -7,7 +7,11 @@ baseline, peak during enable(), and after it (freed heap returned first), in byt
 KIND "moves": the checkpoint mapped under host_budget_gib=BUDGET (a third argument, GiB), the
 choice made from the measured call forced to swap two blocks on disk with two kept in host
 memory; RssAnon sampled during that call (its moves included): before, peak, after, and the
-blocks moved."""
+blocks moved.
+
+KIND "disable": the checkpoint mapped (under host_budget_gib=BUDGET GiB when a fourth argument
+gives one), one forward, then `disable(restore=RESTORE)` (third argument, 0 or 1) while RssAnon
+is sampled: before, peak, after."""
 
 from __future__ import annotations
 
@@ -78,11 +82,31 @@ def moves(directory: str, budget_gib: float) -> None:
                               moved=len(choice.moved_to_disk) + len(choice.moved_to_ram))))
 
 
+def disable(directory: str, restore: bool, budget_gib: float | None) -> None:
+    model, plan = dlo.load_transformer(directory)
+    inputs = TINY_MODELS["wan"].inputs(1, torch.bfloat16)
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget_gib), plan=plan)
+    with torch.inference_mode():
+        finite = bool(torch.isfinite(model(**inputs)[0]).all())
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    before = rss_anon()
+    sampler = Sampler()
+    sampler.start()
+    handle.disable(restore=restore)
+    sampler.stop.set()
+    sampler.join()
+    print(json.dumps(dict(before=before, peak=sampler.peak, after=rss_anon(), finite=finite)))
+
+
 def main() -> None:
     directory, kind = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     if kind == "moves":
         moves(directory, float(sys.argv[3]))
+        return
+    if kind == "disable":
+        disable(directory, sys.argv[3] == "1", float(sys.argv[4]) if len(sys.argv) > 4 else None)
         return
     if kind == "mapped":
         model, plan = dlo.load_transformer(directory)

@@ -188,6 +188,15 @@ def test_disable_after_ctrl_c_inside_a_call_issues_the_collectives_its_peers_iss
     assert results[0]["restored"] and results[1]["restored"]  # every gather paired with its peer's
 
 
+def test_disable_without_restore_after_ctrl_c_still_closes_the_call_in_step(tmp_path):
+    """disable(restore=False) gathers nothing, but the interrupted rank still issues the rest of
+    its call as its peer did (else Gloo pairs them wrongly: a crash); then neither model runs."""
+    results, _ = run_ranks(tmp_path, "interrupt_then_disable", 2, restore=False)
+    assert_no_errors(results)
+    assert [results[rank]["outcome"] for rank in (0, 1)] == ["ok", "interrupted"]
+    assert all("disabled with restore=False" in (results[rank]["refused"] or "") for rank in (0, 1))
+
+
 def test_allgather_slots_are_never_reallocated_in_a_call(tmp_path):
     """Flux's two block sizes would resize slots between phases (rank-local mode does): with
     allocation failing on rank 1 after enable(), both ranks still stream exactly."""

@@ -144,6 +144,28 @@ def test_disable_leaves_private_copies_and_closes_the_mapping(tmp_path):
         assert torch.equal(run(model, "flux", torch.float32, seeds=(4,))[0], expected[0])
 
 
+def test_disable_without_restore_closes_the_mapping_and_the_module_refuses_calls(tmp_path):
+    """disable(restore=False) releases what disable() does (the mapping closes) but gives the
+    blocks nothing: the module and each streamed block refuse to run on their stand-ins, and
+    a later disable() is the first one's."""
+    directory = save(tmp_path, "flux", "100KB")
+    model, plan = dlo.load_transformer(directory)
+    checkpoint = plan._weights.checkpoint  # observed only: the mapping the handle must close
+    handle = dlo.enable(model, "cpu", plan=plan)
+    assert torch.isfinite(run(model, "flux", torch.float32, seeds=(4,))[0]).all()
+    final = handle.disable(restore=False)
+    assert all(shard._map.closed for shard in checkpoint.files)
+    assert handle.disable() is final
+    weight = model.transformer_blocks[0].attn.to_q.weight
+    assert weight.stride() == (0, 0) and torch.isnan(weight).all()  # a stand-in, no copy of the weights
+    says = "FluxTransformer2DModel was disabled with restore=False: its streamed blocks hold no weights"
+    with pytest.raises(dlo.StreamingError, match=says):
+        run(model, "flux", torch.float32, seeds=(4,))
+    block = model.single_transformer_blocks[1]
+    with pytest.raises(dlo.StreamingError, match=says), torch.inference_mode():
+        block(torch.zeros(1, 4, 32), torch.zeros(1, 32), (torch.ones(4, 4), torch.zeros(4, 4)))
+
+
 def test_checkpoint_mmap_off_loads_the_ordinary_way_without_fallback_log(tmp_path, caplog):
     directory = save(tmp_path, "wan")
     with caplog.at_level(logging.WARNING):

@@ -1,8 +1,9 @@
 """enable()'s own host memory peak when it quantizes a bf16 model to fp8 (stream_dtype="fp8"):
 from the checkpoint mapping, block by block, the peak stays about one block above what
 enable() keeps; from a private bf16 model, the model's tensors are kept until enable() ends
-(a failed enable() gives them back), so the peak holds both copies. Measured in fresh
-processes (tests/host_peak_child.py samples RssAnon while enable() runs)."""
+(a failed enable() gives them back), so the peak holds both copies. disable() of a model under
+the disk tier: the blocks read from disk are copied into private memory, unless
+restore=False. Measured in fresh processes (tests/host_peak_child.py samples RssAnon)."""
 
 import json
 import os
@@ -82,3 +83,17 @@ def test_blocks_moved_between_host_memory_and_disk_add_nothing_beyond_the_budget
     assert report["moved"] == 4
     assert report["peak"] - report["before"] < 0.5 * block
     assert abs(report["after"] - report["before"]) < 0.5 * block
+
+
+def test_disable_without_restore_copies_no_block_of_a_disk_tier_model(checkpoint):
+    """Half the blocks kept in host memory, half on disk: disable() gives the disk blocks
+    private copies (about half the model, which may be more than the host has), and
+    disable(restore=False) copies nothing."""
+    directory, block, blocks = checkpoint
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))  # See the test above
+    budget = str(0.5 * blocks / 2**30)
+    restored, dropped = (measured(directory, "disable", flag, budget, env=env) for flag in ("1", "0"))
+    grew = {name: (r["peak"] - r["before"]) / MB for name, r in (("restored", restored), ("dropped", dropped))}
+    print(f"\ndisable(): {grew['restored']:.1f} MB, restore=False: {grew['dropped']:.1f} MB (blocks {blocks / MB:.1f} MB)")
+    assert grew["restored"] > 0.3 * blocks / MB  # the measurement sees the copies
+    assert grew["dropped"] < block / MB

@@ -369,10 +369,16 @@ class OffloadHandle:
         self.stats()
         return write_chrome_trace(path, self._ledger.timeline)
 
-    def disable(self) -> OffloadStats:
-        """Return the module to a plain state; idempotent. Streamed blocks get ordinary CPU
-        tensors (their packed host copies, unpinned, or private copies of the mapped
-        checkpoint tensors); everything else stays on the device.
+    def disable(self, restore: bool = True) -> OffloadStats:
+        """Return the module to a plain state; idempotent (the first call decides). Streamed
+        blocks get ordinary CPU tensors (their packed host copies, unpinned, or private copies
+        of the mapped checkpoint tensors); everything else stays on the device.
+
+        `restore=False`: the blocks get nothing back and the module can no longer run (calling
+        it or a streamed block raises StreamingError): for a model about to be dropped or a
+        process about to exit, where copying every mapped block into private memory would
+        only cost time, or more memory than the host has (the disk tier). In all-gather mode
+        every rank passes the same value.
 
         Order: synchronize the device (stats() does), unregister a registered mapping, unpin
         host memory, remove hooks (compiled blocks get their compiled callables back), repoint
@@ -389,7 +395,8 @@ class OffloadHandle:
                 self._changes_settled = ()
             except StreamingError as err:  # the module is disabled first, then it is raised
                 self._changes_settled = (err,)
-            self._changes.write_back_resident()  # See [Note: editing a streamed block]
+            if restore:
+                self._changes.write_back_resident()  # See [Note: editing a streamed block]
         runtime = self._runtime
         try:
             with torch.no_grad():
@@ -405,8 +412,10 @@ class OffloadHandle:
             self._probe.remove()
         self._loads.remove()
         with torch.no_grad():
-            runtime.restore_blocks()
-        if self._fp8_gemms is not None:
+            runtime.restore_blocks(weights=restore)
+        if not restore:
+            _refuse_calls(self.module, [self.module.get_submodule(block.name) for block in runtime.blocks])
+        elif self._fp8_gemms is not None:
             self._fp8_gemms.dequantize_back()
         if runtime.gather is not None:
             runtime.gather.close()  # after restore_blocks(): its collectives are watched too
@@ -432,6 +441,20 @@ class OffloadHandle:
         if self._changes_settled:
             raise self._changes_settled[0]
         return final
+
+
+def _refuse_calls(module: nn.Module, blocks: list[nn.Module]) -> None:
+    """After disable(restore=False): a call of the module or of a streamed block raises
+    instead of computing on the blocks' stand-ins."""
+
+    def refuse(called: nn.Module, args: object) -> None:
+        raise StreamingError(
+            f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights; "
+            "load the model again"
+        )
+
+    for target in (module, *blocks):
+        target.register_forward_pre_hook(refuse)
 
 
 def _release_host_memory(registration: HostRegistration | None, releases: list[Callable[[], None]]) -> list[str]:

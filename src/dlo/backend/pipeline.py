@@ -80,15 +80,17 @@ class PipelineHandle:
         names = list(self.handles) if components is None else list(components)
         return [n for n in names if n in self.handles], [n for n in names if n not in self.handles]
 
-    def disable(self) -> None:
-        """Undo dlo on every streamed component; idempotent. Other components stay where they are."""
+    def disable(self, restore: bool = True) -> None:
+        """Undo dlo on every streamed component; idempotent. Other components stay where they
+        are. `restore=False`: the streamed components get no weights back (see
+        OffloadHandle.disable)."""
         for hook in self._offload_hooks:
             hook.remove()
         self._offload_hooks.clear()
         while self._undo:
             self._undo.pop()()
         for handle in self.handles.values():
-            handle.disable()
+            handle.disable(restore)
 
     def __enter__(self) -> PipelineHandle:
         return self

@@ -109,9 +109,8 @@ def generate(
     compile_model(pipe.transformer, job.compile)
     before_last: dict[str, int] = {}
     size = call_size(pipe, *call_dims(job.call)) if job.config.hbm_budget_gib is not None else None
-    with dlo.enable_pipeline(
-        pipe, device, job.config, plans={"transformer": plan}, components=job.components, size=size
-    ) as handle:
+    handle = dlo.enable_pipeline(pipe, device, job.config, plans={"transformer": plan}, components=job.components, size=size)
+    try:
         load_loras(pipe, job.loras)  # after enable: the plan names the transformer's tensors as loaded
 
         def step_end(pipe, step: int, timestep, tensors: dict) -> dict:
@@ -126,6 +125,10 @@ def generate(
             result = pipe(**job.call, **ARRAY_OUTPUT, **sampled, generator=generator)
         seconds = time.perf_counter() - started
         stats = handle.stats()
+    finally:
+        # The pipeline is dropped after this call: giving the blocks their weights back would
+        # copy every mapped block into private memory (more than the host has, with the disk tier).
+        handle.disable(restore=False)
     media = finite_media(result, job.video)
     sequence_ranks = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     plan_lines = tuple(handle.plan.describe()) if handle.plan is not None else ()

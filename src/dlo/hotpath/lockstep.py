@@ -175,9 +175,10 @@ class LockstepRuntime(StreamingRuntime):
             self.gather.break_off(f"rank {self.gather.rank} could not close the call an interrupt cut short ({failure})")
             raise
 
-    def restore_blocks(self) -> None:
+    def restore_blocks(self, weights: bool = True) -> None:
         """Give every block ordinary CPU tensors (disable()): collectives, after those of a
-        call Ctrl-C interrupted here, which its peers issued."""
+        call Ctrl-C interrupted here, which its peers issued. With `weights` False, the
+        blocks keep their stand-ins (no gather; every rank passes the same `weights`)."""
         closing = self._cursor is not None
         with self._step():
             if self.gather.size > 1:
@@ -187,7 +188,9 @@ class LockstepRuntime(StreamingRuntime):
                 self.release_running()
                 self._cursor = None
             for index, block in enumerate(self.blocks):
-                if isinstance(block.source, ShardedSource):
+                if not weights:
+                    block.point_at(block.placeholders)
+                elif isinstance(block.source, ShardedSource):
                     block.point_at(restored_image(self.gathered(index), block.layout, block.wire))
                 else:
                     block.restore()

@@ -223,12 +223,16 @@ class StreamingRuntime:
         """disable(), before anything is released: close a call an interrupt left open (See
         LockstepRuntime); rank-local mode has nothing to close."""
 
-    def restore_blocks(self) -> None:
-        """Give every block ordinary CPU tensors (disable())."""
+    def restore_blocks(self, weights: bool = True) -> None:
+        """Give every block ordinary CPU tensors (disable()), or with `weights` False its
+        stand-ins for good (disable(restore=False): nothing is copied)."""
         with self._step():
             self.release_running()
             for block in self.blocks:
-                block.restore()
+                if weights:
+                    block.restore()
+                else:
+                    block.point_at(block.placeholders)
 
     def discard_loaded(self, indices: Sequence[int]) -> None:
         """Between calls, after the host copies of blocks `indices` changed: wait for every

@@ -150,7 +150,7 @@ def replica_main(spec: ReplicaSpec, conn, server_pid: int) -> None:
     except EOFError:  # the server is gone
         pass
     finally:
-        handle.disable()
+        handle.disable(restore=False)  # the replica exits: no private copies of the mapped blocks
 
 
 class _AdapterSwitch:
