@@ -413,9 +413,7 @@ class OffloadHandle:
         self._loads.remove()
         with torch.no_grad():
             runtime.restore_blocks(weights=restore)
-        if not restore:
-            _refuse_calls(self.module, [self.module.get_submodule(block.name) for block in runtime.blocks])
-        elif self._fp8_gemms is not None:
+        if restore and self._fp8_gemms is not None:
             self._fp8_gemms.dequantize_back()
         if runtime.gather is not None:
             runtime.gather.close()  # after restore_blocks(): its collectives are watched too
@@ -430,6 +428,8 @@ class OffloadHandle:
         self._root_hooks.clear()
         self._streamed_calls.clear()
         self._final_stats = final
+        if not restore:  # last: a disable() cut short and called again with restore=True leaves no refusal
+            _refuse_calls(self.module, [self.module.get_submodule(block.name) for block in runtime.blocks])
         self.state = HandleState.DISABLED
         # Drop every reference to the runtime: its slots, promoted blocks, views and events
         # are freed now, not when the caller drops this handle.
