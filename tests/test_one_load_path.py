@@ -366,10 +366,11 @@ class _LineInterrupt:
     the entry of an `__exit__` written in Python (threading.Condition's, contextlib's): those
     called from the traced code are counted and cut at their call."""
 
-    def __init__(self, at, functions=None, files=TRACED):
+    def __init__(self, at, functions=None, files=TRACED, as_signal=False):
         """`functions`: count only the lines of functions of these names; `files`: the
-        source paths (prefixes) traced."""
-        self.at, self.lines, self.functions, self.files = at, 0, functions, files
+        source paths (prefixes) traced; `as_signal`: send SIGINT there instead (a first
+        Ctrl-C: held back inside a held step, raised as it ends)."""
+        self.at, self.lines, self.functions, self.files, self.as_signal = at, 0, functions, files, as_signal
 
     def __enter__(self):
         main = threading.main_thread()
@@ -377,7 +378,10 @@ class _LineInterrupt:
         def cut() -> None:
             self.lines += 1
             if self.lines == self.at:
-                raise KeyboardInterrupt(f"line {self.at}")
+                if self.as_signal:
+                    signal.raise_signal(signal.SIGINT)
+                else:
+                    raise KeyboardInterrupt(f"line {self.at}")
 
         def local(frame, event, arg):
             if event == "line" and not _opens_a_with(frame.f_code.co_filename, frame.f_lineno):
@@ -474,6 +478,73 @@ def test_an_interrupt_at_any_line_of_a_slot_replacement_leaves_streaming_exact()
 
     for at in range(1, replaced(None) + 1):
         replaced(at)
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_an_interrupt_at_any_line_of_disable_then_disable_again_ends_it_exactly(tmp_path, restore):
+    """disable() of a mapped model cut at each of its lines (a KeyboardInterrupt raised there,
+    as a second Ctrl-C is: nothing holds it back), then disable() again: it ends, and the
+    module either equals the resident model or, once the first call had chosen restore=False,
+    refuses calls. (Cut after the mapping closed, the second call used to restore the blocks
+    from the closed mapping, a TypeError on every later disable().)"""
+    FLUX.build(seed=1).save_pretrained(tmp_path / "flux")
+    expected = flux_outputs(FLUX.build(seed=1), [0])
+    handle_file = (str(PACKAGE / "backend" / "handle.py"),)
+
+    def cut(at):
+        model, plan = dlo.load_transformer(tmp_path / "flux")
+        handle = dlo.enable(model, "cpu", plan=plan)
+        flux_outputs(model, [0])
+        with _LineInterrupt(at, {"disable"}, handle_file) as counted:
+            try:
+                handle.disable(restore=restore)
+            except KeyboardInterrupt:
+                pass
+        final = handle.disable()
+        assert handle.disable() is final and handle.state is dlo.HandleState.DISABLED
+        if restore or handle._restored_with:  # the first call cut before choosing: the second chose
+            assert torch.equal(flux_outputs(model, [0])[0], expected[0]), at
+        else:
+            with pytest.raises(dlo.StreamingError, match="disabled with restore=False"):
+                flux_outputs(model, [0])
+        return counted.lines
+
+    for at in range(1, cut(None) + 1):
+        cut(at)
+
+
+def test_a_ctrl_c_at_any_line_of_an_edit_leaves_the_edit_in_the_next_calls():
+    """`handle.editing(block)` of a streamed block, a Ctrl-C (SIGINT) at each line dlo's weight
+    changes run: once the edit ran it is kept (what the resident model would have), and the
+    next calls stream it, never refused as a write that missed the weights. (Between a block's
+    stand-ins coming back and their versions being recorded, an interrupt made the next call
+    refuse.)"""
+    changes_file = (str(PACKAGE / "backend" / "weight_changes.py"),)
+    reference = FLUX.build(seed=1)
+    unedited = flux_outputs(reference, [0])[0]
+    with torch.no_grad():
+        reference.transformer_blocks[1].attn.to_q.weight.mul_(2)
+    edited = flux_outputs(reference, [0])[0]
+
+    def cut(at):
+        model = FLUX.build(seed=1)
+        ran = False
+        with dlo.enable(model, "cpu") as handle:
+            flux_outputs(model, [0])
+            block = model.transformer_blocks[1]
+            with _LineInterrupt(at, files=changes_file, as_signal=True) as counted:
+                try:
+                    with handle.editing(block), torch.no_grad():
+                        block.attn.to_q.weight.mul_(2)
+                        ran = True
+                except KeyboardInterrupt:
+                    pass
+            assert torch.equal(flux_outputs(model, [0])[0], edited if ran else unedited), at
+        return counted.lines
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for at in range(1, cut(None) + 1):
+        cut(at)
 
 
 def test_a_staged_load_submitted_as_its_step_was_cut_is_waited_for(tmp_path, monkeypatch):

@@ -123,6 +123,10 @@ class OffloadHandle:
             assert disk is not None and disk_sources
             self._host_tier = HostTierChoice(runtime, disk, disk_sources, pin, self._releases, self._changes, residency)
         self._changes_settled: tuple[StreamingError, ...] | None = None  # by disable(): the refusal it raises
+        # By disable(): whether the blocks got their weights back (None: not yet). A call cut short
+        # after it must not restore them again (the mapping may be closed) nor decide otherwise.
+        self._restored_with: bool | None = None
+        self._written_back = False  # by disable(): the resident blocks' values are in their host copies
         self._finalizer: weakref.finalize | None = None
         self._streamed_calls = list(streamed_calls)
         self._block_classes = len({type(call.block) for call in self._streamed_calls})
@@ -370,7 +374,7 @@ class OffloadHandle:
         return write_chrome_trace(path, self._ledger.timeline)
 
     def disable(self, restore: bool = True) -> OffloadStats:
-        """Return the module to a plain state; idempotent (the first call decides). Streamed
+        """Return the module to a plain state; idempotent. Streamed
         blocks get ordinary CPU tensors (their packed host copies, unpinned, or private copies
         of the mapped checkpoint tensors); everything else stays on the device.
 
@@ -378,7 +382,8 @@ class OffloadHandle:
         it or a streamed block raises StreamingError): for a model about to be dropped or a
         process about to exit, where copying every mapped block into private memory would
         only cost time, or more memory than the host has (the disk tier). In all-gather mode
-        every rank passes the same value.
+        every rank passes the same value. Once a call (even one cut short) has given the
+        blocks back or not, later calls keep that.
 
         Order: synchronize the device (stats() does), unregister a registered mapping, unpin
         host memory, remove hooks (compiled blocks get their compiled callables back), repoint
@@ -395,8 +400,9 @@ class OffloadHandle:
                 self._changes_settled = ()
             except StreamingError as err:  # the module is disabled first, then it is raised
                 self._changes_settled = (err,)
-            if restore:
-                self._changes.write_back_resident()  # See [Note: editing a streamed block]
+        if restore and self._restored_with is None and not self._written_back:
+            self._changes.write_back_resident()  # See [Note: editing a streamed block]
+            self._written_back = True
         runtime = self._runtime
         try:
             with torch.no_grad():
@@ -411,9 +417,11 @@ class OffloadHandle:
         if self._probe is not None:
             self._probe.remove()
         self._loads.remove()
-        with torch.no_grad():
-            runtime.restore_blocks(weights=restore)
-        if restore and self._fp8_gemms is not None:
+        if self._restored_with is None:
+            with torch.no_grad():
+                runtime.restore_blocks(weights=restore)
+            self._restored_with = restore
+        if self._restored_with and self._fp8_gemms is not None:
             self._fp8_gemms.dequantize_back()
         if runtime.gather is not None:
             runtime.gather.close()  # after restore_blocks(): its collectives are watched too
@@ -428,7 +436,7 @@ class OffloadHandle:
         self._root_hooks.clear()
         self._streamed_calls.clear()
         self._final_stats = final
-        if not restore:  # last: a disable() cut short and called again with restore=True leaves no refusal
+        if not self._restored_with:  # last: a call cut short before it and made again decides anew
             _refuse_calls(self.module, [self.module.get_submodule(block.name) for block in runtime.blocks])
         self.state = HandleState.DISABLED
         # Drop every reference to the runtime: its slots, promoted blocks, views and events

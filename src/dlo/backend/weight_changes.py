@@ -137,16 +137,21 @@ class WeightChanges:
         """Write block `index`'s values into its host copy, then stream it again (unless it
         was resident before). The block is closed even when writing fails."""
         opened = self._open[index]
-        try:
-            self._write_back(index, opened)
-        finally:
-            del self._open[index]
-            block = self._runtime.blocks[index]
-            if opened.gathered is not None:
-                block.point_at(block.placeholders)
-            elif not opened.kept:
-                self._runtime.demote(index)
-            self._versions[index] = self._versions_of(index)
+        # One held step: a Ctrl-C waits until the change is in the host copy and the block
+        # streams again with its stand-ins' versions recorded. Cut between those, the change
+        # was dropped (the block streamed its old host copy) or the next call took the
+        # stand-ins' new versions for a write that missed the weights.
+        with interrupts_held():
+            try:
+                self._write_back(index, opened)
+            finally:
+                del self._open[index]
+                block = self._runtime.blocks[index]
+                if opened.gathered is not None:
+                    block.point_at(block.placeholders)
+                elif not opened.kept:
+                    self._runtime.demote(index)
+                self._versions[index] = self._versions_of(index)
 
     @contextlib.contextmanager
     def editing(self, indices: Iterable[int]) -> Iterator[None]:
