@@ -146,8 +146,8 @@ def test_disable_leaves_private_copies_and_closes_the_mapping(tmp_path):
 
 def test_disable_without_restore_closes_the_mapping_and_the_module_refuses_calls(tmp_path):
     """disable(restore=False) releases what disable() does (the mapping closes) but gives the
-    blocks nothing: the module and each streamed block refuse to run on their stand-ins, and
-    a later disable() is the first one's."""
+    blocks nothing: the module and each streamed block (compiled too) refuse to run on their
+    stand-ins, enable() refuses the module, and a later disable() is the first one's."""
     directory = save(tmp_path, "flux", "100KB")
     model, plan = dlo.load_transformer(directory)
     checkpoint = plan._weights.checkpoint  # observed only: the mapping the handle must close
@@ -162,8 +162,14 @@ def test_disable_without_restore_closes_the_mapping_and_the_module_refuses_calls
     with pytest.raises(dlo.StreamingError, match=says):
         run(model, "flux", torch.float32, seeds=(4,))
     block = model.single_transformer_blocks[1]
+    block_inputs = (torch.zeros(1, 4, 32), torch.zeros(1, 32), (torch.ones(4, 4), torch.zeros(4, 4)))
     with pytest.raises(dlo.StreamingError, match=says), torch.inference_mode():
-        block(torch.zeros(1, 4, 32), torch.zeros(1, 32), (torch.ones(4, 4), torch.zeros(4, 4)))
+        block(*block_inputs)
+    block.compile(fullgraph=True, backend="eager")  # a compiled block runs the refusal too, not a trace of it
+    with pytest.raises(dlo.StreamingError, match=says), torch.inference_mode():
+        block(*block_inputs)
+    with pytest.raises(dlo.EnableError, match="disabled with restore=False: its streamed blocks hold no weights to stream"):
+        dlo.enable(model, "cpu")
 
 
 def test_checkpoint_mmap_off_loads_the_ordinary_way_without_fallback_log(tmp_path, caplog):

@@ -44,10 +44,17 @@ logger = logging.getLogger(__name__)
 # dlo keeps about user modules (nothing is attached to them besides hooks). Weak both ways: a
 # handle references its module, so a strong value would keep a dropped module alive forever.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[OffloadHandle]] = weakref.WeakKeyDictionary()
+# Modules disabled with restore=False: their streamed blocks hold stand-ins for good.
+_EMPTIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def refuse_if_managed(module: nn.Module) -> None:
     for name, sub in module.named_modules():
+        if sub in _EMPTIED:
+            raise EnableError(
+                f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights "
+                "to stream; load the model again"
+            )
         handle = _MANAGED.get(sub)
         if handle is not None and handle() is not None:
             where = f"its submodule {name!r}" if name else "it"
@@ -379,11 +386,12 @@ class OffloadHandle:
         of the mapped checkpoint tensors); everything else stays on the device.
 
         `restore=False`: the blocks get nothing back and the module can no longer run (calling
-        it or a streamed block raises StreamingError): for a model about to be dropped or a
-        process about to exit, where copying every mapped block into private memory would
-        only cost time, or more memory than the host has (the disk tier). In all-gather mode
-        every rank passes the same value. Once a call (even one cut short) has given the
-        blocks back or not, later calls keep that.
+        it or a streamed block raises StreamingError, and dlo.enable() refuses it; a block's
+        submodule called on its own computes on the stand-ins): for a model about to be
+        dropped or a process about to exit, where copying every mapped block into private
+        memory would only cost time, or more memory than the host has (the disk tier). In
+        all-gather mode every rank passes the same value. Once the blocks were given back or
+        not, later calls keep that (a call cut short before it decides anew).
 
         Order: synchronize the device (stats() does), unregister a registered mapping, unpin
         host memory, remove hooks (compiled blocks get their compiled callables back), repoint
@@ -455,12 +463,14 @@ def _refuse_calls(module: nn.Module, blocks: list[nn.Module]) -> None:
     """After disable(restore=False): a call of the module or of a streamed block raises
     instead of computing on the blocks' stand-ins."""
 
+    @torch.compiler.disable  # a compiled block runs it too, and raises this error, not dynamo's
     def refuse(called: nn.Module, args: object) -> None:
         raise StreamingError(
             f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights; "
             "load the model again"
         )
 
+    _EMPTIED.add(module)
     for target in (module, *blocks):
         target.register_forward_pre_hook(refuse)
 
