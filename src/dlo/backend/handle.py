@@ -51,10 +51,7 @@ _EMPTIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def refuse_if_managed(module: nn.Module) -> None:
     for name, sub in module.named_modules():
         if sub in _EMPTIED:
-            raise EnableError(
-                f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights "
-                "to stream; load the model again"
-            )
+            raise EnableError(_emptied(module))
         handle = _MANAGED.get(sub)
         if handle is not None and handle() is not None:
             where = f"its submodule {name!r}" if name else "it"
@@ -381,9 +378,9 @@ class OffloadHandle:
         return write_chrome_trace(path, self._ledger.timeline)
 
     def disable(self, restore: bool = True) -> OffloadStats:
-        """Return the module to a plain state; idempotent. Streamed
-        blocks get ordinary CPU tensors (their packed host copies, unpinned, or private copies
-        of the mapped checkpoint tensors); everything else stays on the device.
+        """Return the module to a plain state; idempotent. Streamed blocks get ordinary CPU
+        tensors (their packed host copies, unpinned, or private copies of the mapped
+        checkpoint tensors); everything else stays on the device.
 
         `restore=False`: the blocks get nothing back and the module can no longer run (calling
         it or a streamed block raises StreamingError, and dlo.enable() refuses it; a block's
@@ -465,14 +462,18 @@ def _refuse_calls(module: nn.Module, blocks: list[nn.Module]) -> None:
 
     @torch.compiler.disable  # a compiled block runs it too, and raises this error, not dynamo's
     def refuse(called: nn.Module, args: object) -> None:
-        raise StreamingError(
-            f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights; "
-            "load the model again"
-        )
+        raise StreamingError(_emptied(module))
 
     _EMPTIED.add(module)
     for target in (module, *blocks):
         target.register_forward_pre_hook(refuse)
+
+
+def _emptied(module: nn.Module) -> str:
+    return (
+        f"{type(module).__name__} was disabled with restore=False: its streamed blocks hold no weights; "
+        "load the model again"
+    )
 
 
 def _release_host_memory(registration: HostRegistration | None, releases: list[Callable[[], None]]) -> list[str]:
