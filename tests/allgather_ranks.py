@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import signal
 import traceback
@@ -733,6 +734,14 @@ def sigint_between_collectives(rank: int, world: int) -> list:
 SCENARIOS["sigint_between_collectives"] = sigint_between_collectives
 
 
+def _unmerge_block_layers(model) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for layer in [m for m in blocks.modules() if isinstance(m, BaseTunerLayer)]:
+            layer.unmerge()
+
+
 def weight_changes(
     rank: int, world: int, lora: str, stream_dtype: str | None = None, directory: str | None = None, cache_dir: str | None = None
 ) -> dict:
@@ -787,6 +796,10 @@ def weight_changes(
     change(reference.unfuse_lora, handle.unfuse_lora)
     stats = handle.stats()
     private = all(not block.source.views_entry for block in handle._runtime.blocks)
+    # diffusers' own: the model's fuse_lora (dlo's while enabled), then a pipeline's unfuse,
+    # each streamed layer's unmerge() (one gather per layer, in the same order on every rank)
+    change(reference.fuse_lora, model.fuse_lora)
+    change(*(functools.partial(_unmerge_block_layers, m) for m in (reference, model)))
     handle.disable()
     state, expected = model.state_dict(), reference.state_dict()
     return dict(

@@ -473,16 +473,17 @@ def test_diffusers_sequence_parallelism_with_dlo_matches_it_without(tmp_path):
 
 @pytest.mark.parametrize(("stream_dtype", "cache"), [(None, False), ("fp8", False), (None, True)], ids=["shards", "fp8", "cache"])
 def test_weight_changes_reach_every_ranks_shards(tmp_path, tiny_loras, stream_dtype, cache):
-    """load_state_dict, fuse_lora and unfuse_lora in step on every rank: each rank gathers the
-    blocks it changes, and rewrites its own shard (requantized with float8; copied on write
-    from a shared cache entry, whose files never change)."""
+    """load_state_dict, fuse_lora and unfuse_lora (the handle's, then diffusers' own: the
+    pipeline's unfuse layer by layer) in step on every rank: each rank gathers the blocks it
+    changes, and rewrites its own shard (requantized with float8; copied on write from a shared
+    cache entry, whose files never change)."""
     kwargs = dict(lora=str(tiny_loras("flux")["a"]), stream_dtype=stream_dtype)
     if cache:
         kwargs.update(directory=_flux_checkpoint(tmp_path), cache_dir=str(tmp_path / "cache"))
     results, _ = run_ranks(tmp_path, "weight_changes", 2, **kwargs)
     assert_no_errors(results)
     for result in results.values():
-        assert all(result["identical"]) and len(result["identical"]) == 5 and result["identical_after_disable"]
+        assert all(result["identical"]) and len(result["identical"]) == 7 and result["identical_after_disable"]
         # load_state_dict: the 3 single blocks; fuse and unfuse: all 5 blocks
         assert result["rewritten_blocks"] == 3 + 2 * result["blocks"]
         assert result["views_before"] == cache and result["private_after"]

@@ -202,6 +202,37 @@ def test_a_lora_scale_change_recompiles_once_per_block_class_not_per_block(tiny_
     assert not [r for r in caplog.records if "recompiled" in r.getMessage()]
 
 
+def test_diffusers_own_fuse_and_layer_unmerges_on_compiled_blocks_recompile_per_class_not_per_block(tiny_loras, caplog):
+    """compile_repeated_blocks, then diffusers' fuse_lora() and a pipeline's unfuse (each
+    layer's own unmerge(), which dlo replaces on merged streamed layers): outputs equal the
+    resident model's, and the replacement (an instance attribute) adds no graph per block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    name = "flux"
+    reference = TINY_MODELS[name].build()
+    model = TINY_MODELS[name].build()
+    both((reference, model), lambda m: m.load_lora_adapter(tiny_loras(name)["a"], adapter_name="a", prefix="transformer"))
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    try:
+        with dlo.enable(model, "cpu") as handle, caplog.at_level("WARNING", logger="dlo"):
+            assert torch.equal(run(reference, name, 1), run(model, name, 1))
+            first = handle.stats().compile
+            both((reference, model), lambda m: m.fuse_lora(lora_scale=0.5))
+            assert torch.equal(run(reference, name, 2), run(model, name, 2))
+            fused = handle.stats().compile
+            for m in (reference, model):
+                for layer in [x for x in m.modules() if isinstance(x, BaseTunerLayer)]:
+                    layer.unmerge()
+            assert torch.equal(run(reference, name, 3), run(model, name, 3))
+            unfused = handle.stats().compile
+    finally:
+        torch._dynamo.reset()
+    # dynamo guards on a layer's merged state: each change compiles Flux's 2 block classes once more
+    assert fused.graphs - first.graphs == 2 and unfused.graphs - fused.graphs == 2
+    assert not [r for r in caplog.records if "recompiled" in r.getMessage()]
+
+
 def test_a_lora_loaded_before_enable_on_a_mapped_model_is_refused_naming_the_order(tmp_path, tiny_loras):
     reference, model, plan, config, _ = _setup(tmp_path, "cache", "wan")
     model.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer")

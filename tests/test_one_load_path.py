@@ -547,6 +547,58 @@ def test_a_ctrl_c_at_any_line_of_an_edit_leaves_the_edit_in_the_next_calls():
         cut(at)
 
 
+@pytest.mark.parametrize("change", ["fuse", "unmerge each layer"])
+def test_a_ctrl_c_at_any_line_of_a_lora_fuse_or_unmerge_leaves_each_layers_weights_as_it_lists_them(tiny_loras, change):
+    """diffusers' fuse_lora() (the handle's while enabled) and a pipeline's unfuse (each merged
+    layer's unmerge(), which dlo replaces), a Ctrl-C (SIGINT) at sampled lines of dlo's fusion
+    and weight-change code and of PEFT's LoRA layer: every layer's weights hold what it lists
+    merged, so the next call equals a resident model whose layers hold what the streamed ones
+    list, and is not refused. (PEFT changes a weight and its merged list in two steps; cut
+    between them, a layer would apply its LoRA on top of a fused weight, or none.)"""
+    from peft.tuners.lora import layer as lora_layer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    files = (str(PACKAGE / "backend" / "lora_fusion.py"), str(PACKAGE / "backend" / "weight_changes.py"), lora_layer.__file__)
+    lora = tiny_loras("flux")["a"]
+
+    def loaded():
+        model = FLUX.build(seed=1)
+        model.load_lora_adapter(lora, adapter_name="a", prefix="transformer")
+        return model
+
+    def layers(model):
+        return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def cut(at):
+        model = loaded()
+        with dlo.enable(model, "cpu"):
+            flux_outputs(model, [0])
+            if change != "fuse":
+                model.fuse_lora()
+            with _LineInterrupt(at, files=files, as_signal=True) as counted:
+                try:
+                    if change == "fuse":
+                        model.fuse_lora()
+                    else:  # the layers of streamed blocks: PEFT's own unmerge elsewhere is as resident
+                        for layer in layers(model.transformer_blocks) + layers(model.single_transformer_blocks):
+                            layer.unmerge()
+                except KeyboardInterrupt:
+                    pass
+            reference = loaded()
+            if change != "fuse":
+                reference.fuse_lora()
+            for mine, theirs in zip(layers(reference), layers(model)):
+                if theirs.merged != mine.merged:
+                    mine.merge() if theirs.merged else mine.unmerge()
+            assert torch.equal(flux_outputs(model, [0])[0], flux_outputs(reference, [0])[0]), at
+        return counted.lines
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    lines = cut(None)
+    for at in sorted(random.Random(change).sample(range(1, lines + 1), min(24, lines))):
+        cut(at)
+
+
 def test_a_staged_load_submitted_as_its_step_was_cut_is_waited_for(tmp_path, monkeypatch):
     """Cut between the stager taking a job and the slot's queue recording it (a second Ctrl-C
     may land there): the job still lands, 0.3 s later, over whatever its slot holds by then;

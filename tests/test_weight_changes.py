@@ -77,12 +77,21 @@ def test_pipeline_load_lora_weights_after_enable_pipeline_matches_resident(tiny_
         with torch.inference_mode():
             expected = reference.transformer(**pipeline_inputs(name, 1))[0]
             assert torch.equal(streamed.transformer(**pipeline_inputs(name, 1))[0], expected)
-        handle.fuse_lora(lora_scale=0.9)
-        reference.fuse_lora(lora_scale=0.9)
+        both((reference, streamed), lambda p: p.fuse_lora(lora_scale=0.9))  # diffusers' own: the handle's
         assert streamed.fused_loras == reference.fused_loras == {"a", "b"}
         with torch.inference_mode():
             expected = reference.transformer(**pipeline_inputs(name, 2))[0]
             assert torch.equal(streamed.transformer(**pipeline_inputs(name, 2))[0], expected)
+        fused = handle.handles["transformer"].stats().rewritten_blocks
+        both((reference, streamed), lambda p: p.unfuse_lora())  # layer by layer: each opens its block
+        assert streamed.fused_loras == reference.fused_loras == set()
+        assert handle.handles["transformer"].stats().rewritten_blocks > fused
+        with torch.inference_mode():
+            expected = reference.transformer(**pipeline_inputs(name, 4))[0]
+            assert torch.equal(streamed.transformer(**pipeline_inputs(name, 4))[0], expected)
+        handle.fuse_lora(lora_scale=0.9)
+        reference.fuse_lora(lora_scale=0.9)
+        assert streamed.fused_loras == reference.fused_loras == {"a", "b"}
         both((reference, streamed), lambda p: p.unload_lora_weights())  # the fused weights stay
         with torch.inference_mode():
             expected = reference.transformer(**pipeline_inputs(name, 3))[0]
@@ -114,15 +123,84 @@ def test_fuse_lora_reaches_the_streamed_weights_and_unfuse_gives_back_what_resid
     assert same_state(reference, streamed)  # fused, after disable()
 
 
-def test_diffusers_own_fuse_lora_cannot_write_a_streamed_weight_and_changes_none(tiny_pair, tiny_loras):
-    """diffusers' fuse_lora() adds into the base weight in place: torch refuses the write into
-    the stand-in at the first streamed layer, before PEFT marks anything merged."""
+@pytest.mark.parametrize("safe_fusing", [False, True])
+def test_diffusers_own_fuse_and_unfuse_lora_reach_the_streamed_weights_as_resident(tiny_pair, tiny_loras, safe_fusing):
+    """The model's own fuse_lora() / unfuse_lora() while enabled are the handle's (a write into
+    a stand-in used to fail in torch, or in PEFT's safe merge as NaN "adapter seems to be
+    broken"); after disable() they are diffusers' again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    loras = tiny_loras("flux")
+    reference, streamed, _ = tiny_pair("flux")
+    for name in "ab":
+        both((reference, streamed), lambda m: m.load_lora_adapter(loras[name], adapter_name=name, prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        both((reference, streamed), lambda m: m.fuse_lora(lora_scale=0.7, safe_fusing=safe_fusing, adapter_names=["a"]))
+        assert torch.equal(run(reference, "flux", 2), run(streamed, "flux", 2))
+        fused = handle.stats().rewritten_blocks
+        assert fused == handle.stats().streamed_blocks  # "a" is in every block
+        both((reference, streamed), lambda m: m.unfuse_lora())
+        assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))
+        assert handle.stats().rewritten_blocks == 2 * fused
+        both((reference, streamed), lambda m: m.fuse_lora())
+    assert "fuse_lora" not in vars(streamed) and "unfuse_lora" not in vars(streamed)
+    layers = [m for m in streamed.modules() if isinstance(m, BaseTunerLayer)]
+    assert any(layer.merged for layer in layers) and not any("unmerge" in vars(layer) for layer in layers)
+    assert same_state(reference, streamed)  # fused, after disable()
+    both((reference, streamed), lambda m: m.unfuse_lora())  # diffusers' own, on real weights
+    assert same_state(reference, streamed)
+
+
+def test_loading_another_lora_while_one_is_fused_unmerges_it_first_as_resident(tiny_pair, tiny_loras):
+    """PEFT unmerges every merged layer before it activates a newly loaded adapter: each
+    layer's unmerge() opens its block (it used to fail in torch, half way through the load)."""
+    loras = tiny_loras("flux")
+    reference, streamed, _ = tiny_pair("flux")
+    both((reference, streamed), lambda m: m.load_lora_adapter(loras["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        both((reference, streamed), lambda m: m.fuse_lora(lora_scale=0.5))
+        fused = handle.stats().rewritten_blocks
+        both((reference, streamed), lambda m: m.load_lora_adapter(loras["b"], adapter_name="b", prefix="transformer"))
+        assert handle.stats().rewritten_blocks > fused
+        assert torch.equal(run(reference, "flux", 2), run(streamed, "flux", 2))
+        both((reference, streamed), lambda m: m.set_adapters(["a", "b"], [0.4, 1.1]))
+        assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))
+    assert same_state(reference, streamed)
+
+
+def test_a_layers_unmerge_inside_handle_editing_runs_on_its_open_block_and_refuses_another(tiny_pair, tiny_loras):
+    """Inside `handle.editing(block)` a merged layer of that block unmerges on its open
+    weights; one of another block is refused before PEFT changed anything (one edit at a time)."""
     reference, streamed, _ = tiny_pair("wan")
     both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        both((reference, streamed), lambda m: m.fuse_lora())
+        with handle.editing(streamed.blocks[0]):
+            streamed.blocks[0].attn1.to_q.unmerge()
+            with pytest.raises(dlo.StreamingError, match=r"handle.editing\(\) is already open"):
+                streamed.blocks[1].attn1.to_q.unmerge()
+        reference.blocks[0].attn1.to_q.unmerge()
+        assert streamed.blocks[1].attn1.to_q.merged_adapters == ["a"]
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
+    assert same_state(reference, streamed)
+
+
+def test_an_unmerge_past_the_layers_own_is_refused_at_the_next_call_and_unfuse_finishes_it(tiny_pair, tiny_loras):
+    """PEFT's class method called directly pops the adapter from the merged list, then fails to
+    write the stand-in: the layer would apply its LoRA on top of the fused weight."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    reference.fuse_lora()
     with dlo.enable(streamed, "cpu"):
+        streamed.fuse_lora()
+        layer = streamed.blocks[1].attn1.to_q
         with pytest.raises(RuntimeError, match="written-to tensor"):
-            streamed.fuse_lora()
-        assert torch.equal(run(streamed, "wan"), run(reference, "wan"))  # LoRA applied, unfused, as before
+            type(layer).unmerge(layer)
+        with pytest.raises(dlo.StreamingError, match=r"dropped merged adapters .* unfuse_lora\(\)"):
+            run(streamed, "wan")
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))  # still fused, consistently
+        both((reference, streamed), lambda m: m.unfuse_lora())
+        assert torch.equal(run(reference, "wan", 3), run(streamed, "wan", 3))
 
 
 def test_disable_lora_after_fuse_unmerges_as_the_resident_forward_does(tiny_pair, tiny_loras):
@@ -138,24 +216,6 @@ def test_disable_lora_after_fuse_unmerges_as_the_resident_forward_does(tiny_pair
         both((reference, streamed), lambda m: m.enable_lora())
         assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))  # LoRA unfused, applied
     assert same_state(reference, streamed)
-
-
-def test_diffusers_own_unfuse_lora_is_refused_at_the_next_call_and_handle_unfuse_finishes_it(tiny_pair, tiny_loras):
-    """diffusers' unfuse_lora() pops the adapter from PEFT's merged list, then fails to write
-    the stand-in: the layer would apply its LoRA on top of the fused weight."""
-    reference, streamed, _ = tiny_pair("wan")
-    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
-    reference.fuse_lora()
-    with dlo.enable(streamed, "cpu") as handle:
-        handle.fuse_lora()
-        with pytest.raises(RuntimeError, match="written-to tensor"):
-            streamed.unfuse_lora()
-        with pytest.raises(dlo.StreamingError, match=r"dropped merged adapters .* handle.unfuse_lora\(\)"):
-            run(streamed, "wan")
-        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))  # still fused, consistently
-        reference.unfuse_lora()
-        handle.unfuse_lora()
-        assert torch.equal(run(reference, "wan", 3), run(streamed, "wan", 3))
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -161,12 +161,14 @@ class OffloadHandle:
         for sub in self._managed:
             _MANAGED[sub] = weakref.ref(self)
         self._loads.install()
+        self._fusion.install()
 
     def abandon(self) -> None:
         """Undo activate() for a failed enable(), whose own rollback releases the host memory."""
         if self._finalizer is not None:
             self._finalizer.detach()
         self._loads.remove()
+        self._fusion.remove()
         for hook in self._root_hooks:
             hook.remove()
         for sub in self._managed:
@@ -422,6 +424,7 @@ class OffloadHandle:
         if self._probe is not None:
             self._probe.remove()
         self._loads.remove()
+        self._fusion.remove()
         if self._restored_with is None:
             with torch.no_grad():
                 runtime.restore_blocks(weights=restore)

@@ -4,37 +4,45 @@
 [Note: fusing LoRA into streamed blocks]
 PEFT merges a LoRA layer by adding its delta to the base weight in place (`weight.data +=
 delta`), and unmerges by subtracting it; a streamed base weight between calls is a stand-in
-that refuses the write (See [Note: stand-ins]). So `handle.fuse_lora()` does what diffusers'
-`fuse_lora()` does, layer by layer (scale each layer by `lora_scale`, then let PEFT merge it),
-with each streamed block that has something to merge opened on the device first (See [Note:
-editing a streamed block]): PEFT computes the delta where the adapter lives and adds it to
-the base weight there, as on the resident model, and the block's host copy is rewritten
-(float8 weights requantized, a mapping copied on write). Layers outside the streamed blocks
-are merged where they are. `unfuse_lora()` likewise: PEFT subtracts the same delta, so the
-weights are what resident diffusers gives back (not the bytes before the fuse: w + d - d is
-not always w). Float8 GEMM base layers (`fp8_compute`) hold float8 weights, which no merge
-can add to: refused before anything changed.
-Two PEFT paths change a merged layer's weights without dlo: a forward with adapters disabled
-(`disable_lora()` after a fuse) unmerges the layer in its forward, inside the block's call,
-where only the slot would change; and diffusers' own `unfuse_lora()` pops the adapter from
-the layer's merged list before its write into the stand-in fails. So dlo keeps, per merged
-layer of a streamed block, the adapters it merged, and before each call: a merged layer with
-adapters disabled is unmerged through its host copy first (the forward then finds nothing to
-unmerge, and computes what the resident model computes); a layer whose merged list lost
-adapters gets them back, consistent with its weights, and the call is refused, pointing to
-`handle.unfuse_lora()`.
+that refuses the write (See [Note: stand-ins]). So a fuse does what diffusers' `fuse_lora()`
+does, layer by layer (scale each layer by `lora_scale`, then let PEFT merge it), with each
+streamed block that has something to merge opened on the device first (See [Note: editing a
+streamed block]): PEFT computes the delta where the adapter lives and adds it to the base
+weight there, as on the resident model, and the block's host copy is rewritten (float8
+weights requantized, a mapping copied on write). Layers outside the streamed blocks are
+merged where they are. An unfuse likewise: PEFT subtracts the same delta, so the weights are
+what resident diffusers gives back (not the bytes before the fuse: w + d - d is not always w).
+Float8 GEMM base layers (`fp8_compute`) and GGUF weights hold bytes no merge can add to:
+refused before anything changed.
+diffusers' own entry points reach this: while enabled, the module's `fuse_lora` /
+`unfuse_lora` (which `pipe.fuse_lora()` calls) are the handle's, and each merged layer of a
+streamed block has its `unmerge` replaced by one that opens its block first. That covers every
+unmerge from outside a call: diffusers' `pipe.unfuse_lora()` (layer by layer: one block
+opened per merged layer), and PEFT unmerging before it loads another adapter
+(`load_lora_adapter` while a LoRA is fused). Blocks kept resident need none of this: their
+device memory is their weight. Two paths are left. A forward with adapters disabled
+(`disable_lora()` after a fuse) unmerges the layer inside the block's call, where only the
+slot would change: before each call, a merged layer with adapters disabled is unmerged
+through its host copy first (the forward then finds nothing to unmerge, and computes what
+the resident model computes). And an unmerge past the replacement (PEFT's class method
+called directly) pops the adapter from the layer's merged list before its write into the
+stand-in fails: dlo keeps, per merged layer, the adapters it merged, and a layer whose list
+lost some gets them back, consistent with its weights, and the call is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
 from dlo.backend.weight_changes import WeightChanges
 from dlo.errors import StreamingError
 from dlo.hotpath.fp8_gemm import Fp8GemmLinear
+from dlo.hotpath.interrupts import interrupts_held
 from dlo.planning.adapters import tuner_layers
 from dlo.planning.gguf_weights import is_gguf_parameter
 
@@ -55,15 +63,54 @@ class LoraFusion:
             for name, layer in tuner_layers(ref.module)
         ]
 
+    def install(self) -> None:
+        """The module's diffusers `fuse_lora` / `unfuse_lora` are this fuse and unfuse until
+        `remove()`. See [Note: fusing LoRA into streamed blocks]"""
+        for name, method in (("fuse_lora", self.fuse), ("unfuse_lora", self.unfuse)):
+            if callable(getattr(type(self._module), name, None)):  # a diffusers model with PEFT support
+                self._module.__dict__[name] = method
+
+    def remove(self) -> None:
+        """Undo install() and every merged layer's `unmerge` replacement; also after a partial install."""
+        for name in ("fuse_lora", "unfuse_lora"):
+            self._module.__dict__.pop(name, None)
+        for layer, _, _ in self._merged.values():
+            layer.__dict__.pop("unmerge", None)
+
     def _track(self, layers: Sequence[tuple[str, nn.Module, int]]) -> None:
         for _, layer, index in layers:
             if layer.merged_adapters:
                 self._merged[id(layer)] = (layer, index, tuple(layer.merged_adapters))
+                # An instance attribute, found before PEFT's method by whoever calls it
+                layer.__dict__["unmerge"] = functools.partial(self._unmerge_between_calls, layer)
             else:
                 self._merged.pop(id(layer), None)
+                layer.__dict__.pop("unmerge", None)
 
-    def fuse(self, lora_scale: float, safe_fusing: bool, adapter_names: list[str] | None) -> None:
-        """See [Note: fusing LoRA into streamed blocks]"""
+    def _unmerge_between_calls(self, layer: nn.Module) -> None:
+        """A merged layer's `unmerge()` called from outside dlo (diffusers' `unfuse_lora`, PEFT
+        before it sets an adapter): PEFT's own, with its block open. See [Note: fusing LoRA into
+        streamed blocks]"""
+        _, index, _ = self._merged[id(layer)]
+        # Inside handle.editing() with the block open, its weights are real already.
+        with self._changing(index, [("", layer, index)], open_block=not self._changes.is_open(index)):
+            _peft_unmerge(layer)
+
+    @contextlib.contextmanager
+    def _changing(self, index: int, layers: Sequence[tuple[str, nn.Module, int]], open_block: bool) -> Iterator[None]:
+        """One held step: block `index` opened for the body's merges or unmerges of `layers`
+        (where `open_block`) and written back, and what the layers hold merged recorded, also
+        when the body raised. An interrupt between PEFT's change of a weight and of its merged
+        list would leave the two disagreeing."""
+        with interrupts_held():
+            try:
+                with self._changes.editing([index]) if open_block else contextlib.nullcontext():
+                    yield
+            finally:
+                self._track(layers)
+
+    def fuse(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
+        """diffusers' `fuse_lora()`, its arguments. See [Note: fusing LoRA into streamed blocks]"""
         streamed = self._streamed_layers()
         inside = {id(layer) for _, layer, _ in streamed}
         others = [(name, layer) for name, layer in tuner_layers(self._module) if id(layer) not in inside]
@@ -89,32 +136,28 @@ class LoraFusion:
                     "GGUF weights), or fuse it into a bf16 model and quantize that"
                 )
         for _, layer in others:
-            _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
+            with interrupts_held():  # PEFT changes the weight, then its merged list
+                _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
         opened = {index for _, _, index in to_merge}
-        try:
-            for index in sorted({index for _, _, index in streamed}):
-                with self._changes.editing([index] if index in opened else []):
-                    for _, layer, at in streamed:
-                        if at == index:
-                            _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
-        finally:
-            self._track(streamed)
+        for index in sorted({index for _, _, index in streamed}):
+            layers = [entry for entry in streamed if entry[2] == index]
+            with self._changing(index, layers, open_block=index in opened):
+                for _, layer, _ in layers:
+                    _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
 
     def unfuse(self) -> None:
-        """See [Note: fusing LoRA into streamed blocks]"""
+        """diffusers' `unfuse_lora()`. See [Note: fusing LoRA into streamed blocks]"""
         streamed = self._streamed_layers()
         inside = {id(layer) for _, layer, _ in streamed}
         for _, layer in tuner_layers(self._module):
             if id(layer) not in inside:
-                layer.unmerge()
-        try:
-            for index in sorted({index for _, _, index in streamed}):
-                layers = [layer for _, layer, at in streamed if at == index]
-                with self._changes.editing([index] if any(layer.merged for layer in layers) else []):
-                    for layer in layers:
-                        layer.unmerge()
-        finally:
-            self._track(streamed)
+                with interrupts_held():  # PEFT changes its merged list, then the weight
+                    layer.unmerge()
+        for index in sorted({index for _, _, index in streamed}):
+            layers = [entry for entry in streamed if entry[2] == index]
+            with self._changing(index, layers, open_block=any(layer.merged for _, layer, _ in layers)):
+                for _, layer, _ in layers:
+                    _peft_unmerge(layer)
 
     def before_call(self) -> None:
         """See [Note: fusing LoRA into streamed blocks]"""
@@ -125,21 +168,26 @@ class LoraFusion:
         for key, (layer, index, adapters) in list(self._merged.items()):
             if index in resident:  # its device memory is its weight: PEFT's own unmerge is real
                 del self._merged[key]
+                layer.__dict__.pop("unmerge", None)
             elif tuple(layer.merged_adapters) != adapters:
                 layer.merged_adapters[:] = list(adapters)
                 lost.append(layer)
             elif layer.disable_adapters:
-                with self._changes.editing([index]):
-                    layer.unmerge()
-                self._track([("", layer, index)])
+                with self._changing(index, [("", layer, index)], open_block=True):
+                    _peft_unmerge(layer)
         if lost:
             names = [name for name, layer in self._module.named_modules() if any(layer is x for x in lost)]
             raise StreamingError(
                 f"the PEFT layer {names[0]!r}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} dropped "
-                "merged adapters without its streamed base weight changing (diffusers' unfuse_lora() cannot write a "
-                "streamed weight: it stopped there); they are marked merged again, as the weights are. Unfuse with "
-                "handle.unfuse_lora() (a pipeline's: dlo.enable_pipeline(...).unfuse_lora())"
+                "merged adapters without its streamed base weight changing (an unmerge past the layer's own "
+                "unmerge(), which cannot write a streamed weight: it stopped there); they are marked merged again, as "
+                "the weights are. Unfuse with the model's or the pipeline's unfuse_lora()"
             )
+
+
+def _peft_unmerge(layer: nn.Module) -> None:
+    """PEFT's own unmerge, past a replacement of the layer's (See [Note: fusing LoRA into streamed blocks])."""
+    type(layer).unmerge(layer)
 
 
 def _fuse_layer(layer: nn.Module, lora_scale: float, safe_fusing: bool, adapter_names: list[str] | None) -> None:

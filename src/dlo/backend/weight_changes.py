@@ -20,7 +20,7 @@ found: a write into the stand-in through `.data`, such as `p.data.fill_(v)`, whi
 counter and leaves the address; it changes no weight.)
 
 [Note: editing a streamed block]
-The changes that work (`handle.editing()`, `load_state_dict`, `handle.fuse_lora()`) open the
+The changes that work (`handle.editing()`, `load_state_dict`, `fuse_lora()`) open the
 block first: it is promoted (its own device memory, laid out like a slot, filled from its
 host copy), so its tensors hold real values on the device and the change runs as it runs on
 the resident model, with its kernels. When the change ends, the device memory is read back
@@ -263,7 +263,7 @@ class WeightChanges:
             raise StreamingError(
                 f"{refused[0]}{more} after dlo.enable(): between calls a streamed block's weights are stand-ins, so "
                 "the change never reached the weights dlo streams and was dropped; the call runs them unchanged. "
-                "Change streamed weights with module.load_state_dict(...), handle.fuse_lora() / unfuse_lora(), or "
+                "Change streamed weights with module.load_state_dict(...), fuse_lora() / unfuse_lora(), or "
                 "inside `with handle.editing(block):`; to cast or move the model, disable() first and enable() again"
             )
 
