@@ -39,10 +39,23 @@ def both(models, change):
 
 
 def _fused_both(reference, handle, config, call, **kwargs):
+    _changed_both(reference, config, lambda m: getattr(m, call)(**kwargs), lambda: getattr(handle, call)(**kwargs))
+
+
+def _changed_both(reference, config, change, streamed_change):
+    """`change` made to the reference (requantized as dlo requantizes, with float8), then `streamed_change`."""
     before = float8_weights(reference, config) if config.stream_dtype else {}
-    getattr(reference, call)(**kwargs)
+    change(reference)
     requantize_changed(reference, before, config)
-    getattr(handle, call)(**kwargs)
+    streamed_change()
+
+
+def _unmerge_each_layer(model):
+    """What diffusers' pipe.unfuse_lora() does: each PEFT layer's own unmerge()."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in [m for m in model.modules() if isinstance(m, BaseTunerLayer)]:
+        layer.unmerge()
 
 
 @pytest.mark.parametrize("name", ["wan", "flux"])
@@ -86,6 +99,17 @@ def test_lora_fused_and_unfused_while_streaming_matches_resident_on_cuda(tmp_pat
         assert torch.equal(run(reference, entry, 5), run(model, entry, 5))
         _fused_both(reference, handle, config, "unfuse_lora")
         assert torch.equal(run(reference, entry, 6), run(model, entry, 6))
+        # diffusers' own: the model's fuse_lora (dlo's while enabled), a pipeline's unfuse (each
+        # merged streamed layer's unmerge() opens its block), a LoRA loaded while one is fused
+        # (PEFT unmerges the fused one first)
+        for change in (
+            lambda m: m.fuse_lora(lora_scale=0.5),
+            _unmerge_each_layer,
+            lambda m: m.fuse_lora(adapter_names=["a"]),
+            lambda m: m.load_lora_adapter(loras["b"], adapter_name="b2", prefix="transformer"),
+        ):
+            _changed_both(reference, config, change, lambda: change(model))
+            assert torch.equal(run(reference, entry, 7), run(model, entry, 7))
         stats = handle.stats()
     assert stats.rewritten_blocks > 0
     if backing == "checkpoint":
