@@ -185,6 +185,126 @@ def test_a_layers_unmerge_inside_handle_editing_runs_on_its_open_block_and_refus
     assert same_state(reference, streamed)
 
 
+def _unmerge_each_layer(model):
+    """What diffusers' pipe.unfuse_lora() does: each PEFT layer's own unmerge()."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in [m for m in model.modules() if isinstance(m, BaseTunerLayer)]:
+        layer.unmerge()
+
+
+def _merged_lists(model):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name: list(m.merged_adapters) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+
+@pytest.mark.parametrize("then", ["unmerge each layer", "disable_lora", "load another"])
+def test_a_call_inside_handle_editing_keeps_its_blocks_fused_layers_known(tiny_pair, tiny_loras, then):
+    """A block open for an edit is resident only until the edit ends: a call made inside it
+    must not take the block's merged layers for a resident block's (whose PEFT unmerges are
+    real), or after the edit they would stream merged with no unmerge through dlo."""
+    loras = tiny_loras("wan")
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(loras["a"], adapter_name="a", prefix="transformer"))
+    change = {
+        "unmerge each layer": _unmerge_each_layer,
+        "disable_lora": lambda m: m.disable_lora(),
+        "load another": lambda m: m.load_lora_adapter(loras["b"], adapter_name="b", prefix="transformer"),
+    }[then]
+    with dlo.enable(streamed, "cpu") as handle:
+        both((reference, streamed), lambda m: m.fuse_lora(lora_scale=0.5))
+        with handle.editing(streamed.blocks[1]):
+            assert torch.equal(run(reference, "wan", 1), run(streamed, "wan", 1))
+        both((reference, streamed), change)
+        for seed in (2, 3):
+            assert torch.equal(run(reference, "wan", seed), run(streamed, "wan", seed))
+        assert _merged_lists(streamed) == _merged_lists(reference)
+    assert same_state(reference, streamed)
+
+
+def test_fuse_and_unfuse_inside_handle_editing_run_on_its_open_blocks_or_are_refused_before_any_change(tiny_pair, tiny_loras):
+    """`with handle.editing():` (every block open) takes the model's fuse_lora / unfuse_lora on
+    the open weights; with one block open, a fuse that needs another is refused before any
+    layer changed (proj_out, outside the blocks, neither merged nor rescaled)."""
+    reference, streamed, _ = tiny_pair("flux")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, "flux")
+        with handle.editing(streamed.transformer_blocks[0]):
+            with pytest.raises(dlo.StreamingError, match=r"handle.editing\(\) is already open"):
+                streamed.fuse_lora(lora_scale=0.5)
+        assert not any(_merged_lists(streamed).values()) and streamed.proj_out.scaling == reference.proj_out.scaling
+        reference.fuse_lora(lora_scale=0.5)
+        with handle.editing():
+            streamed.fuse_lora(lora_scale=0.5)
+        assert torch.equal(run(reference, "flux", 2), run(streamed, "flux", 2))
+        reference.unfuse_lora()
+        with handle.editing():
+            streamed.unfuse_lora()
+        assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))
+    assert same_state(reference, streamed)
+
+
+def test_a_safe_fuse_refusing_a_nan_layer_stops_where_diffusers_stops(tiny_pair, tiny_loras):
+    """PEFT's safe merge raises at a layer whose merge gives NaN: the layers before it (in
+    module order, as diffusers' fuse_lora walks them) are merged, those after it not."""
+    reference, streamed, _ = tiny_pair("flux")
+    for model in (reference, streamed):
+        model.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer")
+        with torch.no_grad():
+            model.single_transformer_blocks[1].attn.to_q.lora_B["a"].weight[0, 0] = float("nan")
+    with dlo.enable(streamed, "cpu"):
+        for model in (reference, streamed):
+            with pytest.raises(ValueError, match="NaNs detected"):
+                model.fuse_lora(safe_fusing=True)
+        merged = _merged_lists(streamed)
+        assert merged == _merged_lists(reference) and merged["transformer_blocks.0.attn.to_q"] and not merged["proj_out"]
+        for model in (reference, streamed):
+            with torch.no_grad():
+                model.single_transformer_blocks[1].attn.to_q.lora_B["a"].weight[0, 0] = 0.0  # NaN equals nothing
+    assert same_state(reference, streamed)
+
+
+def test_an_interrupted_enable_of_a_fused_model_leaves_its_layers_plain(tiny_pair, tiny_loras, monkeypatch):
+    """Ctrl-C inside the handle's construction (after the fused layers were found): the
+    rollback leaves no layer's unmerge replaced, so a plain unfuse afterwards is PEFT's own."""
+    from dlo.backend import handle as handle_module
+
+    reference, streamed, _ = tiny_pair("flux")
+    for model in (reference, streamed):
+        model.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer")
+        model.fuse_lora(lora_scale=0.5)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(handle_module.StateDictLoads, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dlo.enable(streamed, "cpu")
+    monkeypatch.undo()
+    assert not [name for name, m in streamed.named_modules() if "unmerge" in vars(m)]
+    both((reference, streamed), _unmerge_each_layer)
+    assert same_state(reference, streamed)
+
+
+def test_layers_unloaded_after_a_fuse_are_freed_while_streaming(tiny_pair, tiny_loras):
+    """unload_lora_weights() after a fuse keeps the fused weights and drops the PEFT layers:
+    dlo's record of what they merged holds them weakly, so their adapters are freed."""
+    import gc
+    import weakref
+
+    _, streamed, _ = tiny_pair("flux")
+    streamed.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer")
+    with dlo.enable(streamed, "cpu"):
+        streamed.fuse_lora()
+        layer = weakref.ref(streamed.transformer_blocks[0].attn.to_q)
+        streamed.unload_lora()
+        gc.collect()
+        assert layer() is None
+        run(streamed, "flux")
+
+
 def test_an_unmerge_past_the_layers_own_is_refused_at_the_next_call_and_unfuse_finishes_it(tiny_pair, tiny_loras):
     """PEFT's class method called directly pops the adapter from the merged list, then fails to
     write the stand-in: the layer would apply its LoRA on top of the fused weight."""
@@ -201,6 +321,25 @@ def test_an_unmerge_past_the_layers_own_is_refused_at_the_next_call_and_unfuse_f
         assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))  # still fused, consistently
         both((reference, streamed), lambda m: m.unfuse_lora())
         assert torch.equal(run(reference, "wan", 3), run(streamed, "wan", 3))
+
+
+def test_an_unmerge_past_the_layers_own_then_disable_is_refused_and_the_module_stays_fused(tiny_pair, tiny_loras):
+    """No call between the cut-short unmerge and disable(): disable() makes the same check
+    (raising after the module is plain), so the plain model holds the fused weight, listed
+    merged, as the reference."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    reference.fuse_lora()
+    handle = dlo.enable(streamed, "cpu")
+    streamed.fuse_lora()
+    layer = streamed.blocks[1].attn1.to_q
+    with pytest.raises(RuntimeError, match="written-to tensor"):
+        type(layer).unmerge(layer)
+    with pytest.raises(dlo.StreamingError, match="dropped merged adapters"):
+        handle.disable()
+    assert handle.state is dlo.HandleState.DISABLED and layer.merged_adapters == ["a"]
+    assert same_state(reference, streamed)
+    assert torch.equal(run(reference, "wan"), run(streamed, "wan"))
 
 
 def test_disable_lora_after_fuse_unmerges_as_the_resident_forward_does(tiny_pair, tiny_loras):

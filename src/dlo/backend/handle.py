@@ -401,12 +401,17 @@ class OffloadHandle:
             assert self._final_stats is not None
             return self._final_stats
         if self._changes_settled is None:  # once, also when a disable() cut short is called again
+            refused = []  # the module is disabled first, then the first is raised
             try:
                 self._runtime.release_running()  # blocks an interrupted call left on their slots
                 self._changes.before_call()  # See [Note: stand-ins]
-                self._changes_settled = ()
-            except StreamingError as err:  # the module is disabled first, then it is raised
-                self._changes_settled = (err,)
+            except StreamingError as err:
+                refused.append(err)
+            try:
+                self._fusion.restore_lost()  # See [Note: fusing LoRA into streamed blocks]
+            except StreamingError as err:
+                refused.append(err)
+            self._changes_settled = tuple(refused[:1])
         if restore and self._restored_with is None and not self._written_back:
             self._changes.write_back_resident()  # See [Note: editing a streamed block]
             self._written_back = True

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 
 from torch import nn
@@ -46,16 +47,21 @@ from dlo.hotpath.interrupts import interrupts_held
 from dlo.planning.adapters import tuner_layers
 from dlo.planning.gguf_weights import is_gguf_parameter
 
+# (name, PEFT layer, index of the streamed block holding it; None outside them)
+Layer = tuple[str, nn.Module, int | None]
+
 
 class LoraFusion:
     def __init__(self, module: nn.Module, changes: WeightChanges) -> None:
         self._module = module
         self._changes = changes
-        # id(layer) -> (layer, block index, the adapters merged into its streamed base weight)
-        self._merged: dict[int, tuple[nn.Module, int, tuple[str, ...]]] = {}
+        # id(layer) -> (the layer, its block's index, the adapters merged into its streamed base
+        # weight). Weak: a layer diffusers unloads (unload_lora_weights) goes with its adapters.
+        self._merged: dict[int, tuple[weakref.ref[nn.Module], int, tuple[str, ...]]] = {}
+        self._installed = False  # the layers' `unmerge` replacements are in place (install())
         self._track(self._streamed_layers())
 
-    def _streamed_layers(self) -> list[tuple[str, nn.Module, int]]:
+    def _streamed_layers(self) -> list[Layer]:
         """(name, layer, block index) of the PEFT layers inside the streamed blocks."""
         return [
             (f"{ref.name}.{name}", layer, index)
@@ -63,26 +69,52 @@ class LoraFusion:
             for name, layer in tuner_layers(ref.module)
         ]
 
+    def _runs(self) -> list[tuple[int | None, list[Layer]]]:
+        """The module's PEFT layers in the order diffusers fuses them (module order), in runs:
+        (block index, the layers of that streamed block), or (None, [a layer outside them])."""
+        block_of = {id(layer): index for _, layer, index in self._streamed_layers()}
+        runs: list[tuple[int | None, list[Layer]]] = []
+        for name, layer in tuner_layers(self._module):
+            index = block_of.get(id(layer))
+            if index is not None and runs and runs[-1][0] == index:
+                runs[-1][1].append((name, layer, index))
+            else:
+                runs.append((index, [(name, layer, index)]))
+        return runs
+
     def install(self) -> None:
-        """The module's diffusers `fuse_lora` / `unfuse_lora` are this fuse and unfuse until
-        `remove()`. See [Note: fusing LoRA into streamed blocks]"""
+        """The module's diffusers `fuse_lora` / `unfuse_lora` are this fuse and unfuse, and each
+        merged layer of a streamed block unmerges through it, until `remove()`. See [Note: fusing
+        LoRA into streamed blocks]"""
         for name, method in (("fuse_lora", self.fuse), ("unfuse_lora", self.unfuse)):
             if callable(getattr(type(self._module), name, None)):  # a diffusers model with PEFT support
                 self._module.__dict__[name] = method
+        self._installed = True
+        for layer_ref, _, _ in self._merged.values():
+            if (layer := layer_ref()) is not None:
+                self._replace_unmerge(layer)
 
     def remove(self) -> None:
-        """Undo install() and every merged layer's `unmerge` replacement; also after a partial install."""
+        """Undo install(); also after a partial one."""
+        self._installed = False
         for name in ("fuse_lora", "unfuse_lora"):
             self._module.__dict__.pop(name, None)
-        for layer, _, _ in self._merged.values():
-            layer.__dict__.pop("unmerge", None)
+        for layer_ref, _, _ in self._merged.values():
+            if (layer := layer_ref()) is not None:
+                layer.__dict__.pop("unmerge", None)
 
-    def _track(self, layers: Sequence[tuple[str, nn.Module, int]]) -> None:
+    def _replace_unmerge(self, layer: nn.Module) -> None:
+        # An instance attribute, found before PEFT's method by whoever calls it
+        layer.__dict__["unmerge"] = functools.partial(self._unmerge_between_calls, layer)
+
+    def _track(self, layers: Sequence[Layer]) -> None:
         for _, layer, index in layers:
+            if index is None:
+                continue
             if layer.merged_adapters:
-                self._merged[id(layer)] = (layer, index, tuple(layer.merged_adapters))
-                # An instance attribute, found before PEFT's method by whoever calls it
-                layer.__dict__["unmerge"] = functools.partial(self._unmerge_between_calls, layer)
+                self._merged[id(layer)] = (weakref.ref(layer), index, tuple(layer.merged_adapters))
+                if self._installed:
+                    self._replace_unmerge(layer)
             else:
                 self._merged.pop(id(layer), None)
                 layer.__dict__.pop("unmerge", None)
@@ -92,34 +124,31 @@ class LoraFusion:
         before it sets an adapter): PEFT's own, with its block open. See [Note: fusing LoRA into
         streamed blocks]"""
         _, index, _ = self._merged[id(layer)]
-        # Inside handle.editing() with the block open, its weights are real already.
-        with self._changing(index, [("", layer, index)], open_block=not self._changes.is_open(index)):
+        with self._changing(index, [("", layer, index)], needs_open=True):
             _peft_unmerge(layer)
 
     @contextlib.contextmanager
-    def _changing(self, index: int, layers: Sequence[tuple[str, nn.Module, int]], open_block: bool) -> Iterator[None]:
-        """One held step: block `index` opened for the body's merges or unmerges of `layers`
-        (where `open_block`) and written back, and what the layers hold merged recorded, also
-        when the body raised. An interrupt between PEFT's change of a weight and of its merged
-        list would leave the two disagreeing."""
+    def _changing(self, index: int | None, layers: Sequence[Layer], needs_open: bool) -> Iterator[None]:
+        """One held step: streamed block `index` opened for the body's merges or unmerges of
+        `layers` (where `needs_open`, unless handle.editing() has it open) and written back, and
+        what the layers hold merged recorded, also when the body raised. An interrupt between
+        PEFT's change of a weight and of its merged list would leave the two disagreeing."""
+        opens = index is not None and needs_open and not self._changes.is_open(index)
         with interrupts_held():
             try:
-                with self._changes.editing([index]) if open_block else contextlib.nullcontext():
+                with self._changes.editing([index]) if opens else contextlib.nullcontext():
                     yield
             finally:
                 self._track(layers)
 
     def fuse(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
         """diffusers' `fuse_lora()`, its arguments. See [Note: fusing LoRA into streamed blocks]"""
-        streamed = self._streamed_layers()
-        inside = {id(layer) for _, layer, _ in streamed}
-        others = [(name, layer) for name, layer in tuner_layers(self._module) if id(layer) not in inside]
         from peft.tuners.tuners_utils import check_adapters_to_merge  # PEFT made the layers found
 
+        runs = self._runs()
         with warnings.catch_warnings():  # PEFT warns again when it merges
             warnings.simplefilter("ignore")
-            to_merge = [(name, layer, index) for name, layer, index in streamed if check_adapters_to_merge(layer, adapter_names)]
-            merged_resident = [(name, layer) for name, layer in others if check_adapters_to_merge(layer, adapter_names)]
+            to_merge = [entry for _, run in runs for entry in run if check_adapters_to_merge(entry[1], adapter_names)]
         for name, layer, _ in to_merge:
             if isinstance(layer.get_base_layer(), Fp8GemmLinear):
                 raise StreamingError(
@@ -127,7 +156,6 @@ class LoraFusion:
                     "holds float8 weights, which a LoRA merge cannot add to; nothing was fused. Keep the LoRA "
                     "unfused, or fuse it before dlo.enable()"
                 )
-        for name, layer in [(name, layer) for name, layer, _ in to_merge] + merged_resident:
             weight = getattr(layer.get_base_layer(), "weight", None)
             if weight is not None and is_gguf_parameter(weight):
                 raise StreamingError(
@@ -135,46 +163,47 @@ class LoraFusion:
                     "which a LoRA merge cannot add to; nothing was fused. Keep the LoRA unfused (it runs beside the "
                     "GGUF weights), or fuse it into a bf16 model and quantize that"
                 )
-        for _, layer in others:
-            with interrupts_held():  # PEFT changes the weight, then its merged list
-                _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
-        opened = {index for _, _, index in to_merge}
-        for index in sorted({index for _, _, index in streamed}):
-            layers = [entry for entry in streamed if entry[2] == index]
-            with self._changing(index, layers, open_block=index in opened):
-                for _, layer, _ in layers:
+        opened = {index for _, _, index in to_merge if index is not None}
+        self._changes.check_openable(opened)
+        for index, run in runs:
+            with self._changing(index, run, needs_open=index in opened):
+                for _, layer, _ in run:
                     _fuse_layer(layer, lora_scale, safe_fusing, adapter_names)
 
     def unfuse(self) -> None:
         """diffusers' `unfuse_lora()`. See [Note: fusing LoRA into streamed blocks]"""
-        streamed = self._streamed_layers()
-        inside = {id(layer) for _, layer, _ in streamed}
-        for _, layer in tuner_layers(self._module):
-            if id(layer) not in inside:
-                with interrupts_held():  # PEFT changes its merged list, then the weight
-                    layer.unmerge()
-        for index in sorted({index for _, _, index in streamed}):
-            layers = [entry for entry in streamed if entry[2] == index]
-            with self._changing(index, layers, open_block=any(layer.merged for _, layer, _ in layers)):
-                for _, layer, _ in layers:
+        runs = self._runs()
+        opened = {index for index, run in runs if index is not None and any(layer.merged for _, layer, _ in run)}
+        self._changes.check_openable(opened)
+        for index, run in runs:
+            with self._changing(index, run, needs_open=index in opened):
+                for _, layer, _ in run:
                     _peft_unmerge(layer)
 
     def before_call(self) -> None:
         """See [Note: fusing LoRA into streamed blocks]"""
-        if not self._merged:
-            return
-        resident = self._changes.runtime.promoted
+        self.restore_lost()
+        for layer_ref, index, _ in list(self._merged.values()):
+            layer = layer_ref()
+            if layer is not None and layer.disable_adapters and not self._changes.kept_resident(index):
+                with self._changing(index, [("", layer, index)], needs_open=True):
+                    _peft_unmerge(layer)
+
+    def restore_lost(self) -> None:
+        """A merged layer of a streamed block whose merged list lost adapters while its weight
+        could not change gets them back, and StreamingError says so; a kept-resident block's
+        layers are recorded as they are (PEFT's own changes to them are real). See [Note:
+        fusing LoRA into streamed blocks]"""
         lost = []
-        for key, (layer, index, adapters) in list(self._merged.items()):
-            if index in resident:  # its device memory is its weight: PEFT's own unmerge is real
+        for key, (layer_ref, index, adapters) in list(self._merged.items()):
+            layer = layer_ref()
+            if layer is None:
                 del self._merged[key]
-                layer.__dict__.pop("unmerge", None)
+            elif self._changes.kept_resident(index):
+                self._track([("", layer, index)])
             elif tuple(layer.merged_adapters) != adapters:
                 layer.merged_adapters[:] = list(adapters)
                 lost.append(layer)
-            elif layer.disable_adapters:
-                with self._changing(index, [("", layer, index)], open_block=True):
-                    _peft_unmerge(layer)
         if lost:
             names = [name for name, layer in self._module.named_modules() if any(layer is x for x in lost)]
             raise StreamingError(

@@ -58,6 +58,12 @@ from dlo.planning.offload_plan import BlockRef
 from dlo.planning.wire_layout import landing_views
 
 
+_EDITING_OPEN = (
+    "handle.editing() is already open: finish that edit before starting another (inside it, changes reach the "
+    "blocks it opened)"
+)
+
+
 @dataclass(frozen=True)
 class _Opened:
     """A block opened for a change: `memory` holds its values on the device (laid out like a
@@ -112,6 +118,17 @@ class WeightChanges:
     def is_open(self, index: int) -> bool:
         return index in self._open
 
+    def kept_resident(self, index: int) -> bool:
+        """Whether block `index` is resident for good (not only opened for an edit): its
+        device memory is its weight, and changes to it through any API are real."""
+        return index in self._runtime.promoted and (index not in self._open or self._open[index].kept)
+
+    def check_openable(self, indices: Iterable[int]) -> None:
+        """Refuse, before anything changed, a change that needs blocks `indices` open while
+        handle.editing() holds others open."""
+        if self._editing and not set(indices) <= self._open.keys():
+            raise StreamingError(_EDITING_OPEN)
+
     def open(self, index: int) -> None:
         """Give block `index` real values on the device until `close(index)`. Between calls."""
         if index in self._open:
@@ -159,7 +176,7 @@ class WeightChanges:
         it changed is what the resident model would have changed). See [Note: editing a
         streamed block]"""
         if self._editing:
-            raise StreamingError("handle.editing() is already open: finish that edit before starting another")
+            raise StreamingError(_EDITING_OPEN)
         self.close_all()
         opened = []
         self._editing = True
