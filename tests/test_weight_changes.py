@@ -123,6 +123,43 @@ def test_fuse_lora_reaches_the_streamed_weights_and_unfuse_gives_back_what_resid
     assert same_state(reference, streamed)  # fused, after disable()
 
 
+def test_the_pipelines_own_fuse_lora_reaches_a_streamed_text_encoder(tiny_flux_dir, tmp_path):
+    """diffusers merges a text encoder's PEFT layers in place (a transformers model has no
+    fuse_lora of its own): while enabled, pipe.fuse_lora() / unfuse_lora() are the pipeline
+    handle's, with diffusers' arguments, so a streamed text encoder's layers merge through its
+    blocks; after disable() they are diffusers' again."""
+    import diffusers
+    from lora_files import pipeline_inputs, save_loras
+    from peft import LoraConfig, inject_adapter_in_model
+
+    reference, streamed = (diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir) for _ in range(2))
+    lora = save_loras(reference.transformer, "flux", tmp_path)["a"]
+    ids = torch.arange(8)[None]
+
+    def outputs(pipe, seed):
+        with torch.inference_mode():
+            return pipe.text_encoder(ids)[0], pipe.transformer(**pipeline_inputs("flux", seed))[0]
+
+    def equal(seed):
+        return all(torch.equal(a, b) for a, b in zip(outputs(reference, seed), outputs(streamed, seed)))
+
+    with dlo.enable_pipeline(streamed, "cpu", components=["text_encoder"]) as handle:
+        assert set(handle.handles) == {"transformer", "text_encoder"}
+        for pipe in (reference, streamed):
+            pipe.load_lora_weights(lora, adapter_name="a")
+            torch.manual_seed(0)
+            config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+            inject_adapter_in_model(config, pipe.text_encoder, adapter_name="te")
+        assert equal(1)
+        both((reference, streamed), lambda p: p.fuse_lora(components=["transformer", "text_encoder"], lora_scale=0.5))
+        assert equal(2) and streamed.fused_loras == reference.fused_loras == {"a", "te"}
+        both((reference, streamed), lambda p: p.unfuse_lora(components=["transformer", "text_encoder"]))
+        assert equal(3) and streamed.fused_loras == reference.fused_loras == set()
+        both((reference, streamed), lambda p: p.fuse_lora(["text_encoder"]))
+    assert "fuse_lora" not in vars(streamed) and "unfuse_lora" not in vars(streamed)
+    assert same_state(reference.text_encoder, streamed.text_encoder) and same_state(reference.transformer, streamed.transformer)
+
+
 @pytest.mark.parametrize("safe_fusing", [False, True])
 def test_diffusers_own_fuse_and_unfuse_lora_reach_the_streamed_weights_as_resident(tiny_pair, tiny_loras, safe_fusing):
     """The model's own fuse_lora() / unfuse_lora() while enabled are the handle's (a write into

@@ -3,6 +3,7 @@ components with repeated blocks), place the rest."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -55,13 +56,16 @@ class PipelineHandle:
         safe_fusing: bool = False,
         adapter_names: list[str] | None = None,
     ) -> None:
-        """diffusers' `pipe.fuse_lora()` for a pipeline under dlo: the streamed transformers fuse
+        """diffusers' `pipe.fuse_lora()` for a pipeline under dlo: the streamed components fuse
         through their handles (`OffloadHandle.fuse_lora`), any other component named in
         `components` (default: the streamed ones) through diffusers; `pipe.fused_loras`
-        follows. See [Note: fusing LoRA into streamed blocks]"""
+        follows. While enabled, `pipe.fuse_lora()` is this, with diffusers' defaults. See
+        [Note: fusing LoRA into streamed blocks]"""
         streamed, others = self._split(components)
-        if others:
-            self._pipe.fuse_lora(components=others, lora_scale=lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+        if others or not streamed:  # an empty list: diffusers' own refusal
+            type(self._pipe).fuse_lora(
+                self._pipe, components=others, lora_scale=lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names
+            )
         for name in streamed:
             self.handles[name].fuse_lora(lora_scale, safe_fusing, adapter_names)
         self._pipe._merged_adapters = self._pipe._merged_adapters | _merged(self.handles[name].module for name in streamed)
@@ -69,12 +73,27 @@ class PipelineHandle:
     def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
         """diffusers' `pipe.unfuse_lora()` for a pipeline under dlo (see `fuse_lora`)."""
         streamed, others = self._split(components)
-        if others:
-            self._pipe.unfuse_lora(components=others)
+        if others or not streamed:
+            type(self._pipe).unfuse_lora(self._pipe, components=others)
         for name in streamed:
             self.handles[name].unfuse_lora()
         loaded = (m for m in self._pipe.components.values() if isinstance(m, nn.Module))
         self._pipe._merged_adapters = self._pipe._merged_adapters & _merged(loaded)
+
+    def _route_lora_fusion(self) -> None:
+        """Until disable(), the pipeline's own `fuse_lora()` / `unfuse_lora()` are this handle's,
+        with diffusers' arguments and defaults: diffusers merges a text encoder's layers (a
+        transformers model, with no fuse_lora of its own for dlo to take over) in place, which
+        a streamed one's stand-ins refuse. See [Note: fusing LoRA into streamed blocks]"""
+        pipe = self._pipe
+        for name, route in (("fuse_lora", self.fuse_lora), ("unfuse_lora", self.unfuse_lora)):
+            original = getattr(type(pipe), name, None)
+            if not callable(original):  # a pipeline without LoRA support
+                continue
+            parameters = inspect.signature(original).parameters
+            wanted = [p for p in inspect.signature(route).parameters if p in parameters]
+            pipe.__dict__[name] = partial(_with_defaults, route, original, pipe, tuple(wanted))
+            self._undo.append(partial(pipe.__dict__.pop, name, None))
 
     def _split(self, components: Sequence[str] | None) -> tuple[list[str], list[str]]:
         names = list(self.handles) if components is None else list(components)
@@ -97,6 +116,14 @@ class PipelineHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.disable()
+
+
+def _with_defaults(route: Callable, original: Callable, pipe: object, wanted: tuple[str, ...], *args, **kwargs) -> None:
+    """`route` called with the arguments named `wanted` of a call of diffusers' `original`,
+    its defaults filled in (its own deprecated keywords dropped, as diffusers ignores them)."""
+    bound = inspect.signature(original).bind(pipe, *args, **kwargs)
+    bound.apply_defaults()
+    route(**{name: bound.arguments[name] for name in wanted})
 
 
 def _merged(modules: Iterable[nn.Module]) -> set[str]:
@@ -215,6 +242,7 @@ def enable_pipeline(
         while moved:
             moved.pop()()
         raise
+    handle._route_lora_fusion()
     return handle
 
 
