@@ -119,8 +119,9 @@ class PipelineHandle:
 
 
 def _with_defaults(route: Callable, original: Callable, pipe: object, wanted: tuple[str, ...], *args, **kwargs) -> None:
-    """`route` called with the arguments named `wanted` of a call of diffusers' `original`,
-    its defaults filled in (its own deprecated keywords dropped, as diffusers ignores them)."""
+    """`route` called with the arguments named `wanted` of a call of diffusers' `original`, its
+    defaults filled in; any other keyword (diffusers' deprecated ones, which it only warns about)
+    is dropped."""
     bound = inspect.signature(original).bind(pipe, *args, **kwargs)
     bound.apply_defaults()
     route(**{name: bound.arguments[name] for name in wanted})
