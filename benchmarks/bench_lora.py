@@ -10,6 +10,10 @@ seed), one variant at a time, each freed before the next:
   dlo lora            dlo.enable(model, device) on the CPU model, the LoRA added after it (its
                       adapters stay on the device beside the streamed base weights).
   dlo fused           handle.fuse_lora() on that: the base weights' pinned host copies rewritten.
+  resident unfused,   then diffusers' pipe.unfuse_lora() as it runs outside enable_pipeline: each
+  dlo unfused         PEFT layer's own unmerge(), which dlo makes open the layer's block (one block
+                      load and host rewrite per merged layer, where handle.unfuse_lora() opens
+                      each block once); "fuse s" is that unfuse's wall time.
   dlo mapped fused    --mapped: the model saved to --tmp, loaded with dlo.load_transformer (the
                       blocks stream from the checkpoint mapping), a LoRA on the first half of the
                       blocks only, fused: the fused blocks are copied on write, the rest stays
@@ -101,6 +105,14 @@ def timed(model: nn.Module, inputs: dict, device: torch.device, args: argparse.N
     return statistics.median(seconds), output.cpu()
 
 
+def unmerge_each_layer(model: nn.Module) -> None:
+    """What diffusers' pipe.unfuse_lora() does to a component: each PEFT layer's own unmerge()."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in [m for m in model.modules() if isinstance(m, BaseTunerLayer)]:
+        layer.unmerge()
+
+
 def timed_fuse(fuse, device: torch.device) -> float:
     synchronize(device)
     started = time.perf_counter()
@@ -124,6 +136,9 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
     fuse_s = timed_fuse(model.fuse_lora, device)
     median, outputs["resident fused"] = timed(model, inputs, device, args)
     rows.append(Row(name, "resident fused", median, fuse_s=fuse_s))
+    unfuse_s = timed_fuse(lambda: unmerge_each_layer(model), device)
+    median, outputs["resident unfused"] = timed(model, inputs, device, args)
+    rows.append(Row(name, "resident unfused", median, fuse_s=unfuse_s))
     del model
     release(device)
 
@@ -139,6 +154,9 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
     rows.append(
         Row(name, "dlo fused", median, "resident fused", torch.equal(output, outputs["resident fused"]), fuse_s, stats.host_bytes, 0)
     )
+    unfuse_s = timed_fuse(lambda: unmerge_each_layer(model), device)
+    median, output = timed(model, inputs, device, args)
+    rows.append(Row(name, "dlo unfused", median, "resident unfused", torch.equal(output, outputs["resident unfused"]), unfuse_s))
     handle.disable()
     del model, handle
     release(device)
