@@ -1,6 +1,6 @@
 """Original-layout single files made by the tests themselves: a diffusers model's state dict
 written in the key layout its original repository uses (Wan 2.1's, Flux's, Flux.2's and Flux.3's BFL layouts, LTX-Video's, Z-Image's,
-ComfyUI's Qwen-Image 2.1), by
+ComfyUI's Qwen-Image 2.1, HunyuanVideo's), by
 mappings written here from those repositories' names (the inverse of what diffusers'
 converters do; dlo's own code is not used)."""
 
@@ -94,6 +94,83 @@ def flux_original(state: dict[str, torch.Tensor], double: int, single: int) -> d
         out[f"{b}norm.query_norm.scale"] = state[f"{d}attn.norm_q.weight"]
         out[f"{b}norm.key_norm.scale"] = state[f"{d}attn.norm_k.weight"]
     return out
+
+
+HUNYUAN_RENAMES = [  # diffusers -> HunyuanVideo (applied in order, on the key with dots around it)
+    (".context_embedder.token_refiner.refiner_blocks.", ".txt_in.individual_token_refiner.blocks."),
+    (".context_embedder.time_text_embed.timestep_embedder.linear_1.", ".txt_in.t_embedder.mlp.0."),
+    (".context_embedder.time_text_embed.timestep_embedder.linear_2.", ".txt_in.t_embedder.mlp.2."),
+    (".context_embedder.time_text_embed.text_embedder.", ".txt_in.c_embedder."),
+    (".context_embedder.proj_in.", ".txt_in.input_embedder."),
+    (".time_text_embed.timestep_embedder.linear_1.", ".time_in.mlp.0."),
+    (".time_text_embed.timestep_embedder.linear_2.", ".time_in.mlp.2."),
+    (".time_text_embed.guidance_embedder.linear_1.", ".guidance_in.mlp.0."),
+    (".time_text_embed.guidance_embedder.linear_2.", ".guidance_in.mlp.2."),
+    (".time_text_embed.text_embedder.linear_1.", ".vector_in.in_layer."),
+    (".time_text_embed.text_embedder.linear_2.", ".vector_in.out_layer."),
+    (".x_embedder.", ".img_in."),
+    (".transformer_blocks.", ".double_blocks."),
+    (".single_transformer_blocks.", ".single_blocks."),
+    (".norm1.linear.", ".img_mod.linear."),
+    (".norm1_context.linear.", ".txt_mod.linear."),
+    (".attn.norm_added_q.", ".txt_attn_q_norm."),
+    (".attn.norm_added_k.", ".txt_attn_k_norm."),
+    (".attn.to_add_out.", ".txt_attn_proj."),
+    (".ff_context.net.0.proj.", ".txt_mlp.fc1."),
+    (".ff_context.net.2.", ".txt_mlp.fc2."),
+    (".ff.net.0.proj.", ".mlp.fc1."),  # img_mlp in double blocks (below), mlp in the refiner's
+    (".ff.net.2.", ".mlp.fc2."),
+    (".norm_out.linear.", ".adaLN_modulation.1."),  # the refiner's; the final one is swapped below
+    (".norm.linear.", ".modulation.linear."),
+    (".proj_out.", ".linear2."),  # single blocks'; the final one is final_layer.linear
+]
+
+
+def hunyuan_video_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HunyuanVideo's own layout: q/k/v fused (qkv, self_attn_qkv), a single block's q/k/v and
+    MLP input fused (linear1), the final norm's shift before its scale."""
+    out = {}
+    fused = {}  # original key -> diffusers keys, concatenated in order
+    for key, tensor in state.items():
+        kind = key.rsplit(".", 1)[1]
+        if key.startswith("norm_out.linear."):
+            scale, shift = tensor.chunk(2, dim=0)
+            out[f"final_layer.adaLN_modulation.1.{kind}"] = torch.cat([shift, scale])
+            continue
+        if key.startswith("proj_out."):
+            out[f"final_layer.linear.{kind}"] = tensor
+            continue
+        if key.startswith("single_transformer_blocks.") and re.search(r"\.(attn\.to_[qkv]|proj_mlp)\.", key):
+            block = key.split(".")[1]
+            fused.setdefault(f"single_blocks.{block}.linear1.{kind}", []).append(key)
+            continue
+        match = re.match(r"(.*)\.attn\.(to_|add_)[qkv](_proj)?\.(weight|bias)$", key)
+        if match:
+            where = "self_attn_qkv" if ".refiner_blocks." in key else "img_attn_qkv" if match[2] == "to_" else "txt_attn_qkv"
+            fused.setdefault(f"{_hunyuan_renamed(match[1] + '.')}{where}.{kind}", []).append(key)
+            continue
+        name = "." + _hunyuan_renamed(key)
+        if name.startswith(".double_blocks."):
+            name = name.replace(".mlp.fc", ".img_mlp.fc").replace(".attn.norm_q.", ".img_attn_q_norm.")
+            name = name.replace(".attn.norm_k.", ".img_attn_k_norm.").replace(".attn.to_out.0.", ".img_attn_proj.")
+        elif name.startswith(".single_blocks."):
+            name = name.replace(".attn.norm_q.", ".q_norm.").replace(".attn.norm_k.", ".k_norm.")
+        elif ".individual_token_refiner." in name:
+            name = name.replace(".attn.to_out.0.", ".self_attn_proj.")
+        out[name[1:]] = tensor
+    for key, parts in fused.items():
+        out[key] = torch.cat([state[part] for part in sorted(parts, key=lambda part: FUSED_ORDER.index(part.split(".")[-2]))])
+    return out
+
+
+def _hunyuan_renamed(key: str) -> str:
+    name = f".{key}"
+    for diffusers_part, original in HUNYUAN_RENAMES:
+        name = name.replace(diffusers_part, original)
+    return name[1:]
+
+
+FUSED_ORDER = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "proj_mlp")
 
 
 FLUX2_TOP = {  # diffusers -> Flux.2's BFL names (no biases)

@@ -13,7 +13,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
-from single_file_layouts import flux_original, sd3_original, wan_original
+from single_file_layouts import flux_original, hunyuan_video_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -22,6 +22,13 @@ diffusers = pytest.importorskip("diffusers")
 FLUX_WIDE = dict(
     patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=24,
     joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(16, 56, 56),
+)
+
+# HunyuanVideo at its real width, for the same reason (its converter splits a single block's
+# linear1 at 3072 rows): one block of each kind and one refiner block, MLPs 1x. 0.7 GiB in bf16.
+HUNYUAN_WIDE = dict(
+    in_channels=4, out_channels=4, num_attention_heads=24, attention_head_dim=128, num_layers=1, num_single_layers=1,
+    num_refiner_layers=1, mlp_ratio=1.0, text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(16, 56, 56),
 )
 
 
@@ -125,6 +132,23 @@ def test_a_flux_file_in_bfl_layout_streams_its_fused_projections_split_in_place(
         assert (scale.begin, shift.begin, shift.end) == (norm.begin + norm.nbytes // 2, norm.begin, scale.begin)
     finally:
         file.close()
+
+
+def test_a_hunyuan_video_file_in_its_own_layout_streams_its_fused_projections_split_in_place(large_file_dir):
+    """HunyuanVideo's layout fuses q, k, v (img_attn_qkv, txt_attn_qkv, the refiner's
+    self_attn_qkv) and a single block's q, k, v and MLP input (linear1): diffusers' converter
+    splits them along the rows, so each block tensor is a range of the file."""
+    cls = diffusers.HunyuanVideoTransformer3DModel
+    model = random_model(cls, HUNYUAN_WIDE, torch.bfloat16)
+    path, config_dir = write(large_file_dir, "hunyuan", model, hunyuan_video_original)
+    state = model.state_dict()
+    del model
+    converted = reference(path, config_dir, cls, torch.bfloat16).state_dict()  # the layout is its converter's inverse
+    assert converted.keys() == state.keys() and all(torch.equal(state[k], v) for k, v in converted.items())
+    del state, converted
+    inputs = [TINY_MODELS["hunyuanvideo"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
+    adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
+    assert adapters == {} and stats.mapped_bytes == path.stat().st_size  # ranges only, no converted file
 
 
 def test_an_ltx_file_in_its_own_layout_streams_its_transformer_and_leaves_its_vae(tmp_path):
