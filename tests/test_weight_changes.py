@@ -205,23 +205,6 @@ def test_loading_another_lora_while_one_is_fused_unmerges_it_first_as_resident(t
     assert same_state(reference, streamed)
 
 
-def test_a_layers_unmerge_inside_handle_editing_runs_on_its_open_block_and_refuses_another(tiny_pair, tiny_loras):
-    """Inside `handle.editing(block)` a merged layer of that block unmerges on its open
-    weights; one of another block is refused before PEFT changed anything (one edit at a time)."""
-    reference, streamed, _ = tiny_pair("wan")
-    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
-    with dlo.enable(streamed, "cpu") as handle:
-        both((reference, streamed), lambda m: m.fuse_lora())
-        with handle.editing(streamed.blocks[0]):
-            streamed.blocks[0].attn1.to_q.unmerge()
-            with pytest.raises(dlo.StreamingError, match=r"handle.editing\(\) is already open"):
-                streamed.blocks[1].attn1.to_q.unmerge()
-        reference.blocks[0].attn1.to_q.unmerge()
-        assert streamed.blocks[1].attn1.to_q.merged_adapters == ["a"]
-        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
-    assert same_state(reference, streamed)
-
-
 def _unmerge_each_layer(model):
     """What diffusers' pipe.unfuse_lora() does: each PEFT layer's own unmerge()."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -260,26 +243,85 @@ def test_a_call_inside_handle_editing_keeps_its_blocks_fused_layers_known(tiny_p
     assert same_state(reference, streamed)
 
 
-def test_fuse_and_unfuse_inside_handle_editing_run_on_its_open_blocks_or_are_refused_before_any_change(tiny_pair, tiny_loras):
-    """`with handle.editing():` (every block open) takes the model's fuse_lora / unfuse_lora on
-    the open weights; with one block open, a fuse that needs another is refused before any
-    layer changed (proj_out, outside the blocks, neither merged nor rescaled)."""
+@pytest.mark.parametrize("opened", ["every block", "one block"])
+def test_fuse_unfuse_and_layer_unmerges_inside_handle_editing_reach_every_block(tiny_pair, tiny_loras, opened):
+    """Inside `handle.editing(...)` the model's fuse_lora / unfuse_lora and a layer's own
+    unmerge() run on the blocks the edit opened, and open any other block on its own (one at a
+    time), as they run resident."""
     reference, streamed, _ = tiny_pair("flux")
     both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer"))
     with dlo.enable(streamed, "cpu") as handle:
         run(streamed, "flux")
-        with handle.editing(streamed.transformer_blocks[0]):
-            with pytest.raises(dlo.StreamingError, match=r"handle.editing\(\) is already open"):
-                streamed.fuse_lora(lora_scale=0.5)
-        assert not any(_merged_lists(streamed).values()) and streamed.proj_out.scaling == reference.proj_out.scaling
+        blocks = () if opened == "every block" else (streamed.transformer_blocks[0],)
         reference.fuse_lora(lora_scale=0.5)
-        with handle.editing():
+        with handle.editing(*blocks):
             streamed.fuse_lora(lora_scale=0.5)
         assert torch.equal(run(reference, "flux", 2), run(streamed, "flux", 2))
-        reference.unfuse_lora()
-        with handle.editing():
-            streamed.unfuse_lora()
+        for model in (reference, streamed):
+            with handle.editing(*blocks) if model is streamed else nullcontext():
+                model.transformer_blocks[0].attn.to_q.unmerge()
+                model.single_transformer_blocks[1].attn.to_k.unmerge()
         assert torch.equal(run(reference, "flux", 3), run(streamed, "flux", 3))
+        assert _merged_lists(streamed) == _merged_lists(reference)
+        reference.unfuse_lora()
+        with handle.editing(*blocks):
+            streamed.unfuse_lora()
+        assert torch.equal(run(reference, "flux", 4), run(streamed, "flux", 4))
+    assert same_state(reference, streamed)
+
+
+@pytest.mark.parametrize("then", ["disable_lora", "unmerge each layer"])
+def test_peft_merges_made_inside_handle_editing_are_unmerged_through_the_blocks_later(tiny_pair, tiny_loras, then):
+    """PEFT's own merge of each layer inside `with handle.editing():` (the edit writes it back):
+    the merged layers are recorded when the edit ends, so a forward with adapters disabled or a
+    layer's own unmerge() later goes through the block as for a fuse."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        run(streamed, "wan")
+        for model in (reference, streamed):
+            with handle.editing() if model is streamed else nullcontext():
+                for layer in [m for m in model.blocks.modules() if hasattr(m, "merged_adapters")]:
+                    layer.merge()
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
+        both((reference, streamed), (lambda m: m.disable_lora()) if then == "disable_lora" else _unmerge_each_layer)
+        for seed in (3, 4):
+            assert torch.equal(run(reference, "wan", seed), run(streamed, "wan", seed))
+    assert same_state(reference, streamed)
+
+
+def test_a_call_inside_handle_editing_plans_no_residency(tiny_pair):
+    """resident_layers='auto': the blocks an edit holds open look resident to a call made in
+    it; no plan is made or measured from such a call (one made there dropped every slot for
+    blocks the edit then streamed again: every later call refused)."""
+    reference, streamed, _ = tiny_pair("wan")
+    config = dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=1.0)
+    with dlo.enable(streamed, "cpu", config) as handle:
+        run(streamed, "wan")
+        for seed in (2, 3):
+            with handle.editing(*streamed.blocks):
+                assert torch.equal(run(reference, "wan", seed), run(streamed, "wan", seed))
+        assert handle.stats().residency.state == "measuring"
+        for seed in (4, 5, 6):
+            assert torch.equal(run(reference, "wan", seed), run(streamed, "wan", seed))
+        assert handle.stats().residency.resident  # planned from calls outside the edit
+
+
+def test_blocks_promoted_in_inference_mode_hold_ordinary_tensors(tiny_pair, tiny_loras):
+    """A block promoted during a call under torch.inference_mode() (automatic residency)
+    outlives it: its weights are ordinary tensors, so a fused DoRA adapter (whose unmerge
+    records autograd) unfuses and a new adapter loads as on the resident model."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["dora"], adapter_name="d", prefix="transformer"))
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(resident_layers="auto", hbm_budget_gib=1.0)) as handle:
+        both((reference, streamed), lambda m: m.fuse_lora())
+        for seed in range(4):
+            run(streamed, "wan", seed)  # under inference_mode
+        assert handle.stats().resident_blocks == 4
+        assert not any(p.is_inference() for p in streamed.blocks.parameters())
+        both((reference, streamed), lambda m: m.unfuse_lora())
+        both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["b"], adapter_name="b", prefix="transformer"))
+        assert torch.equal(run(reference, "wan", 7), run(streamed, "wan", 7))
     assert same_state(reference, streamed)
 
 
@@ -304,8 +346,9 @@ def test_a_safe_fuse_refusing_a_nan_layer_stops_where_diffusers_stops(tiny_pair,
 
 
 def test_an_interrupted_enable_of_a_fused_model_leaves_its_layers_plain(tiny_pair, tiny_loras, monkeypatch):
-    """Ctrl-C inside the handle's construction (after the fused layers were found): the
-    rollback leaves no layer's unmerge replaced, so a plain unfuse afterwards is PEFT's own."""
+    """Ctrl-C as enable() ends, once the fused layers' unmerge and the model's fuse_lora were
+    replaced: the rollback puts PEFT's and diffusers' back, so a plain unfuse afterwards is
+    PEFT's own."""
     from dlo.backend import handle as handle_module
 
     reference, streamed, _ = tiny_pair("flux")
@@ -313,14 +356,17 @@ def test_an_interrupted_enable_of_a_fused_model_leaves_its_layers_plain(tiny_pai
         model.load_lora_adapter(tiny_loras("flux")["a"], adapter_name="a", prefix="transformer")
         model.fuse_lora(lora_scale=0.5)
 
-    def interrupted(*args, **kwargs):
+    installed = handle_module.LoraFusion.install
+
+    def interrupted(self):
+        installed(self)  # the layers' unmerge and the model's fuse_lora replaced, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(handle_module.StateDictLoads, "__init__", interrupted)
+    monkeypatch.setattr(handle_module.LoraFusion, "install", interrupted)
     with pytest.raises(KeyboardInterrupt):
         dlo.enable(streamed, "cpu")
     monkeypatch.undo()
-    assert not [name for name, m in streamed.named_modules() if "unmerge" in vars(m)]
+    assert not [name for name, m in streamed.named_modules() if {"unmerge", "fuse_lora"} & vars(m).keys()]
     both((reference, streamed), _unmerge_each_layer)
     assert same_state(reference, streamed)
 

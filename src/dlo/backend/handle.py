@@ -6,7 +6,7 @@ import contextlib
 import enum
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -138,6 +138,7 @@ class OffloadHandle:
         self._warned_recompiles = False
         self._recompiles_seen = 0  # by the start of the last call
         self._root_hooks: list[RemovableHandle] = []
+        self._planned_call = False  # the call in progress counts for resident_layers='auto'
 
     def activate(self) -> None:
         """enable()'s last step: the handle takes over the module (root hooks, the registry, the
@@ -176,6 +177,7 @@ class OffloadHandle:
                 del _MANAGED[sub]
 
     def _call_starts(self, module: nn.Module, args: tuple) -> None:
+        self._planned_call = False  # until it is known (a refused call is not planned from)
         # First: blocks an interrupted call left pointing at their slots get their stand-ins back
         # (See [Note: one writer per slot]), so the check of the stand-ins sees only changes made
         # between calls.
@@ -185,7 +187,10 @@ class OffloadHandle:
         for call in self._streamed_calls:  # a block compiled since the last call. See [Note: compiled blocks]
             call.keep_installed()
         self._watch_compiles()
-        if self._residency is not None:
+        # A call inside handle.editing() sees the blocks it opened as resident, until the edit
+        # ends: resident_layers='auto' neither plans nor measures from it.
+        self._planned_call = self._residency is not None and not self._changes.edit_open
+        if self._planned_call:
             self._residency.call_starts()
         if self._host_tier is not None:
             self._host_tier.call_starts()
@@ -212,7 +217,7 @@ class OffloadHandle:
 
     def _call_ends(self, module: nn.Module, args: tuple, output: object) -> None:
         self._runtime.end_call()
-        if self._residency is not None:
+        if self._planned_call:
             self._residency.call_ends()
         if self._host_tier is not None:
             self._host_tier.call_ends()
@@ -279,7 +284,15 @@ class OffloadHandle:
                     "nor inside one; its weights are on the device as they are: change them directly"
                 )
             indices.append(index)
-        return self._changes.editing(indices if modules else range(len(self._runtime.blocks)))
+        return self._edit(indices if modules else list(range(len(self._runtime.blocks))))
+
+    @contextlib.contextmanager
+    def _edit(self, indices: list[int]) -> Iterator[None]:
+        with self._changes.editing(indices):
+            try:
+                yield
+            finally:  # PEFT merges made in it. See [Note: fusing LoRA into streamed blocks]
+                self._fusion.track_blocks(indices)
 
     def fuse_lora(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
         """diffusers' `fuse_lora()` for the streamed module: the LoRA layers' deltas are added to

@@ -23,8 +23,8 @@ every unmerge from outside a call: diffusers' `unfuse_lora()` on a pipeline it d
 adapter. Layers are merged in module order, as diffusers does, each block's layers and the
 record of what they hold merged as one held step. A block kept resident is already open: PEFT's
 own changes to it are real, and its layers are recorded as they are before each call. Inside
-handle.editing() a change runs on the blocks it opened; one needing another is refused before
-any layer changed. Two paths are left. A forward with adapters disabled (`disable_lora()` after
+handle.editing() a change runs on the blocks it opened and opens any other on its own; PEFT's
+own merges made there are recorded as the edit ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after
 a fuse) unmerges the layer inside the block's call, where only the slot would change: before
 each call, a merged layer with adapters disabled is unmerged through its host copy first (the
 forward then finds nothing to unmerge, and computes what the resident model computes). And an
@@ -128,19 +128,21 @@ class LoraFusion:
         before it sets an adapter): PEFT's own, with its block open. See [Note: fusing LoRA into
         streamed blocks]"""
         _, index, _ = self._merged[id(layer)]
-        with self._changing(index, [("", layer, index)], needs_open=True):
+        # A kept-resident block's device memory is its weight (its host copy is rewritten at the
+        # next edit and at disable()), also when PEFT's forward unmerges inside a call.
+        with self._changing(index, [("", layer, index)], needs_open=not self._changes.kept_resident(index)):
             _peft_unmerge(layer)
 
     @contextlib.contextmanager
     def _changing(self, index: int | None, layers: Sequence[Layer], needs_open: bool) -> Iterator[None]:
         """One held step: streamed block `index` opened for the body's merges or unmerges of
-        `layers` (where `needs_open`, unless handle.editing() has it open) and written back, and
-        what the layers hold merged recorded, also when the body raised. An interrupt between
-        PEFT's change of a weight and of its merged list would leave the two disagreeing."""
-        opens = index is not None and needs_open and not self._changes.is_open(index)
+        `layers` (where `needs_open`; one an edit holds open stays so) and written back, and what
+        the layers hold merged recorded, also when the body raised. An interrupt between PEFT's
+        change of a weight and of its merged list would leave the two disagreeing."""
+        opens = index is not None and needs_open
         with interrupts_held():
             try:
-                with self._changes.editing([index]) if opens else contextlib.nullcontext():
+                with self._changes.opened(index) if opens else contextlib.nullcontext():
                     yield
             finally:
                 self._track(layers)
@@ -168,7 +170,6 @@ class LoraFusion:
                     "GGUF weights), or fuse it into a bf16 model and quantize that"
                 )
         opened = {index for _, _, index in to_merge if index is not None}
-        self._changes.check_openable(opened)
         for index, run in runs:
             with self._changing(index, run, needs_open=index in opened):
                 for _, layer, _ in run:
@@ -178,11 +179,17 @@ class LoraFusion:
         """diffusers' `unfuse_lora()`. See [Note: fusing LoRA into streamed blocks]"""
         runs = self._runs()
         opened = {index for index, run in runs if index is not None and any(layer.merged for _, layer, _ in run)}
-        self._changes.check_openable(opened)
         for index, run in runs:
             with self._changing(index, run, needs_open=index in opened):
                 for _, layer, _ in run:
                     _peft_unmerge(layer)
+
+    def track_blocks(self, indices: Sequence[int]) -> None:
+        """Record what the layers of blocks `indices` hold merged after an edit of them (PEFT's
+        own merges inside handle.editing())."""
+        wanted = set(indices)
+        with interrupts_held():
+            self._track([entry for entry in self._streamed_layers() if entry[2] in wanted])
 
     def before_call(self) -> None:
         """See [Note: fusing LoRA into streamed blocks]"""

@@ -71,12 +71,18 @@ class PipelineHandle:
         self._pipe._merged_adapters = self._pipe._merged_adapters | _merged(self.handles[name].module for name in streamed)
 
     def unfuse_lora(self, components: Sequence[str] | None = None) -> None:
-        """diffusers' `pipe.unfuse_lora()` for a pipeline under dlo (see `fuse_lora`)."""
+        """diffusers' `pipe.unfuse_lora()` for a pipeline under dlo (see `fuse_lora`). The
+        streamed components unfuse through their handles first, one block at a time; then
+        diffusers' own runs for every component it loads LoRAs into (it finds them unmerged, and
+        does what else its pipeline does: Flux's puts back the norm layers a control LoRA
+        replaced)."""
         streamed, others = self._split(components)
-        if others or not streamed:
-            type(self._pipe).unfuse_lora(self._pipe, components=others)
         for name in streamed:
             self.handles[name].unfuse_lora()
+        loadable = getattr(self._pipe, "_lora_loadable_modules", ())
+        names = [n for n in streamed if n in loadable] + others
+        if names or not streamed:
+            type(self._pipe).unfuse_lora(self._pipe, components=names)
         loaded = (m for m in self._pipe.components.values() if isinstance(m, nn.Module))
         self._pipe._merged_adapters = self._pipe._merged_adapters & _merged(loaded)
 

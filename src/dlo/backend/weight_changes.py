@@ -58,12 +58,6 @@ from dlo.planning.offload_plan import BlockRef
 from dlo.planning.wire_layout import landing_views
 
 
-_EDITING_OPEN = (
-    "handle.editing() is already open: finish that edit before starting another (inside it, changes reach the "
-    "blocks it opened)"
-)
-
-
 @dataclass(frozen=True)
 class _Opened:
     """A block opened for a change: `memory` holds its values on the device (laid out like a
@@ -118,16 +112,28 @@ class WeightChanges:
     def is_open(self, index: int) -> bool:
         return index in self._open
 
+    @property
+    def edit_open(self) -> bool:
+        """Inside handle.editing(): its blocks are resident only until it ends."""
+        return self._editing
+
     def kept_resident(self, index: int) -> bool:
         """Whether block `index` is resident for good (not only opened for an edit): its
         device memory is its weight, and changes to it through any API are real."""
         return index in self._runtime.promoted and (index not in self._open or self._open[index].kept)
 
-    def check_openable(self, indices: Iterable[int]) -> None:
-        """Refuse, before anything changed, a change that needs blocks `indices` open while
-        handle.editing() holds others open."""
-        if self._editing and not set(indices) <= self._open.keys():
-            raise StreamingError(_EDITING_OPEN)
+    @contextlib.contextmanager
+    def opened(self, index: int) -> Iterator[None]:
+        """Block `index` open for the body, then written back (also when it raised); one
+        already open (an edit in progress) stays as it is, for its edit to close."""
+        if index in self._open:
+            yield
+            return
+        self.open(index)
+        try:
+            yield
+        finally:
+            self.close(index)
 
     def open(self, index: int) -> None:
         """Give block `index` real values on the device until `close(index)`. Between calls."""
@@ -176,7 +182,7 @@ class WeightChanges:
         it changed is what the resident model would have changed). See [Note: editing a
         streamed block]"""
         if self._editing:
-            raise StreamingError(_EDITING_OPEN)
+            raise StreamingError("handle.editing() is already open: finish that edit before starting another")
         self.close_all()
         opened = []
         self._editing = True

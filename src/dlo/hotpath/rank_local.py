@@ -106,7 +106,9 @@ class RankLocalRuntime(StreamingRuntime):
             )
         if self.is_running(index):
             raise StreamingError(f"streamed block {block.name!r} is running and cannot be promoted")
-        with self._step():
+        # Outside inference mode: the block's weights outlive the call that promoted it (an
+        # inference tensor refuses later autograd, such as PEFT's DoRA unmerge).
+        with self._step(), torch.inference_mode(False):
             memory = aligned_empty(block.layout.nbytes, self.executor.device)
             views = self._views_of(index, memory)
             wire = block.wire
