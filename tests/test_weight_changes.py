@@ -160,6 +160,37 @@ def test_the_pipelines_own_fuse_lora_reaches_a_streamed_text_encoder(tiny_flux_d
     assert same_state(reference.text_encoder, streamed.text_encoder) and same_state(reference.transformer, streamed.transformer)
 
 
+@pytest.mark.parametrize("then", ["unfuse the transformer", "unfuse", "unload"])
+def test_a_flux_control_lora_loaded_before_enable_pipeline_puts_its_norm_layers_back_as_resident(tiny_flux_dir, tmp_path, then):
+    """A Flux control LoRA carries norm layers, which diffusers loads into the transformer in
+    place of its own and puts back on unfuse or unload (from a copy of state_dict() made at
+    the load). Loaded before enable_pipeline (state_dict() then reads real weights), every way
+    back equals resident; the pipeline's unfuse runs diffusers' own after dlo's."""
+    import diffusers
+    from lora_files import pipeline_inputs, save_lora
+    from safetensors.torch import load_file, save_file
+
+    reference, streamed = (diffusers.DiffusionPipeline.from_pretrained(tiny_flux_dir) for _ in range(2))
+    state = load_file(save_lora(reference.transformer, "flux", "a", tmp_path, 1))
+    generator = torch.Generator().manual_seed(5)
+    for key, value in reference.transformer.state_dict().items():
+        if ".norm_q." in key or ".norm_k." in key:
+            state[f"transformer.{key}"] = 1 + 0.5 * torch.randn(value.shape, generator=generator)
+    save_file(state, tmp_path / "control.safetensors")
+    both((reference, streamed), lambda p: p.load_lora_weights(tmp_path / "control.safetensors", adapter_name="control"))
+    change = {
+        "unfuse the transformer": lambda p: p.unfuse_lora(components=["transformer"]),
+        "unfuse": lambda p: p.unfuse_lora(),
+        "unload": lambda p: p.unload_lora_weights(),
+    }[then]
+    with dlo.enable_pipeline(streamed, "cpu"):
+        both((reference, streamed), change)
+        with torch.inference_mode():
+            expected = reference.transformer(**pipeline_inputs("flux", 1))[0]
+            assert torch.equal(streamed.transformer(**pipeline_inputs("flux", 1))[0], expected)
+    assert same_state(reference.transformer, streamed.transformer)
+
+
 @pytest.mark.parametrize("safe_fusing", [False, True])
 def test_diffusers_own_fuse_and_unfuse_lora_reach_the_streamed_weights_as_resident(tiny_pair, tiny_loras, safe_fusing):
     """The model's own fuse_lora() / unfuse_lora() while enabled are the handle's (a write into
