@@ -98,8 +98,8 @@ class PipelineHandle:
                 continue
             parameters = inspect.signature(original).parameters
             wanted = [p for p in inspect.signature(route).parameters if p in parameters]
+            self._undo.append(partial(pipe.__dict__.pop, name, None))  # first: disable() undoes a partial route
             pipe.__dict__[name] = partial(_with_defaults, route, original, pipe, tuple(wanted))
-            self._undo.append(partial(pipe.__dict__.pop, name, None))
 
     def _split(self, components: Sequence[str] | None) -> tuple[list[str], list[str]]:
         names = list(self.handles) if components is None else list(components)
@@ -244,12 +244,12 @@ def enable_pipeline(
             _place_by_room(handle, found, transformers, others, named, device, config, plans, reserve_gib, components)
         else:
             _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size, moved)
+        handle._route_lora_fusion()
     except BaseException:
         handle.disable()
         while moved:
             moved.pop()()
         raise
-    handle._route_lora_fusion()
     return handle
 
 
