@@ -338,6 +338,72 @@ def test_a_call_inside_handle_editing_plans_no_residency(tiny_pair):
         assert handle.stats().residency.resident  # planned from calls outside the edit
 
 
+@pytest.mark.parametrize("how", ["disable_lora", "unmerge each layer"])
+def test_an_unmerge_in_a_kept_resident_float8_block_is_requantized_at_once(tiny_pair, tiny_loras, how):
+    """stream_dtype='fp8', every block kept resident: an unmerge of a fused layer (PEFT's in
+    the forward after disable_lora(), or diffusers' layer by layer) rewrites the block's host
+    copy and requantizes its device memory at once, so nothing changes at a later edit or at
+    disable() (unmerged on the device only, it was requantized then: the outputs moved)."""
+    _, streamed, _ = tiny_pair("wan")
+    config = dlo.OffloadConfig(stream_dtype="fp8", resident_layers="auto", hbm_budget_gib=1.0)
+    handle = dlo.enable(streamed, "cpu", config)
+    for seed in range(3):
+        run(streamed, "wan", seed)
+    assert handle.stats().resident_blocks == 4
+    streamed.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer")
+    streamed.fuse_lora()
+    (lambda m: m.disable_lora())(streamed) if how == "disable_lora" else _unmerge_each_layer(streamed)
+    first = run(streamed, "wan", 9)
+    with handle.editing(streamed.blocks[0]):
+        pass
+    assert torch.equal(run(streamed, "wan", 9), first)
+    handle.disable()
+    assert torch.equal(run(streamed, "wan", 9), first)
+
+
+def test_peft_merges_inside_handle_editing_then_a_call_in_it_are_kept(tiny_pair, tiny_loras):
+    """A second adapter merged with PEFT's own merge() into fused layers inside an edit, then a
+    call inside the same edit: the open blocks' layers are recorded as they are (their device
+    memory is real), never taken for a list that lost adapters."""
+    loras = tiny_loras("wan")
+    reference, streamed, _ = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu") as handle:
+        for model in (reference, streamed):
+            model.load_lora_adapter(loras["a"], adapter_name="a", prefix="transformer")
+            model.load_lora_adapter(loras["b"], adapter_name="b", prefix="transformer")
+            model.set_adapters(["a", "b"])
+            model.fuse_lora(adapter_names=["a"])
+        for model in (reference, streamed):
+            with handle.editing() if model is streamed else nullcontext():
+                for layer in [m for m in model.modules() if hasattr(m, "merged_adapters")]:
+                    layer.merge(adapter_names=["b"])
+                assert torch.equal(run(model, "wan", 1), run(reference, "wan", 1))
+        assert _merged_lists(streamed) == _merged_lists(reference)
+        both((reference, streamed), lambda m: m.unfuse_lora())
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
+    assert same_state(reference, streamed)
+
+
+def test_a_change_to_a_streamed_block_from_inside_its_own_forward_is_refused_by_name(tiny_pair, tiny_loras):
+    """A hook in the forward disables a fused layer's adapters in a block that runs next: PEFT
+    unmerges in that block's forward, which cannot open a block while it runs (its slot would
+    be dropped under it). Refused by name, the layer still listed merged as its weights are;
+    between calls the same change goes through."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu"):
+        both((reference, streamed), lambda m: m.fuse_lora())
+        layer = streamed.blocks[2].attn1.to_q
+        hook = streamed.blocks[1].register_forward_pre_hook(lambda *_: layer.enable_adapters(False))
+        with pytest.raises(dlo.StreamingError, match="'blocks.2' is running: its weights cannot change inside its own call"):
+            run(streamed, "wan")
+        hook.remove()
+        assert layer.merged_adapters == ["a"]
+        reference.blocks[2].attn1.to_q.enable_adapters(False)
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
+    assert same_state(reference, streamed)
+
+
 def test_blocks_promoted_in_inference_mode_hold_ordinary_tensors(tiny_pair, tiny_loras):
     """A block promoted during a call under torch.inference_mode() (automatic residency)
     outlives it: its weights are ordinary tensors, so a fused DoRA adapter (whose unmerge

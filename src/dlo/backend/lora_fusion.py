@@ -22,9 +22,12 @@ every unmerge from outside a call: diffusers' `unfuse_lora()` on a pipeline it d
 (layer by layer: one block opened per merged layer), and PEFT unmerging before it loads another
 adapter. Layers are merged in module order, as diffusers does, each block's layers and the
 record of what they hold merged as one held step. A block kept resident is already open: PEFT's
-own changes to it are real, and its layers are recorded as they are before each call. Inside
-handle.editing() a change runs on the blocks it opened and opens any other on its own; PEFT's
-own merges made there are recorded as the edit ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after
+own changes to it are real (its layers, and those of a block open for an edit, are recorded as
+they are before each call), and an unmerge through dlo rewrites its host copy at once (float8
+weights requantized on the device too). Inside handle.editing() a change runs on the blocks it
+opened and opens any other on its own; PEFT's own merges made there are recorded as the edit
+ends. A streamed block cannot be opened while it runs (a hook in the forward disabling a fused
+layer's adapters in it): refused. Two paths are left. A forward with adapters disabled (`disable_lora()` after
 a fuse) unmerges the layer inside the block's call, where only the slot would change: before
 each call, a merged layer with adapters disabled is unmerged through its host copy first (the
 forward then finds nothing to unmerge, and computes what the resident model computes). And an
@@ -128,9 +131,9 @@ class LoraFusion:
         before it sets an adapter): PEFT's own, with its block open. See [Note: fusing LoRA into
         streamed blocks]"""
         _, index, _ = self._merged[id(layer)]
-        # A kept-resident block's device memory is its weight (its host copy is rewritten at the
-        # next edit and at disable()), also when PEFT's forward unmerges inside a call.
-        with self._changing(index, [("", layer, index)], needs_open=not self._changes.kept_resident(index)):
+        # Also a kept-resident block (no copy to make): its host copy is rewritten at once, and
+        # float8 weights requantized on the device too, as a streamed block's load would give.
+        with self._changing(index, [("", layer, index)], needs_open=True):
             _peft_unmerge(layer)
 
     @contextlib.contextmanager
@@ -202,15 +205,15 @@ class LoraFusion:
 
     def restore_lost(self) -> None:
         """A merged layer of a streamed block whose merged list lost adapters while its weight
-        could not change gets them back, and StreamingError says so; a kept-resident block's
-        layers are recorded as they are (PEFT's own changes to them are real). See [Note:
-        fusing LoRA into streamed blocks]"""
+        could not change gets them back, and StreamingError says so; the layers of a block kept
+        resident or open for an edit are recorded as they are (PEFT's own changes to them are
+        real). See [Note: fusing LoRA into streamed blocks]"""
         lost = []
         for key, (layer_ref, index, adapters) in list(self._merged.items()):
             layer = layer_ref()
             if layer is None:
                 del self._merged[key]
-            elif self._changes.kept_resident(index):
+            elif self._changes.kept_resident(index) or self._changes.is_open(index):  # PEFT's changes are real there
                 self._track([("", layer, index)])
             elif tuple(layer.merged_adapters) != adapters:
                 layer.merged_adapters[:] = list(adapters)
