@@ -174,6 +174,17 @@ def test_lora_with_fp8_gemms_runs_unfused_and_a_fuse_is_refused_before_any_chang
         assert torch.equal(run(model, name, 2, torch.bfloat16), expected)
 
 
+def _lora_pair_compiled(tiny_loras, name):
+    """(resident reference, model with its blocks compiled by dynamo's eager backend), adapter
+    "a" loaded in both. The caller resets dynamo when done."""
+    reference = TINY_MODELS[name].build()
+    model = TINY_MODELS[name].build()
+    both((reference, model), lambda m: m.load_lora_adapter(tiny_loras(name)["a"], adapter_name="a", prefix="transformer"))
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    return reference, model
+
+
 def test_a_lora_scale_change_recompiles_once_per_block_class_not_per_block(tiny_loras, caplog):
     """compile_repeated_blocks: dynamo guards on a LoRA layer's scale, so the first new scale
     compiles each block class once more (Flux: 2 classes, 5 blocks), the next ones none (the
@@ -181,11 +192,7 @@ def test_a_lora_scale_change_recompiles_once_per_block_class_not_per_block(tiny_
     graph per block stays quiet. (The eager backend keeps the test fast: the guards are
     dynamo's, whatever the backend; tests/gpu compiles with inductor.)"""
     name = "flux"
-    reference = TINY_MODELS[name].build()
-    model = TINY_MODELS[name].build()
-    both((reference, model), lambda m: m.load_lora_adapter(tiny_loras(name)["a"], adapter_name="a", prefix="transformer"))
-    torch._dynamo.reset()
-    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    reference, model = _lora_pair_compiled(tiny_loras, name)
     try:
         with dlo.enable(model, "cpu") as handle, caplog.at_level("WARNING", logger="dlo"):
             counts = []
@@ -209,11 +216,7 @@ def test_diffusers_own_fuse_and_layer_unmerges_on_compiled_blocks_recompile_per_
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     name = "flux"
-    reference = TINY_MODELS[name].build()
-    model = TINY_MODELS[name].build()
-    both((reference, model), lambda m: m.load_lora_adapter(tiny_loras(name)["a"], adapter_name="a", prefix="transformer"))
-    torch._dynamo.reset()
-    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    reference, model = _lora_pair_compiled(tiny_loras, name)
     try:
         with dlo.enable(model, "cpu") as handle, caplog.at_level("WARNING", logger="dlo"):
             assert torch.equal(run(reference, name, 1), run(model, name, 1))
