@@ -26,8 +26,7 @@ own changes to it are real (its layers, and those of a block open for an edit, a
 they are before each call), and an unmerge through dlo rewrites its host copy at once (float8
 weights requantized on the device too). Inside handle.editing() a change runs on the blocks it
 opened and opens any other on its own; PEFT's own merges made there are recorded as the edit
-ends. A streamed block cannot be opened while it runs (a hook in the forward disabling a fused
-layer's adapters in it): refused. Two paths are left. A forward with adapters disabled (`disable_lora()` after
+ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after
 a fuse) unmerges the layer inside the block's call, where only the slot would change: before
 each call, a merged layer with adapters disabled is unmerged through its host copy first (the
 forward then finds nothing to unmerge, and computes what the resident model computes). And an

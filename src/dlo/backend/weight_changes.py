@@ -141,6 +141,7 @@ class WeightChanges:
             return
         runtime = self._runtime
         block = runtime.blocks[index]
+        kept = index in runtime.promoted
         if isinstance(block.source, ShardedSource):
             assert isinstance(runtime, LockstepRuntime)
             gathered = runtime.gathered(index)
@@ -150,13 +151,7 @@ class WeightChanges:
             block.point_at(views)
             self._open[index] = _Opened(memory, gathered, kept=False)
             return
-        kept = index in runtime.promoted
         if not kept:
-            if runtime.is_running(index):  # its forward points at its slot: the slot would be dropped under it
-                raise StreamingError(
-                    f"streamed block {runtime.blocks[index].name!r} is running: its weights cannot change inside its own "
-                    "call (a hook in the forward changing LoRA adapters or weights); make the change between calls"
-                )
             runtime.discard_loaded([index])  # first: no copy still reads the host copy about to change
             runtime.promote(index)
         self._open[index] = _Opened(runtime.promoted[index], None, kept)
