@@ -14,26 +14,26 @@ merged where they are. An unfuse likewise: PEFT subtracts the same delta, so the
 what resident diffusers gives back (not the bytes before the fuse: w + d - d is not always w).
 Float8 GEMM base layers (`fp8_compute`) and GGUF weights hold bytes no merge can add to:
 refused before anything changed.
-diffusers' own entry points reach this: while enabled, the module's `fuse_lora` /
-`unfuse_lora` are the handle's (and under enable_pipeline the pipeline's own are the pipeline
-handle's: a text encoder, a transformers model, has none to take over), and each merged layer
-of a streamed block has its `unmerge` replaced by one that opens its block first. That covers
-every unmerge from outside a call: diffusers' `unfuse_lora()` on a pipeline it does not route
-(layer by layer: one block opened per merged layer), and PEFT unmerging before it loads another
-adapter. Layers are merged in module order, as diffusers does, each block's layers and the
-record of what they hold merged as one held step. A block kept resident is already open: PEFT's
-own changes to it are real (its layers, and those of a block open for an edit, are recorded as
-they are before each call), and an unmerge through dlo rewrites its host copy at once (float8
+diffusers' own entry points reach this: while enabled, the module's `fuse_lora` / `unfuse_lora`
+are the handle's (and under enable_pipeline the pipeline's own are the pipeline handle's: a
+text encoder, a transformers model, has none to take over), and each merged layer of a streamed
+block has its `unmerge` replaced by one that opens its block first. That covers every unmerge
+from outside a call: diffusers' `unfuse_lora()` on a pipeline it does not route (layer by
+layer: one block opened per merged layer), and PEFT unmerging before it loads another adapter.
+Layers are merged in module order, as diffusers does, each block's layers and the record of
+what they hold merged as one held step. A block kept resident is already open: PEFT's own
+changes to it are real (its layers, and those of a block open for an edit, are recorded as they
+are before each call), and an unmerge through dlo rewrites its host copy at once (float8
 weights requantized on the device too). Inside handle.editing() a change runs on the blocks it
 opened and opens any other on its own; PEFT's own merges made there are recorded as the edit
-ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after
-a fuse) unmerges the layer inside the block's call, where only the slot would change: before
-each call, a merged layer with adapters disabled is unmerged through its host copy first (the
-forward then finds nothing to unmerge, and computes what the resident model computes). And an
-unmerge past the replacement (PEFT's class method called directly) pops the adapter from the
-layer's merged list before its write into the stand-in fails: dlo keeps, per merged layer, the
-adapters it merged, and a layer whose list lost some gets them back, consistent with its
-weights, and the next call (or disable()) is refused.
+ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after a fuse)
+unmerges the layer inside the block's call, where only the slot would change: before each call,
+a merged layer with adapters disabled is unmerged through its host copy first (the forward then
+finds nothing to unmerge, and computes what the resident model computes). And an unmerge past
+the replacement (PEFT's class method called directly) pops the adapter from the layer's merged
+list before its write into the stand-in fails: dlo keeps, per merged layer, the adapters it
+merged, and a layer whose list lost some gets them back, consistent with its weights, and the
+next call (or disable()) is refused.
 """
 
 from __future__ import annotations
