@@ -412,6 +412,27 @@ def test_a_fuse_right_after_an_interrupted_call_reaches_the_blocks_it_left_runni
     assert same_state(reference, streamed)
 
 
+def test_an_edit_whose_block_is_left_as_it_was_takes_back_the_merges_made_in_it(tiny_pair, tiny_loras):
+    """A PEFT merge and a refused change (a weight given another dtype) in one edited block:
+    the block is left as it was, merge included, and so is PEFT's list of what that block's
+    layers hold merged; a later fuse and unfuse then equal the resident model's."""
+    reference, streamed, _ = tiny_pair("wan")
+    both((reference, streamed), lambda m: m.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer"))
+    with dlo.enable(streamed, "cpu") as handle:
+        block = streamed.blocks[1]
+        with pytest.raises(dlo.StreamingError, match="block 'blocks.1' was left as it was"):
+            with handle.editing(block):
+                block.attn1.to_q.merge()
+                block.attn1.to_k.weight.data = block.attn1.to_k.weight.data.half()
+        assert block.attn1.to_q.merged_adapters == []
+        assert torch.equal(run(reference, "wan", 1), run(streamed, "wan", 1))
+        both((reference, streamed), lambda m: m.fuse_lora())
+        assert torch.equal(run(reference, "wan", 2), run(streamed, "wan", 2))
+        both((reference, streamed), lambda m: m.unfuse_lora())
+        assert torch.equal(run(reference, "wan", 3), run(streamed, "wan", 3))
+    assert same_state(reference, streamed)
+
+
 def test_blocks_promoted_in_inference_mode_hold_ordinary_tensors(tiny_pair, tiny_loras):
     """A block promoted during a call under torch.inference_mode() (automatic residency)
     outlives it: its weights are ordinary tensors, so a fused DoRA adapter (whose unmerge

@@ -288,11 +288,10 @@ class OffloadHandle:
 
     @contextlib.contextmanager
     def _edit(self, indices: list[int]) -> Iterator[None]:
-        with self._changes.editing(indices):
-            try:
-                yield
-            finally:  # PEFT merges made in it. See [Note: fusing LoRA into streamed blocks]
-                self._fusion.track_blocks(indices)
+        # Outermost: PEFT merges made in it, recorded once the blocks are written back. See
+        # [Note: fusing LoRA into streamed blocks]
+        with self._fusion.editing(indices), self._changes.editing(indices):
+            yield
 
     def fuse_lora(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
         """diffusers' `fuse_lora()` for the streamed module: the LoRA layers' deltas are added to

@@ -26,14 +26,16 @@ changes to it are real (its layers, and those of a block open for an edit, are r
 are before each call), and an unmerge through dlo rewrites its host copy at once (float8
 weights requantized on the device too). Inside handle.editing() a change runs on the blocks it
 opened and opens any other on its own; PEFT's own merges made there are recorded as the edit
-ends. Two paths are left. A forward with adapters disabled (`disable_lora()` after a fuse)
-unmerges the layer inside the block's call, where only the slot would change: before each call,
-a merged layer with adapters disabled is unmerged through its host copy first (the forward then
-finds nothing to unmerge, and computes what the resident model computes). And an unmerge past
-the replacement (PEFT's class method called directly) pops the adapter from the layer's merged
-list before its write into the stand-in fails: dlo keeps, per merged layer, the adapters it
-merged, and a layer whose list lost some gets them back, consistent with its weights, and the
-next call (or disable()) is refused.
+ends. A block whose write-back fails is left as it was (See [Note: editing a streamed block]),
+and so are its layers' lists of what they hold merged. Two paths are left. A forward with
+adapters disabled (`disable_lora()` after a fuse) unmerges the layer inside the block's call,
+where only the slot would change: before each call, a merged layer with adapters disabled is
+unmerged through its host copy first (the forward then finds nothing to unmerge, and computes
+what the resident model computes). And an unmerge past the replacement (PEFT's class method
+called directly) pops the adapter from the layer's merged list before its write into the
+stand-in fails: dlo keeps, per merged layer, the adapters it merged, and a layer whose list
+lost some gets them back, consistent with its weights, and the next call (or disable()) is
+refused.
 """
 
 from __future__ import annotations
@@ -143,11 +145,13 @@ class LoraFusion:
         change of a weight and of its merged list would leave the two disagreeing."""
         opens = index is not None and needs_open
         with interrupts_held():
+            before = self._merged_lists(layers)
+            self._changes.dropped.discard(index)
             try:
                 with self._changes.opened(index) if opens else contextlib.nullcontext():
                     yield
             finally:
-                self._track(layers)
+                self._settle(layers, before)
 
     def fuse(self, lora_scale: float = 1.0, safe_fusing: bool = False, adapter_names: list[str] | None = None) -> None:
         """diffusers' `fuse_lora()`, its arguments. See [Note: fusing LoRA into streamed blocks]"""
@@ -186,12 +190,35 @@ class LoraFusion:
                 for _, layer, _ in run:
                     _peft_unmerge(layer)
 
-    def track_blocks(self, indices: Sequence[int]) -> None:
-        """Record what the layers of blocks `indices` hold merged after an edit of them (PEFT's
-        own merges inside handle.editing())."""
+    def layers_of(self, indices: Sequence[int]) -> list[Layer]:
         wanted = set(indices)
-        with interrupts_held():
-            self._track([entry for entry in self._streamed_layers() if entry[2] in wanted])
+        return [entry for entry in self._streamed_layers() if entry[2] in wanted]
+
+    @staticmethod
+    def _merged_lists(layers: Sequence[Layer]) -> dict[int, list[str]]:
+        return {id(layer): list(layer.merged_adapters) for _, layer, _ in layers}
+
+    @contextlib.contextmanager
+    def editing(self, indices: Sequence[int]) -> Iterator[None]:
+        """Around handle.editing() of blocks `indices`: what their layers hold merged after it
+        (PEFT's own merges in it) is recorded, or, for a block whose change was dropped, put
+        back as it was."""
+        layers = self.layers_of(indices)
+        before = self._merged_lists(layers)
+        self._changes.dropped.difference_update(indices)
+        try:
+            yield
+        finally:
+            with interrupts_held():
+                self._settle(self.layers_of(indices), before)
+
+    def _settle(self, layers: Sequence[Layer], before: dict[int, list[str]]) -> None:
+        """Record what `layers` hold merged; a layer of a block whose change was dropped gets
+        back its list of before the change, as its weights are."""
+        for _, layer, index in layers:
+            if index in self._changes.dropped:
+                layer.merged_adapters[:] = before.get(id(layer), [])
+        self._track(layers)
 
     def before_call(self) -> None:
         """See [Note: fusing LoRA into streamed blocks]"""

@@ -89,6 +89,9 @@ class WeightChanges:
         self._stand_in_addresses = [[t.data_ptr() for t in block.placeholders] for block in runtime.blocks]
         self.rewritten_blocks = 0  # host copies rewritten since enable()
         self.rewritten: set[int] = set()  # blocks whose host copy may differ from its file
+        # Blocks whose last change was dropped (its write-back failed): it streams as before it,
+        # so what PEFT recorded during it (merged adapters) is taken back by its caller.
+        self.dropped: set[int] = set()
         self.copied_bytes = 0  # private bytes made for blocks of a read-only mapping
 
     @property
@@ -167,6 +170,10 @@ class WeightChanges:
         with interrupts_held():
             try:
                 self._write_back(index, opened)
+            except BaseException:
+                if not opened.kept:  # a kept block's device memory holds the change still
+                    self.dropped.add(index)
+                raise
             finally:
                 del self._open[index]
                 block = self._runtime.blocks[index]
