@@ -138,14 +138,16 @@ def test_a_hunyuan_video_file_in_its_own_layout_streams_its_fused_projections_sp
     """HunyuanVideo's layout fuses q, k, v (img_attn_qkv, txt_attn_qkv, the refiner's
     self_attn_qkv) and a single block's q, k, v and MLP input (linear1): diffusers' converter
     splits them along the rows, so each block tensor is a range of the file."""
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers as convert
+
     cls = diffusers.HunyuanVideoTransformer3DModel
     model = random_model(cls, HUNYUAN_WIDE, torch.bfloat16)
-    path, config_dir = write(large_file_dir, "hunyuan", model, hunyuan_video_original)
     state = model.state_dict()
-    del model
-    converted = reference(path, config_dir, cls, torch.bfloat16).state_dict()  # the layout is its converter's inverse
+    converted = convert(hunyuan_video_original(state))  # the layout is the converter's inverse
     assert converted.keys() == state.keys() and all(torch.equal(state[k], v) for k, v in converted.items())
-    del state, converted
+    del converted, state
+    path, config_dir = write(large_file_dir, "hunyuan", model, hunyuan_video_original)
+    del model
     inputs = [TINY_MODELS["hunyuanvideo"].inputs(seed, torch.bfloat16) for seed in (1, 2)]
     adapters, stats = assert_streams_equal_to_diffusers(path, config_dir, cls, torch.bfloat16, inputs)
     assert adapters == {} and stats.mapped_bytes == path.stat().st_size  # ranges only, no converted file
