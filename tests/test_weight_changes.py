@@ -352,7 +352,10 @@ def test_an_unmerge_in_a_kept_resident_float8_block_is_requantized_at_once(tiny_
     assert handle.stats().resident_blocks == 4
     streamed.load_lora_adapter(tiny_loras("wan")["a"], adapter_name="a", prefix="transformer")
     streamed.fuse_lora()
-    (lambda m: m.disable_lora())(streamed) if how == "disable_lora" else _unmerge_each_layer(streamed)
+    if how == "disable_lora":
+        streamed.disable_lora()
+    else:
+        _unmerge_each_layer(streamed)
     first = run(streamed, "wan", 9)
     with handle.editing(streamed.blocks[0]):
         pass
