@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import signal
+import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -800,11 +801,18 @@ def weight_changes(
     # each streamed layer's unmerge() (one gather per layer, in the same order on every rank)
     change(reference.fuse_lora, model.fuse_lora)
     change(*(functools.partial(_unmerge_block_layers, m) for m in (reference, model)))
+    target = Path(tempfile.mkdtemp()) / "saved"
+    try:  # a rank holds half of each block: refused before anything is written
+        model.save_pretrained(target)
+        save_refused = ""
+    except dlo.StreamingError as err:
+        save_refused = str(err) if not target.exists() else "written anyway"
     handle.disable()
     state, expected = model.state_dict(), reference.state_dict()
     return dict(
         identical=identical,
         identical_after_disable=state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state),
+        save_refused=save_refused,
         views_before=views,
         private_after=private,
         rewritten_blocks=stats.rewritten_blocks,

@@ -484,6 +484,7 @@ def test_weight_changes_reach_every_ranks_shards(tmp_path, tiny_loras, stream_dt
     assert_no_errors(results)
     for result in results.values():
         assert all(result["identical"]) and len(result["identical"]) == 7 and result["identical_after_disable"]
+        assert "in all-gather mode each rank holds 1/2 of every streamed block" in result["save_refused"]
         # load_state_dict: the 3 single blocks; fuse and unfuse: all 5 blocks
         assert result["rewritten_blocks"] == 3 + 2 * result["blocks"]
         assert result["views_before"] == cache and result["private_after"]

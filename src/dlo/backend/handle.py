@@ -21,6 +21,7 @@ from dlo.backend.lora_fusion import LoraFusion
 from dlo.backend.mapping_registration import NOT_APPLICABLE, RegistrationOutcome, keep_registered, release_mapping
 from dlo.backend.outside_use import OutsideUseProbe
 from dlo.backend.state_dict_loads import StateDictLoads
+from dlo.backend.streamed_saves import StreamedSaves, refuse_saves
 from dlo.backend.weight_changes import WeightChanges
 from dlo.config import OffloadConfig
 from dlo.errors import EnableError, StreamingError
@@ -122,6 +123,9 @@ class OffloadHandle:
         self._changes = WeightChanges(runtime, list(streamed_refs), self._releases, pin)
         self._fusion = LoraFusion(module, self._changes)  # See [Note: fusing LoRA into streamed blocks]
         self._loads = StateDictLoads(module, self._changes)  # See [Note: loading a state dict while streaming]
+        # See [Note: saving a streamed model]
+        fp8_compute = fp8_gemms is not None and len(fp8_gemms) > 0
+        self._saves = StreamedSaves(module, runtime, self._settle_changes, fp8_compute)
         self._host_tier = None  # See [Note: which blocks stay in RAM]
         if isinstance(runtime, RankLocalRuntime) and runtime.read_ahead is not None:  # an active disk tier
             assert disk is not None and disk_sources
@@ -163,6 +167,7 @@ class OffloadHandle:
             _MANAGED[sub] = weakref.ref(self)
         self._loads.install()
         self._fusion.install()
+        self._saves.install()
 
     def abandon(self) -> None:
         """Undo activate() for a failed enable(), whose own rollback releases the host memory."""
@@ -170,6 +175,7 @@ class OffloadHandle:
             self._finalizer.detach()
         self._loads.remove()
         self._fusion.remove()
+        self._saves.remove()
         for hook in self._root_hooks:
             hook.remove()
         for sub in self._managed:
@@ -194,6 +200,13 @@ class OffloadHandle:
             self._residency.call_starts()
         if self._host_tier is not None:
             self._host_tier.call_starts()
+
+    def _settle_changes(self) -> None:
+        """What a call's start settles, for a save between calls (See [Note: saving a
+        streamed model]): blocks an interrupt left running released, changes written back or
+        refused."""
+        self._runtime.start_call()
+        self._changes.before_call()
 
     def _watch_compiles(self) -> None:
         """Warn once when one call recompiled more often than there are block classes: a
@@ -442,6 +455,7 @@ class OffloadHandle:
             self._probe.remove()
         self._loads.remove()
         self._fusion.remove()
+        self._saves.remove()
         if self._restored_with is None:
             with torch.no_grad():
                 runtime.restore_blocks(weights=restore)
@@ -468,7 +482,7 @@ class OffloadHandle:
         # are freed now, not when the caller drops this handle.
         runtime.promoted.clear()
         self._runtime = self._probe = self._residency = None  # type: ignore[assignment]
-        self._changes = self._fusion = self._loads = None  # type: ignore[assignment]
+        self._changes = self._fusion = self._loads = self._saves = None  # type: ignore[assignment]
         if errors:
             raise EnableError("disable() could not release host memory: " + "; ".join(errors))
         if self._changes_settled:
@@ -487,6 +501,7 @@ def _refuse_calls(module: nn.Module, blocks: list[nn.Module]) -> None:
     _EMPTIED.add(module)
     for target in (module, *blocks):
         target.register_forward_pre_hook(refuse)
+    refuse_saves(module, _emptied(module))
 
 
 def _emptied(module: nn.Module) -> str:

@@ -70,6 +70,8 @@ class PackedSource:
         """The tensors to give back on disable(): see `restored_image`."""
         return restored_image(self.host.tensor, layout, wire)
 
+    values = restored  # the block's tensors to read now (a save)
+
 
 @dataclass(frozen=True)
 class MappedSource:
@@ -128,6 +130,14 @@ class MappedSource:
             for source in self.sources
         )
 
+    def values(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
+        """The block's tensors to read while the mapping is open (a save): views of the mapping
+        where a tensor is one range of it as saved, private copies of the rest."""
+        return tuple(
+            source if isinstance(source, torch.Tensor) else source.readable(self.checkpoint)
+            for source in self.sources
+        )
+
     def release(self) -> None:
         pass
 
@@ -169,6 +179,9 @@ class DiskSource:
 
     def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
         return self.mapped.restored(layout, wire)
+
+    def values(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
+        return self.mapped.values(layout, wire)
 
     def release(self) -> None:
         pass

@@ -214,6 +214,13 @@ class TensorSource:
             task.run()
         return tensor
 
+    def readable(self, checkpoint: Checkpoint) -> torch.Tensor:
+        """A CPU tensor holding this source's value: the mapping's view where it is one
+        checkpoint tensor as saved (valid while the mapping is open), else `materialize`."""
+        if self.adapters(checkpoint):
+            return self.materialize(checkpoint)
+        return checkpoint.view(self.keys[0]).view(self.shape)
+
 
 @dataclass(frozen=True)
 class QuantizedSource:
@@ -254,6 +261,8 @@ class QuantizedSource:
 
     def materialize(self, checkpoint: Checkpoint) -> torch.Tensor:
         return dequantized(checkpoint.view(self.data_key), self.scale(checkpoint).float(), self.dtype)
+
+    readable = materialize  # the mapping holds float8: never the runtime value as saved
 
 
 MappedTensor = TensorSource | QuantizedSource

@@ -1,0 +1,152 @@
+"""`save_pretrained` of an enabled model writes its weights (See [Note: saving a streamed model]):
+the files equal those the resident model doing the same writes, and what dlo cannot save is
+refused before anything is written."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dlo
+from dlo.host.tensor_source import TensorSource
+from dlo.models.tiny import TINY_MODELS
+
+diffusers = pytest.importorskip("diffusers")
+
+from plain_pipeline import plain_pipeline  # noqa: E402  (needs diffusers)
+from test_checkpoint_mmap import ordinary, save  # noqa: E402
+
+
+def saved(model, directory, **kwargs) -> dict[str, torch.Tensor]:
+    model.save_pretrained(directory, **kwargs)
+    if kwargs.get("safe_serialization", True):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return torch.load(directory / "diffusion_pytorch_model.bin", weights_only=True)
+
+
+def assert_same_files(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    differing = [k for k in got if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
+    assert not differing, differing[:5]
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "safe"),
+    [
+        ("flux", dlo.OffloadConfig(), True),
+        ("flux", dlo.OffloadConfig(), False),
+        ("wan", dlo.OffloadConfig(resident_layers=1), True),
+        ("sd3", dlo.OffloadConfig(stream_dtype="fp8"), True),
+        ("wan", dlo.OffloadConfig(use_allgather=True), True),  # a group of one
+    ],
+    ids=["flux", "flux-pickle", "wan-resident-layer", "sd3-fp8", "wan-group-of-one"],
+)
+def test_save_pretrained_writes_what_the_resident_model_writes(tmp_path, tiny_pair, name, config, safe):
+    reference, streamed, entry = tiny_pair(name)
+    dlo.quantize_resident(reference, config)  # float8: the values the streamed model computes with
+    expected = saved(reference, tmp_path / "resident", safe_serialization=safe)
+    with dlo.enable(streamed, "cpu", config), torch.inference_mode():
+        streamed(**entry.inputs(1))
+        got = saved(streamed, tmp_path / "streamed", safe_serialization=safe)
+        after = streamed(**entry.inputs(2))[0]  # the save changed nothing
+        assert torch.equal(after, reference(**entry.inputs(2))[0])
+    assert_same_files(got, expected)
+    assert (tmp_path / "streamed" / "config.json").read_text() == (tmp_path / "resident" / "config.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("torch_dtype", "fuse_qkv", "copies"),
+    [(None, False, False), (torch.bfloat16, False, True), (None, True, True)],
+    ids=["as-saved", "cast", "fused-qkv"],
+)
+def test_a_mapped_model_saves_from_views_of_its_files(tmp_path, monkeypatch, torch_dtype, fuse_qkv, copies):
+    """Tensors that are ranges of the checkpoint as saved are written from the mapping (no
+    private copy); cast and concatenated ones are copied."""
+    directory = save(tmp_path, "flux")
+    dtype = torch_dtype or torch.float32
+    expected = saved(ordinary(directory, "flux", dtype, fuse_qkv=fuse_qkv), tmp_path / "resident")
+    model, plan = dlo.load_transformer(directory, torch_dtype=torch_dtype, fuse_qkv=fuse_qkv)
+    with dlo.enable(model, "cpu", plan=plan):
+        materialized = []
+        materialize = TensorSource.materialize
+        monkeypatch.setattr(TensorSource, "materialize", lambda self, c: materialized.append(self) or materialize(self, c))
+        got = saved(model, tmp_path / "streamed")
+        assert bool(materialized) == copies
+    assert_same_files(got, expected)
+
+
+def test_blocks_on_disk_save_from_their_files(tmp_path):
+    directory = save(tmp_path, "wan")
+    files = list(directory.glob("*.safetensors"))
+    expected = saved(ordinary(directory, "wan", torch.float32), tmp_path / "resident")
+    model, plan = dlo.load_transformer(directory)
+    budget = sum(f.stat().st_size for f in files) * 0.3 / 2**30
+    with dlo.enable(model, "cpu", dlo.OffloadConfig(host_budget_gib=budget), plan=plan) as handle:
+        assert handle.stats().disk.blocks
+        got = saved(model, tmp_path / "streamed")
+    assert_same_files(got, expected)
+
+
+def test_changed_weights_are_saved_as_changed(tmp_path, tiny_pair, tiny_loras):
+    """load_state_dict, a fused LoRA, and a block open in handle.editing() with a change not
+    yet written back: each saved as the resident model holds it."""
+    reference, streamed, entry = tiny_pair("flux")
+    other = {k: v * 1.5 for k, v in TINY_MODELS["flux"].build(seed=3).state_dict().items() if "single" in k}
+    lora = str(tiny_loras("flux")["a"])
+    with dlo.enable(streamed, "cpu") as handle:
+        for model in (reference, streamed):
+            model.load_state_dict(other, strict=False)
+            model.load_lora_adapter(lora, adapter_name="a", prefix="transformer")
+            model.fuse_lora(lora_scale=0.7)
+        block = streamed.transformer_blocks[0]
+        with handle.editing(block), torch.no_grad():
+            block.ff.net[2].weight.mul_(0.5)
+            reference.transformer_blocks[0].ff.net[2].weight.mul_(0.5)
+            got = saved(streamed, tmp_path / "streamed")
+    assert_same_files(got, saved(reference, tmp_path / "resident"))
+
+
+def test_the_pipelines_save_writes_every_streamed_component(tmp_path, tiny_flux_dir):
+    """pipe.save_pretrained() calls each component's own: the transformer's and the streamed
+    text encoders' (transformers models) are dlo's."""
+    encoders = ["text_encoder", "text_encoder_2"]
+    plain_pipeline(tiny_flux_dir).save_pretrained(tmp_path / "resident")
+    pipe = plain_pipeline(tiny_flux_dir)
+    with dlo.enable_pipeline(pipe, "cpu", components=encoders):
+        pipe.save_pretrained(tmp_path / "streamed")
+    for component in ("transformer", *encoders):
+        got, expected = (
+            {k: v for f in sorted((tmp_path / side / component).glob("*.safetensors")) for k, v in load_file(f).items()}
+            for side in ("streamed", "resident")
+        )
+        assert got, component
+        assert_same_files(got, expected)
+
+
+@pytest.mark.parametrize("case", ["fp8_compute", "disabled_without_restore", "replaced_weight"])
+def test_what_cannot_be_saved_is_refused_before_anything_is_written(tmp_path, tiny_pair, case):
+    reference, streamed, entry = tiny_pair("flux", dtype=torch.bfloat16)
+    config = dlo.OffloadConfig()
+    if case == "fp8_compute":
+        config = dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True)
+        message = r"with fp8_compute the streamed blocks' Linears run as FP8 GEMMs.*call handle.disable\(\) first"
+    handle = dlo.enable(streamed, "cpu", config)
+    if case == "disabled_without_restore":
+        handle.disable(restore=False)
+        message = "was disabled with restore=False: its streamed blocks hold no weights; load the model again"
+    elif case == "replaced_weight":
+        weight = streamed.transformer_blocks[0].ff.net[2].weight
+        weight.data = torch.zeros_like(reference.transformer_blocks[0].ff.net[2].weight)
+        message = r"'transformer_blocks.0.ff.net.2.weight' was written in place or given a new tensor"
+    with pytest.raises(dlo.StreamingError, match=message):
+        streamed.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    handle.disable()
+    if case != "disabled_without_restore":  # a plain module again: the class's own save
+        assert "save_pretrained" not in vars(streamed)
+
+
+def test_a_save_after_disable_is_the_class_own(tmp_path, tiny_pair):
+    reference, streamed, entry = tiny_pair("wan")
+    dlo.enable(streamed, "cpu").disable()
+    assert "save_pretrained" not in vars(streamed)
+    assert_same_files(saved(streamed, tmp_path / "streamed"), saved(reference, tmp_path / "resident"))
