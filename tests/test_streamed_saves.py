@@ -18,9 +18,24 @@ from test_checkpoint_mmap import ordinary, save  # noqa: E402
 
 def saved(model, directory, **kwargs) -> dict[str, torch.Tensor]:
     model.save_pretrained(directory, **kwargs)
-    if kwargs.get("safe_serialization", True):
-        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
-    return torch.load(directory / "diffusion_pytorch_model.bin", weights_only=True)
+    return tensors(directory)
+
+
+def tensors(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of the weight files in `directory` (safetensors or pickle, sharded or not)."""
+    found = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+    for f in sorted(directory.glob("*.bin")):
+        found.update(torch.load(f, weights_only=True))
+    return found
+
+
+def same_weight_files(got, expected) -> bool:
+    """The two directories hold the same files, the weight files byte for byte (a config
+    written from `dlo.load_transformer`'s model lacks the `_name_or_path` of diffusers' loader)."""
+    names = sorted(p.name for p in got.iterdir())
+    return names == sorted(p.name for p in expected.iterdir()) and all(
+        (got / n).read_bytes() == (expected / n).read_bytes() for n in names if n != "config.json"
+    )
 
 
 def assert_same_files(got: dict, expected: dict) -> None:
@@ -74,6 +89,25 @@ def test_a_mapped_model_saves_from_views_of_its_files(tmp_path, monkeypatch, tor
     assert_same_files(got, expected)
 
 
+@pytest.mark.parametrize("source", ["packed", "mapped"])
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pickle"])
+def test_sharded_and_pickled_saves_are_byte_identical(tmp_path, source, safe):
+    """Each value the save reads in place gets a storage of its own bytes: torch would pickle a
+    view's whole storage (a block's host buffer, gaps and all, or the whole mapped file), and
+    huggingface_hub would keep the views of one storage in one shard."""
+    directory = save(tmp_path, "flux")
+    options = dict(max_shard_size="20KB", safe_serialization=safe)
+    ordinary(directory, "flux", torch.float32).save_pretrained(tmp_path / "resident", **options)
+    if source == "mapped":
+        model, plan = dlo.load_transformer(directory)
+    else:
+        model, plan = ordinary(directory, "flux", torch.float32), None
+    with dlo.enable(model, "cpu", plan=plan):
+        model.save_pretrained(tmp_path / "streamed", **options)
+    assert len(list((tmp_path / "resident").glob("*.safetensors" if safe else "*.bin"))) > 10
+    assert same_weight_files(tmp_path / "streamed", tmp_path / "resident")
+
+
 def test_blocks_on_disk_save_from_their_files(tmp_path):
     directory = save(tmp_path, "wan")
     files = list(directory.glob("*.safetensors"))
@@ -105,21 +139,66 @@ def test_changed_weights_are_saved_as_changed(tmp_path, tiny_pair, tiny_loras):
     assert_same_files(got, saved(reference, tmp_path / "resident"))
 
 
-def test_the_pipelines_save_writes_every_streamed_component(tmp_path, tiny_flux_dir):
+@pytest.mark.parametrize(
+    "options", [{}, dict(variant="fp16", safe_serialization=False, max_shard_size="20KB")], ids=["default", "options"]
+)
+def test_the_pipelines_save_writes_every_streamed_component(tmp_path, tiny_flux_dir, options):
     """pipe.save_pretrained() calls each component's own: the transformer's and the streamed
-    text encoders' (transformers models) are dlo's."""
+    text encoders' (transformers models) are dlo's, and get the options diffusers passes to a
+    save whose signature names them."""
     encoders = ["text_encoder", "text_encoder_2"]
-    plain_pipeline(tiny_flux_dir).save_pretrained(tmp_path / "resident")
+    plain_pipeline(tiny_flux_dir).save_pretrained(tmp_path / "resident", **options)
     pipe = plain_pipeline(tiny_flux_dir)
     with dlo.enable_pipeline(pipe, "cpu", components=encoders):
-        pipe.save_pretrained(tmp_path / "streamed")
+        pipe.save_pretrained(tmp_path / "streamed", **options)
     for component in ("transformer", *encoders):
-        got, expected = (
-            {k: v for f in sorted((tmp_path / side / component).glob("*.safetensors")) for k, v in load_file(f).items()}
-            for side in ("streamed", "resident")
-        )
-        assert got, component
-        assert_same_files(got, expected)
+        got, expected = (tmp_path / side / component for side in ("streamed", "resident"))
+        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in expected.iterdir())
+        assert tensors(got), component
+        assert_same_files(tensors(got), tensors(expected))
+
+
+def test_a_model_inside_the_enabled_module_saves_its_weights(tmp_path, tiny_pair):
+    reference, streamed, entry = tiny_pair("flux")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    with dlo.enable(Wrapper(streamed), "cpu"):
+        got = saved(streamed, tmp_path / "streamed")
+    assert_same_files(got, saved(reference, tmp_path / "resident"))
+
+
+def test_a_save_from_inside_a_call_leaves_the_call_and_the_blocks_as_they_were(tmp_path, tiny_pair):
+    """A hook inside a running block saves: the running block holds its values in its slot, and
+    the call goes on with them (a save that released the running block made the rest of it NaN)."""
+    reference, streamed, entry = tiny_pair("flux")
+    expected = saved(reference, tmp_path / "resident")
+    with dlo.enable(streamed, "cpu") as handle, torch.inference_mode():
+        inside = streamed.transformer_blocks[1].norm1.linear
+        hook = inside.register_forward_pre_hook(lambda m, a: streamed.save_pretrained(tmp_path / "streamed"))
+        got = streamed(**entry.inputs(1))[0]
+        hook.remove()
+        assert torch.equal(got, reference(**entry.inputs(1))[0])
+        assert torch.equal(streamed(**entry.inputs(2))[0], reference(**entry.inputs(2))[0])
+        assert handle.stats().resident_blocks == 0  # the save did not make the block look used outside its call
+    assert_same_files(tensors(tmp_path / "streamed"), expected)
+
+
+def test_a_save_in_a_group_of_one_costs_the_next_call_nothing(tmp_path, tiny_pair):
+    reference, streamed, entry = tiny_pair("wan")
+    with dlo.enable(streamed, "cpu", dlo.OffloadConfig(use_allgather=True)) as handle, torch.inference_mode():
+        streamed(**entry.inputs(1))
+        per_call = []
+        for save_first in (False, True):
+            if save_first:
+                streamed.save_pretrained(tmp_path / "streamed")
+            before = handle.stats().bytes_streamed
+            streamed(**entry.inputs(1))
+            per_call.append(handle.stats().bytes_streamed - before)
+    assert per_call[0] == per_call[1] > 0
 
 
 @pytest.mark.parametrize("case", ["fp8_compute", "disabled_without_restore", "replaced_weight"])
@@ -143,6 +222,45 @@ def test_what_cannot_be_saved_is_refused_before_anything_is_written(tmp_path, ti
     handle.disable()
     if case != "disabled_without_restore":  # a plain module again: the class's own save
         assert "save_pretrained" not in vars(streamed)
+
+
+def test_a_pipelines_save_refused_for_one_component_writes_nothing(tmp_path, tiny_flux_dir):
+    pipe = plain_pipeline(tiny_flux_dir)
+    handle = dlo.enable_pipeline(pipe, "cpu", components=["text_encoder_2"])
+    handle.handles["transformer"].disable(restore=False)
+    with pytest.raises(dlo.StreamingError, match="was disabled with restore=False"):
+        pipe.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # the VAE and the encoders come before the transformer
+    handle.disable()
+    assert "save_pretrained" not in vars(pipe)
+
+
+def test_a_state_dict_argument_of_stand_ins_is_refused(tmp_path, tiny_flux_dir):
+    """transformers' save_pretrained takes state_dict=; `state_dict()` of a streamed model holds
+    the stand-ins."""
+    pipe = plain_pipeline(tiny_flux_dir)
+    with dlo.enable_pipeline(pipe, "cpu", components=["text_encoder_2"]):
+        encoder = pipe.text_encoder_2
+        with pytest.raises(dlo.StreamingError, match="state_dict= holds streamed blocks' stand-ins"):
+            encoder.save_pretrained(tmp_path / "out", state_dict=encoder.state_dict())
+        assert not (tmp_path / "out").exists()
+        encoder.save_pretrained(tmp_path / "out", state_dict={k: v.clone() for k, v in encoder.state_dict().items() if "shared" in k})
+        assert tensors(tmp_path / "out").keys() == {"shared.weight"}  # real tensors: saved as given
+
+
+def test_adapters_a_direct_unmerge_lost_refuse_the_save(tmp_path, tiny_pair, tiny_loras):
+    """PEFT's class unmerge called directly pops the adapter before its write into the
+    stand-in fails: the weights still hold it, so the save is refused as the next call is."""
+    reference, streamed, entry = tiny_pair("flux")
+    with dlo.enable(streamed, "cpu"):
+        streamed.load_lora_adapter(str(tiny_loras("flux")["a"]), adapter_name="a", prefix="transformer")
+        streamed.fuse_lora()
+        layer = streamed.transformer_blocks[0].attn.to_q
+        with pytest.raises(RuntimeError):
+            type(layer).unmerge(layer)
+        with pytest.raises(dlo.StreamingError, match="dropped merged adapters"):
+            streamed.save_pretrained(tmp_path / "out")
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_save_after_disable_is_the_class_own(tmp_path, tiny_pair):

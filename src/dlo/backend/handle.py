@@ -202,11 +202,19 @@ class OffloadHandle:
             self._host_tier.call_starts()
 
     def _settle_changes(self) -> None:
-        """What a call's start settles, for a save between calls (See [Note: saving a
-        streamed model]): blocks an interrupt left running released, changes written back or
-        refused."""
-        self._runtime.start_call()
+        """What a call's start checks, for a save (See [Note: saving a streamed model]): blocks
+        a cut-short change left open written back, changes that missed the streamed weights and
+        adapters a direct unmerge lost refused. Running blocks are left as they are: the save
+        may come from a hook inside a call."""
         self._changes.before_call()
+        self._fusion.restore_lost()
+
+    def save_refusal(self) -> str | None:
+        """Why `module.save_pretrained()` would be refused now, before anything is written (None:
+        it saves). See [Note: saving a streamed model]"""
+        if self.state is HandleState.DISABLED:
+            return None if self._restored_with else _emptied(self.module)
+        return self._saves.refusal(type(self.module).__name__)
 
     def _watch_compiles(self) -> None:
         """Warn once when one call recompiled more often than there are block classes: a

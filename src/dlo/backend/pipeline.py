@@ -16,7 +16,7 @@ from dlo.backend.device import resolve_device
 from dlo.backend.enable import enable
 from dlo.backend.handle import HandleState, OffloadHandle
 from dlo.config import OffloadConfig
-from dlo.errors import ConfigError, DiscoveryError
+from dlo.errors import ConfigError, DiscoveryError, StreamingError
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
@@ -101,6 +101,18 @@ class PipelineHandle:
             self._undo.append(partial(pipe.__dict__.pop, name, None))  # first: disable() undoes a partial route
             pipe.__dict__[name] = partial(_with_defaults, route, original, pipe, tuple(wanted))
 
+    def _route_saves(self) -> None:
+        """Until disable(), the pipeline's own `save_pretrained()` first asks every streamed
+        component whether its save would be refused, so none is refused after the others were
+        written. See [Note: saving a streamed model]"""
+        pipe = self._pipe
+        original = getattr(type(pipe), "save_pretrained", None)
+        if callable(original):
+            self._undo.append(partial(pipe.__dict__.pop, "save_pretrained", None))
+            checked = partial(_checked_save, list(self.handles.values()), original, pipe)
+            checked.__signature__ = inspect.signature(original.__get__(pipe))  # type: ignore[attr-defined]
+            pipe.__dict__["save_pretrained"] = checked
+
     def _split(self, components: Sequence[str] | None) -> tuple[list[str], list[str]]:
         names = list(self.handles) if components is None else list(components)
         return [n for n in names if n in self.handles], [n for n in names if n not in self.handles]
@@ -131,6 +143,13 @@ def _with_defaults(route: Callable, original: Callable, pipe: object, wanted: tu
     bound = inspect.signature(original).bind(pipe, *args, **kwargs)
     bound.apply_defaults()
     route(**{name: bound.arguments[name] for name in wanted})
+
+
+def _checked_save(handles: list[OffloadHandle], original: Callable, pipe: object, *args, **kwargs) -> object:
+    for handle in handles:
+        if (why := handle.save_refusal()) is not None:
+            raise StreamingError(why)
+    return original(pipe, *args, **kwargs)
 
 
 def _merged(modules: Iterable[nn.Module]) -> set[str]:
@@ -245,6 +264,7 @@ def enable_pipeline(
         else:
             _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size, moved)
         handle._route_lora_fusion()
+        handle._route_saves()
     except BaseException:
         handle.disable()
         while moved:

@@ -5,27 +5,37 @@ Between calls a streamed block's tensors are stand-ins (See [Note: stand-ins]) a
 `state_dict()` returns them: diffusers' and transformers' `save_pretrained` would write NaN
 without a word. `state_dict()` itself is left as it is: diffusers calls it on every LoRA load
 (for shapes and devices), where real values would copy every cast or concatenated tensor of a
-mapped checkpoint, and dequantize every float8 weight, on each load. While enabled, a module's
-`save_pretrained` is dlo's: it settles what changed since the last call (as a call's start
-does: a change that missed the streamed weights is refused there), then runs the class's own
-with a state-dict hook that puts each streamed block's values in place of its stand-ins: views
-of its host copy, or of the checkpoint mapping where a tensor is one range of it as saved, and
-private copies of the rest (float8 weights dequantized: what the model computes with, as
-`dlo.quantize_resident` gives it). So the files equal those the resident model doing the same
-writes, and a mapped model is not copied into private memory to be saved. Blocks kept
-resident or open for an edit hold their values already. Refused before anything is written:
-in all-gather mode across ranks (each rank holds 1/N of a block; disable() on every rank
-gives the weights back), and with `fp8_compute` (its Linears are not the class's until
-disable() converts them back). After disable(restore=False) the module has no weights, and
-its save is refused too (dlo.backend.handle).
+mapped checkpoint, and dequantize every float8 weight, on each load. While enabled, the
+`save_pretrained` of the module and of every submodule whose class has one is dlo's, with the
+class's signature (diffusers' pipeline save passes `variant`, `max_shard_size` and the rest only
+to a method whose signature names them). It settles what changed since the last call, as a
+call's start does (a change that missed the streamed weights, or adapters a direct unmerge lost,
+are refused there), then runs the class's own with a state-dict hook that puts each streamed
+block's values in place of its stand-ins: views of its host copy, or of the checkpoint mapping
+where a tensor is one range of it as saved, and private copies of the rest (float8 weights
+dequantized: what the model computes with, as `dlo.quantize_resident` gives it; all of them at
+once, as the state dict holds every value). Each view gets a storage of its own bytes: torch
+writes a view's whole storage (the block's host buffer with its uninitialized alignment gaps,
+or the whole mapped file), and huggingface_hub keeps tensors of one storage in one shard. So
+the files equal those the resident model doing the same writes, and a mapped model is not
+copied into private memory to be saved. Blocks kept resident, open for an edit, or running (a
+save from a hook inside a call) hold their values already and are left to the class's save.
+Refused before anything is written: in all-gather mode across ranks (each rank holds 1/N of a
+block; disable() on every rank gives the weights back), with `fp8_compute` (its Linears are not
+the class's until disable() converts them back), and with a `state_dict=` argument holding
+stand-ins. After disable(restore=False) the module has no weights, and its save is refused
+too (dlo.backend.handle). A pipeline's save checks every streamed component first
+(dlo.backend.pipeline).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from itertools import chain
 
+import torch
 from torch import nn
 
 from dlo.errors import StreamingError
@@ -37,39 +47,68 @@ class StreamedSaves:
     def __init__(self, module: nn.Module, runtime: StreamingRuntime, settle: Callable[[], None], fp8_compute: bool) -> None:
         self._module = module
         self._runtime = runtime
-        self._settle = settle  # a call's first steps: blocks left open written back, missed changes refused
+        self._settle = settle  # a call's first checks: blocks left open written back, missed changes refused
         self._fp8_compute = fp8_compute
+        self._installed: list[nn.Module] = []
 
     def install(self) -> None:
-        """The module's `save_pretrained`, if its class has one, is `save_pretrained` below
-        until `remove()`."""
-        if callable(getattr(type(self._module), "save_pretrained", None)):
-            self._module.__dict__["save_pretrained"] = self.save_pretrained
+        """Every module under the root whose class has a `save_pretrained` gets dlo's, until
+        `remove()` (also after a partial install)."""
+        for sub in self._module.modules():
+            method = getattr(type(sub), "save_pretrained", None)
+            if callable(method):
+                self._installed.append(sub)
+                sub.__dict__["save_pretrained"] = self._replacement(sub, method)
 
     def remove(self) -> None:
-        self._module.__dict__.pop("save_pretrained", None)
+        for sub in self._installed:
+            sub.__dict__.pop("save_pretrained", None)
+        self._installed.clear()
 
-    def save_pretrained(self, *args: object, **kwargs: object) -> object:
-        """The class's `save_pretrained`, with the streamed blocks' values in its state dict."""
-        name = type(self._module).__name__
+    def refusal(self, name: str) -> str | None:
+        """Why a save of the module (class `name`) is refused now, if it is."""
         gather = self._runtime.gather
         if gather is not None and gather.size > 1:
-            raise StreamingError(
+            return (
                 f"{name}.save_pretrained: in all-gather mode each rank holds 1/{gather.size} of every streamed "
                 "block; call handle.disable() on every rank (it gathers the weights back), then save on one"
             )
         if self._fp8_compute:
-            raise StreamingError(
+            return (
                 f"{name}.save_pretrained: with fp8_compute the streamed blocks' Linears run as FP8 GEMMs, not "
                 f"{name}'s own; call handle.disable() first (it converts them back), then save"
             )
+        return None
+
+    def _replacement(self, sub: nn.Module, method: Callable) -> Callable:
+        def save_pretrained(*args: object, **kwargs: object) -> object:
+            return self._save(sub, method, args, kwargs)
+
+        save_pretrained.__signature__ = inspect.signature(method.__get__(sub))  # type: ignore[attr-defined]
+        save_pretrained.__doc__ = method.__doc__
+        return save_pretrained
+
+    def _save(self, sub: nn.Module, method: Callable, args: tuple, kwargs: dict) -> object:
+        name = type(sub).__name__
+        if (why := self.refusal(name)) is not None:
+            raise StreamingError(why)
+        given = kwargs.get("state_dict")
+        if isinstance(given, dict) and self._holds_stand_ins(given):
+            raise StreamingError(
+                f"{name}.save_pretrained: state_dict= holds streamed blocks' stand-ins (state_dict() of a streamed "
+                "model returns them); leave state_dict out and dlo saves the real weights"
+            )
         self._settle()
         # torch marks the hook with an attribute: a partial takes one, a bound method does not
-        hook = self._module.register_state_dict_post_hook(functools.partial(self._real_values))
+        hook = sub.register_state_dict_post_hook(functools.partial(self._real_values))
         try:
-            return type(self._module).save_pretrained(self._module, *args, **kwargs)
+            return method(sub, *args, **kwargs)
         finally:
             hook.remove()
+
+    def _holds_stand_ins(self, state_dict: dict) -> bool:
+        stand_ins = {stand_in.data_ptr() for block in self._runtime.blocks for stand_in in block.placeholders}
+        return any(isinstance(v, torch.Tensor) and v.data_ptr() in stand_ins for v in state_dict.values())
 
     def _real_values(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         names: dict[int, list[str]] = {}
@@ -80,7 +119,7 @@ class StreamedSaves:
         for index, block in enumerate(runtime.blocks):
             stand_ins = [
                 k for k, (tensor, stand_in) in enumerate(zip(block.tensors, block.placeholders))
-                if tensor.data_ptr() == stand_in.data_ptr()
+                if tensor.data_ptr() == stand_in.data_ptr() and id(tensor) in names
             ]
             if index in runtime.promoted or not stand_ins:
                 continue
@@ -89,16 +128,31 @@ class StreamedSaves:
             else:
                 values = block.source.values(block.layout, block.wire)
             for k in stand_ins:
-                for key in names.get(id(block.tensors[k]), ()):
+                value = _own_storage(values[k])
+                for key in names[id(block.tensors[k])]:
                     if key in state_dict:  # not a non-persistent buffer
-                        state_dict[key] = values[k]
+                        state_dict[key] = value
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` on a storage holding its bytes only, sharing them (no copy); the new storage
+    keeps the old one alive."""
+    if not view.is_contiguous():  # not a view dlo makes: a copy is its own
+        return view.contiguous()
+    start, nbytes = view.storage_offset() * view.element_size(), view.numel() * view.element_size()
+    if start == 0 and nbytes == view.untyped_storage().nbytes():
+        return view
+    storage = view.untyped_storage()[start : start + nbytes]
+    return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.shape)
 
 
 def refuse_saves(module: nn.Module, why: str) -> None:
-    """After disable(restore=False): the module's `save_pretrained` raises `why`, as a call does."""
+    """After disable(restore=False): the `save_pretrained` of the module and of every submodule
+    whose class has one raises `why`, as a call does."""
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise StreamingError(why)
 
-    if callable(getattr(type(module), "save_pretrained", None)):
-        module.__dict__["save_pretrained"] = refuse
+    for sub in module.modules():
+        if callable(getattr(type(sub), "save_pretrained", None)):
+            sub.__dict__["save_pretrained"] = refuse
