@@ -36,9 +36,12 @@ def streamed(path, config_dir, inputs, dtype, **load):
     model, plan = dlo.load_transformer(path, torch_dtype=dtype, model_config=config_dir, **load)
     assert plan is not None and plan.backing == "checkpoint_mmap"
     mapping, adapters = plan.peek().checkpoint, plan.adapter_counts()
-    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan)
+    try:
         got = run(model, inputs)
         stats = handle.stats()
+    finally:
+        handle.disable(restore=False)  # the model is dropped: no private copy of its mapped blocks
     return got, mapping, plan, adapters, stats
 
 

@@ -81,9 +81,12 @@ def assert_streams_equal_to_diffusers(path, config_dir, cls, dtype, inputs, **lo
     model, plan = dlo.load_transformer(path, model_config=config_dir, **{"torch_dtype": dtype, **load})
     assert plan is not None and plan.backing == "checkpoint_mmap"
     adapters = plan.adapter_counts()
-    with dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan) as handle:
+    handle = dlo.enable(model, "cpu", dlo.OffloadConfig(num_slots=2), plan=plan)
+    try:
         got = run(model, inputs)
         stats = handle.stats()
+    finally:
+        handle.disable(restore=False)  # the model is dropped: no private copy of its mapped blocks
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert stats.host_bytes == 0  # every block streamed from the mapping: no private copy
     return adapters, stats
