@@ -2,6 +2,8 @@
 the files equal those the resident model doing the same writes, and what dlo cannot save is
 refused before anything is written."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -135,8 +137,11 @@ def test_changed_weights_are_saved_as_changed(tmp_path, tiny_pair, tiny_loras):
         with handle.editing(block), torch.no_grad():
             block.ff.net[2].weight.mul_(0.5)
             reference.transformer_blocks[0].ff.net[2].weight.mul_(0.5)
-            got = saved(streamed, tmp_path / "streamed")
-    assert_same_files(got, saved(reference, tmp_path / "resident"))
+            for safe in (True, False):  # the open block's tensors are views of one buffer too
+                options = dict(max_shard_size="20KB", safe_serialization=safe)
+                streamed.save_pretrained(tmp_path / f"streamed-{safe}", **options)
+                reference.save_pretrained(tmp_path / f"resident-{safe}", **options)
+                assert same_weight_files(tmp_path / f"streamed-{safe}", tmp_path / f"resident-{safe}")
 
 
 @pytest.mark.parametrize(
@@ -175,16 +180,17 @@ def test_a_save_from_inside_a_call_leaves_the_call_and_the_blocks_as_they_were(t
     """A hook inside a running block saves: the running block holds its values in its slot, and
     the call goes on with them (a save that released the running block made the rest of it NaN)."""
     reference, streamed, entry = tiny_pair("flux")
-    expected = saved(reference, tmp_path / "resident")
+    options = dict(max_shard_size="20KB", safe_serialization=False)  # the running block's views of its slot
+    reference.save_pretrained(tmp_path / "resident", **options)
     with dlo.enable(streamed, "cpu") as handle, torch.inference_mode():
         inside = streamed.transformer_blocks[1].norm1.linear
-        hook = inside.register_forward_pre_hook(lambda m, a: streamed.save_pretrained(tmp_path / "streamed"))
+        hook = inside.register_forward_pre_hook(lambda m, a: streamed.save_pretrained(tmp_path / "streamed", **options))
         got = streamed(**entry.inputs(1))[0]
         hook.remove()
         assert torch.equal(got, reference(**entry.inputs(1))[0])
         assert torch.equal(streamed(**entry.inputs(2))[0], reference(**entry.inputs(2))[0])
         assert handle.stats().resident_blocks == 0  # the save did not make the block look used outside its call
-    assert_same_files(tensors(tmp_path / "streamed"), expected)
+    assert same_weight_files(tmp_path / "streamed", tmp_path / "resident")
 
 
 def test_a_save_in_a_group_of_one_costs_the_next_call_nothing(tmp_path, tiny_pair):
@@ -224,15 +230,27 @@ def test_what_cannot_be_saved_is_refused_before_anything_is_written(tmp_path, ti
         assert "save_pretrained" not in vars(streamed)
 
 
-def test_a_pipelines_save_refused_for_one_component_writes_nothing(tmp_path, tiny_flux_dir):
+@pytest.mark.parametrize("case", ["emptied", "replaced_weight", "pipeline_emptied"])
+def test_a_pipelines_save_refused_for_one_component_writes_nothing(tmp_path, tiny_flux_dir, case):
+    """Every streamed component's save is checked first (what it refuses outright, and what
+    settling its changes refuses): the VAE and the encoders come before the transformer."""
     pipe = plain_pipeline(tiny_flux_dir)
     handle = dlo.enable_pipeline(pipe, "cpu", components=["text_encoder_2"])
-    handle.handles["transformer"].disable(restore=False)
-    with pytest.raises(dlo.StreamingError, match="was disabled with restore=False"):
+    if case == "emptied":
+        handle.handles["transformer"].disable(restore=False)
+        message = "was disabled with restore=False"
+    elif case == "replaced_weight":
+        weight = pipe.transformer.transformer_blocks[0].ff.net[2].weight
+        weight.data = torch.zeros(weight.shape, dtype=weight.dtype)
+        message = "'transformer_blocks.0.ff.net.2.weight' was written in place or given a new tensor"
+    else:
+        handle.disable(restore=False)
+        message = "was disabled with restore=False"
+    with pytest.raises(dlo.StreamingError, match=message):
         pipe.save_pretrained(tmp_path / "out")
-    assert not (tmp_path / "out").exists()  # the VAE and the encoders come before the transformer
+    assert not (tmp_path / "out").exists()
     handle.disable()
-    assert "save_pretrained" not in vars(pipe)
+    assert ("save_pretrained" in vars(pipe)) == (case == "pipeline_emptied")  # refused for good there
 
 
 def test_a_state_dict_argument_of_stand_ins_is_refused(tmp_path, tiny_flux_dir):
@@ -243,6 +261,8 @@ def test_a_state_dict_argument_of_stand_ins_is_refused(tmp_path, tiny_flux_dir):
         encoder = pipe.text_encoder_2
         with pytest.raises(dlo.StreamingError, match="state_dict= holds streamed blocks' stand-ins"):
             encoder.save_pretrained(tmp_path / "out", state_dict=encoder.state_dict())
+        with pytest.raises(dlo.StreamingError, match="state_dict= holds streamed blocks' stand-ins"):
+            encoder.save_pretrained(tmp_path / "out", True, encoder.state_dict())  # (directory, is_main_process, state_dict)
         assert not (tmp_path / "out").exists()
         encoder.save_pretrained(tmp_path / "out", state_dict={k: v.clone() for k, v in encoder.state_dict().items() if "shared" in k})
         assert tensors(tmp_path / "out").keys() == {"shared.weight"}  # real tensors: saved as given
@@ -261,6 +281,49 @@ def test_adapters_a_direct_unmerge_lost_refuse_the_save(tmp_path, tiny_pair, tin
         with pytest.raises(dlo.StreamingError, match="dropped merged adapters"):
             streamed.save_pretrained(tmp_path / "out")
         assert not (tmp_path / "out").exists()
+
+
+def test_empty_tensors_in_a_block_save_as_the_resident_models_do(tmp_path, tiny_pair):
+    """A zero-element tensor viewed in a host buffer has an address another tensor of the block
+    starts at, which torch refuses to pickle beside it."""
+    reference, _, entry = tiny_pair("flux")
+    block = reference.transformer_blocks[0]
+    block.register_parameter("empty", torch.nn.Parameter(torch.zeros(0, 4)))
+    block.register_buffer("empty_half", torch.zeros(0, dtype=torch.float16))
+    streamed = copy.deepcopy(reference)
+    with dlo.enable(streamed, "cpu"):
+        for safe in (True, False):
+            streamed.save_pretrained(tmp_path / f"streamed-{safe}", safe_serialization=safe)
+            reference.save_pretrained(tmp_path / f"resident-{safe}", safe_serialization=safe)
+            assert same_weight_files(tmp_path / f"streamed-{safe}", tmp_path / f"resident-{safe}")
+
+
+def test_a_submodule_without_streamed_tensors_keeps_its_own_save(tmp_path, tiny_pair):
+    """Only modules holding streamed tensors get dlo's save, and its refusals."""
+    from diffusers import ConfigMixin, ModelMixin
+
+    class Small(ModelMixin, ConfigMixin):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    reference, streamed, entry = tiny_pair("flux", dtype=torch.bfloat16)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.small = streamed, Small()
+
+    wrapper = Wrapper()
+    handle = dlo.enable(wrapper, "cpu", dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True))
+    for restore, refusal in ((None, "with fp8_compute"), (False, "was disabled with restore=False")):
+        if restore is not None:
+            handle.disable(restore=restore)
+        assert "save_pretrained" not in vars(wrapper.small)
+        wrapper.small.save_pretrained(tmp_path / f"small-{restore}")
+        assert tensors(tmp_path / f"small-{restore}").keys() == {"linear.weight", "linear.bias"}
+        with pytest.raises(dlo.StreamingError, match=refusal):
+            streamed.save_pretrained(tmp_path / "inner")
 
 
 def test_a_save_after_disable_is_the_class_own(tmp_path, tiny_pair):

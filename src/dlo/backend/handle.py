@@ -209,12 +209,13 @@ class OffloadHandle:
         self._changes.before_call()
         self._fusion.restore_lost()
 
-    def save_refusal(self) -> str | None:
-        """Why `module.save_pretrained()` would be refused now, before anything is written (None:
-        it saves). See [Note: saving a streamed model]"""
-        if self.state is HandleState.DISABLED:
-            return None if self._restored_with else _emptied(self.module)
-        return self._saves.refusal(type(self.module).__name__)
+    def check_save(self) -> None:
+        """Raise the StreamingError `module.save_pretrained()` would raise now, before anything
+        is written. See [Note: saving a streamed model]"""
+        if self.state is HandleState.ENABLED:
+            self._saves.check(type(self.module).__name__)
+        elif not self._restored_with:
+            raise StreamingError(_emptied(self.module))
 
     def _watch_compiles(self) -> None:
         """Warn once when one call recompiled more often than there are block classes: a
@@ -509,7 +510,8 @@ def _refuse_calls(module: nn.Module, blocks: list[nn.Module]) -> None:
     _EMPTIED.add(module)
     for target in (module, *blocks):
         target.register_forward_pre_hook(refuse)
-    refuse_saves(module, _emptied(module))
+    streamed = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+    refuse_saves(module, streamed, _emptied(module))
 
 
 def _emptied(module: nn.Module) -> str:

@@ -16,7 +16,7 @@ from dlo.backend.device import resolve_device
 from dlo.backend.enable import enable
 from dlo.backend.handle import HandleState, OffloadHandle
 from dlo.config import OffloadConfig
-from dlo.errors import ConfigError, DiscoveryError, StreamingError
+from dlo.errors import ConfigError, DiscoveryError
 from dlo.host.host_weight_plan import HostWeightPlan
 from dlo.observe.stats import OffloadStats
 from dlo.planning.adapters import tuner_layers
@@ -102,13 +102,16 @@ class PipelineHandle:
             pipe.__dict__[name] = partial(_with_defaults, route, original, pipe, tuple(wanted))
 
     def _route_saves(self) -> None:
-        """Until disable(), the pipeline's own `save_pretrained()` first asks every streamed
-        component whether its save would be refused, so none is refused after the others were
+        """Until disable(), the pipeline's own `save_pretrained()` first checks every streamed
+        component's save (what it would refuse), so none is refused after the others were
         written. See [Note: saving a streamed model]"""
+        self._undo.append(partial(self._pipe.__dict__.pop, "save_pretrained", None))
+        self._check_saves()
+
+    def _check_saves(self) -> None:
         pipe = self._pipe
         original = getattr(type(pipe), "save_pretrained", None)
         if callable(original):
-            self._undo.append(partial(pipe.__dict__.pop, "save_pretrained", None))
             checked = partial(_checked_save, list(self.handles.values()), original, pipe)
             checked.__signature__ = inspect.signature(original.__get__(pipe))  # type: ignore[attr-defined]
             pipe.__dict__["save_pretrained"] = checked
@@ -128,6 +131,8 @@ class PipelineHandle:
             self._undo.pop()()
         for handle in self.handles.values():
             handle.disable(restore)
+        if not restore:  # the streamed components hold no weights: the pipeline's save is refused whole
+            self._check_saves()
 
     def __enter__(self) -> PipelineHandle:
         return self
@@ -147,8 +152,7 @@ def _with_defaults(route: Callable, original: Callable, pipe: object, wanted: tu
 
 def _checked_save(handles: list[OffloadHandle], original: Callable, pipe: object, *args, **kwargs) -> object:
     for handle in handles:
-        if (why := handle.save_refusal()) is not None:
-            raise StreamingError(why)
+        handle.check_save()
     return original(pipe, *args, **kwargs)
 
 

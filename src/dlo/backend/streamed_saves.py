@@ -6,26 +6,30 @@ Between calls a streamed block's tensors are stand-ins (See [Note: stand-ins]) a
 without a word. `state_dict()` itself is left as it is: diffusers calls it on every LoRA load
 (for shapes and devices), where real values would copy every cast or concatenated tensor of a
 mapped checkpoint, and dequantize every float8 weight, on each load. While enabled, the
-`save_pretrained` of the module and of every submodule whose class has one is dlo's, with the
-class's signature (diffusers' pipeline save passes `variant`, `max_shard_size` and the rest only
-to a method whose signature names them). It settles what changed since the last call, as a
-call's start does (a change that missed the streamed weights, or adapters a direct unmerge lost,
-are refused there), then runs the class's own with a state-dict hook that puts each streamed
-block's values in place of its stand-ins: views of its host copy, or of the checkpoint mapping
-where a tensor is one range of it as saved, and private copies of the rest (float8 weights
-dequantized: what the model computes with, as `dlo.quantize_resident` gives it; all of them at
-once, as the state dict holds every value). Each view gets a storage of its own bytes: torch
-writes a view's whole storage (the block's host buffer with its uninitialized alignment gaps,
-or the whole mapped file), and huggingface_hub keeps tensors of one storage in one shard. So
-the files equal those the resident model doing the same writes, and a mapped model is not
-copied into private memory to be saved. Blocks kept resident, open for an edit, or running (a
-save from a hook inside a call) hold their values already and are left to the class's save.
-Refused before anything is written: in all-gather mode across ranks (each rank holds 1/N of a
-block; disable() on every rank gives the weights back), with `fp8_compute` (its Linears are not
-the class's until disable() converts them back), and with a `state_dict=` argument holding
-stand-ins. After disable(restore=False) the module has no weights, and its save is refused
-too (dlo.backend.handle). A pipeline's save checks every streamed component first
-(dlo.backend.pipeline).
+`save_pretrained` of the module and of every submodule that holds streamed tensors and whose
+class has one is dlo's, with the class's signature (diffusers' pipeline save passes `variant`,
+`max_shard_size` and the rest only to a method whose signature names them). It settles what
+changed since the last call, as a call's start does (a change that missed the streamed weights,
+or adapters a direct unmerge lost, are refused there), then runs the class's own with a
+state-dict hook that puts each streamed block's values in place of its stand-ins: views of its
+host copy, or of the checkpoint mapping where a tensor is one range of it as saved, and private
+copies of the rest (float8 weights dequantized: what the model computes with, as
+`dlo.quantize_resident` gives it; all of them at once, as the state dict holds every value).
+Blocks kept resident, open for an edit, or running (a save from a hook inside a call) hold
+their values already. Every block tensor's value gets a storage of its own bytes: torch
+pickles a view's whole storage (a block's host buffer with its uninitialized alignment gaps, a
+slot, or the whole mapped file), and huggingface_hub keeps the tensors of one storage in one
+shard. So the weight files equal those the resident model doing the same writes (safetensors
+byte for byte, sharded too; a pickle records the device, and streamed values are on the CPU),
+and a mapped model is not copied into private memory to be saved. Refused before anything is
+written: in all-gather mode across ranks (each rank holds 1/N of a block; disable() on every
+rank gives the weights back), with `fp8_compute` (its Linears are not the class's until
+disable() converts them back), and with a `state_dict` argument holding stand-ins. After
+disable(restore=False) the module has no weights, and its save is refused too
+(dlo.backend.handle). A pipeline's save checks every streamed component's first
+(dlo.backend.pipeline). Not covered: the save of a module that contains the enabled one (its
+state dict holds the stand-ins; save the enabled module), and any other writer of
+`state_dict()` (`torch.save`, accelerate's `save_model`).
 """
 
 from __future__ import annotations
@@ -52,13 +56,12 @@ class StreamedSaves:
         self._installed: list[nn.Module] = []
 
     def install(self) -> None:
-        """Every module under the root whose class has a `save_pretrained` gets dlo's, until
-        `remove()` (also after a partial install)."""
-        for sub in self._module.modules():
-            method = getattr(type(sub), "save_pretrained", None)
-            if callable(method):
-                self._installed.append(sub)
-                sub.__dict__["save_pretrained"] = self._replacement(sub, method)
+        """Every module under the root that holds streamed tensors and whose class has a
+        `save_pretrained` gets dlo's, until `remove()` (also after a partial install)."""
+        streamed = {id(t) for block in self._runtime.blocks for t in block.tensors}
+        for sub in savers(self._module, streamed):
+            self._installed.append(sub)
+            sub.__dict__["save_pretrained"] = self._replacement(sub, type(sub).save_pretrained)
 
     def remove(self) -> None:
         for sub in self._installed:
@@ -88,17 +91,22 @@ class StreamedSaves:
         save_pretrained.__doc__ = method.__doc__
         return save_pretrained
 
-    def _save(self, sub: nn.Module, method: Callable, args: tuple, kwargs: dict) -> object:
-        name = type(sub).__name__
+    def check(self, name: str) -> None:
+        """Raise the StreamingError a save of the module (class `name`) would raise before
+        writing anything: the refusal, or what settling the changes refuses."""
         if (why := self.refusal(name)) is not None:
             raise StreamingError(why)
-        given = kwargs.get("state_dict")
+        self._settle()
+
+    def _save(self, sub: nn.Module, method: Callable, args: tuple, kwargs: dict) -> object:
+        name = type(sub).__name__
+        given = inspect.signature(method).bind_partial(sub, *args, **kwargs).arguments.get("state_dict")
         if isinstance(given, dict) and self._holds_stand_ins(given):
             raise StreamingError(
                 f"{name}.save_pretrained: state_dict= holds streamed blocks' stand-ins (state_dict() of a streamed "
                 "model returns them); leave state_dict out and dlo saves the real weights"
             )
-        self._settle()
+        self.check(name)
         # torch marks the hook with an attribute: a partial takes one, a bound method does not
         hook = sub.register_state_dict_post_hook(functools.partial(self._real_values))
         try:
@@ -117,42 +125,54 @@ class StreamedSaves:
             names.setdefault(id(tensor), []).append(prefix + name)
         runtime = self._runtime
         for index, block in enumerate(runtime.blocks):
-            stand_ins = [
-                k for k, (tensor, stand_in) in enumerate(zip(block.tensors, block.placeholders))
-                if tensor.data_ptr() == stand_in.data_ptr() and id(tensor) in names
-            ]
-            if index in runtime.promoted or not stand_ins:
-                continue
-            if isinstance(block.source, (ShardSource, DiskShardSource)):  # a group of one: no peer to wait for
+            held = [k for k, tensor in enumerate(block.tensors) if id(tensor) in names]
+            stand_ins = {
+                k for k in held
+                if index not in runtime.promoted and block.tensors[k].data_ptr() == block.placeholders[k].data_ptr()
+            }
+            if not stand_ins:
+                values = None
+            elif isinstance(block.source, (ShardSource, DiskShardSource)):  # a group of one: no peer to wait for
                 values = restored_image(runtime.gathered(index), block.layout, block.wire)
             else:
                 values = block.source.values(block.layout, block.wire)
-            for k in stand_ins:
-                value = _own_storage(values[k])
-                for key in names[id(block.tensors[k])]:
-                    if key in state_dict:  # not a non-persistent buffer
-                        state_dict[key] = value
+            for k in held:
+                keys = [key for key in names[id(block.tensors[k])] if key in state_dict]  # not non-persistent buffers
+                if keys:  # a block open for an edit, running or promoted: views of one buffer too
+                    value = _own_storage(values[k] if k in stand_ins else state_dict[keys[0]])
+                    state_dict.update(dict.fromkeys(keys, value))
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:
     """`view` on a storage holding its bytes only, sharing them (no copy); the new storage
     keeps the old one alive."""
+    if view.numel() == 0:  # as an ordinary empty tensor: no address another tensor may start at
+        return torch.empty(view.shape, dtype=view.dtype, device=view.device)
     if not view.is_contiguous():  # not a view dlo makes: a copy is its own
         return view.contiguous()
     start, nbytes = view.storage_offset() * view.element_size(), view.numel() * view.element_size()
     if start == 0 and nbytes == view.untyped_storage().nbytes():
         return view
     storage = view.untyped_storage()[start : start + nbytes]
-    return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.shape)
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape)
 
 
-def refuse_saves(module: nn.Module, why: str) -> None:
-    """After disable(restore=False): the `save_pretrained` of the module and of every submodule
-    whose class has one raises `why`, as a call does."""
+def savers(module: nn.Module, streamed: set[int]) -> list[nn.Module]:
+    """The modules under `module` (itself included) whose class has a `save_pretrained` and
+    that hold one of the tensors `streamed` (ids)."""
+    return [
+        sub for sub in module.modules()
+        if callable(getattr(type(sub), "save_pretrained", None))
+        and any(id(t) in streamed for t in chain(sub.parameters(), sub.buffers()))
+    ]
+
+
+def refuse_saves(module: nn.Module, streamed: set[int], why: str) -> None:
+    """After disable(restore=False): the `save_pretrained` of each of `savers` raises `why`, as a
+    call does."""
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise StreamingError(why)
 
-    for sub in module.modules():
-        if callable(getattr(type(sub), "save_pretrained", None)):
-            sub.__dict__["save_pretrained"] = refuse
+    for sub in savers(module, streamed):
+        sub.__dict__["save_pretrained"] = refuse
