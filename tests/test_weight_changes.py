@@ -160,12 +160,15 @@ def test_the_pipelines_own_fuse_lora_reaches_a_streamed_text_encoder(tiny_flux_d
     assert same_state(reference.text_encoder, streamed.text_encoder) and same_state(reference.transformer, streamed.transformer)
 
 
+@pytest.mark.parametrize("when", ["before", "after", "in real_state_dict"])
 @pytest.mark.parametrize("then", ["unfuse the transformer", "unfuse", "unload"])
-def test_a_flux_control_lora_loaded_before_enable_pipeline_puts_its_norm_layers_back_as_resident(tiny_flux_dir, tmp_path, then):
+def test_a_flux_control_lora_puts_its_norm_layers_back_as_resident(tiny_flux_dir, tmp_path, then, when):
     """A Flux control LoRA carries norm layers, which diffusers loads into the transformer in
     place of its own and puts back on unfuse or unload (from a copy of state_dict() made at
-    the load). Loaded before enable_pipeline (state_dict() then reads real weights), every way
-    back equals resident; the pipeline's unfuse runs diffusers' own after dlo's."""
+    the load). Loaded before enable_pipeline, or after it (diffusers' norm loading then reads the
+    streamed blocks' values, not their NaN stand-ins), or with the transformer alone enabled,
+    loaded in `handle.real_state_dict()`: every way back equals resident; the pipeline's unfuse
+    runs diffusers' own after dlo's."""
     import diffusers
     from lora_files import pipeline_inputs, save_lora
     from safetensors.torch import load_file, save_file
@@ -177,17 +180,30 @@ def test_a_flux_control_lora_loaded_before_enable_pipeline_puts_its_norm_layers_
         if ".norm_q." in key or ".norm_k." in key:
             state[f"transformer.{key}"] = 1 + 0.5 * torch.randn(value.shape, generator=generator)
     save_file(state, tmp_path / "control.safetensors")
-    both((reference, streamed), lambda p: p.load_lora_weights(tmp_path / "control.safetensors", adapter_name="control"))
+
+    def load(pipe):
+        pipe.load_lora_weights(tmp_path / "control.safetensors", adapter_name="control")
+
+    if when == "before":
+        both((reference, streamed), load)
     change = {
         "unfuse the transformer": lambda p: p.unfuse_lora(components=["transformer"]),
         "unfuse": lambda p: p.unfuse_lora(),
         "unload": lambda p: p.unload_lora_weights(),
     }[then]
-    with dlo.enable_pipeline(streamed, "cpu"):
+    enabled = dlo.enable(streamed.transformer, "cpu") if when == "in real_state_dict" else dlo.enable_pipeline(streamed, "cpu")
+    with enabled:
+        if when == "after":
+            both((reference, streamed), load)
+        elif when == "in real_state_dict":
+            load(reference)
+            with enabled.real_state_dict():
+                load(streamed)
         both((reference, streamed), change)
         with torch.inference_mode():
             expected = reference.transformer(**pipeline_inputs("flux", 1))[0]
             assert torch.equal(streamed.transformer(**pipeline_inputs("flux", 1))[0], expected)
+    assert "_load_norm_into_transformer" not in vars(streamed)
     assert same_state(reference.transformer, streamed.transformer)
 
 

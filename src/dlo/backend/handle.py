@@ -209,6 +209,14 @@ class OffloadHandle:
         self._changes.before_call()
         self._fusion.restore_lost()
 
+    def real_state_dict(self) -> contextlib.AbstractContextManager[None]:
+        """Within it, `module.state_dict()` holds the streamed blocks' values (views of the host
+        copies where it can, copies otherwise), not their stand-ins: for code that keeps copies of
+        them. See [Note: saving a streamed model]"""
+        self._enabled("real_state_dict")
+        self._settle_changes()
+        return self._saves.real_values(self.module)
+
     def check_save(self) -> None:
         """Raise the StreamingError `module.save_pretrained()` would raise now, before anything
         is written. See [Note: saving a streamed model]"""

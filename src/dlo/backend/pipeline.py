@@ -3,6 +3,7 @@ components with repeated blocks), place the rest."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -108,6 +109,16 @@ class PipelineHandle:
         self._undo.append(partial(self._pipe.__dict__.pop, "save_pretrained", None))
         self._check_saves()
 
+    def _route_norm_loads(self) -> None:
+        """Until disable(), diffusers' loading of a Flux control LoRA's norm layers (which keeps
+        copies of the transformer's `state_dict()` values, to put back on unfuse or unload) reads
+        the streamed blocks' values. See [Note: saving a streamed model]"""
+        pipe = self._pipe
+        original = getattr(type(pipe), "_load_norm_into_transformer", None)
+        if callable(original):
+            self._undo.append(partial(pipe.__dict__.pop, "_load_norm_into_transformer", None))
+            pipe.__dict__["_load_norm_into_transformer"] = partial(_norms_with_real_values, self.handles, original)
+
     def _check_saves(self) -> None:
         pipe = self._pipe
         original = getattr(type(pipe), "save_pretrained", None)
@@ -148,6 +159,13 @@ def _with_defaults(route: Callable, original: Callable, pipe: object, wanted: tu
     bound = inspect.signature(original).bind(pipe, *args, **kwargs)
     bound.apply_defaults()
     route(**{name: bound.arguments[name] for name in wanted})
+
+
+def _norms_with_real_values(handles: dict[str, OffloadHandle], original: Callable, state_dict: dict, transformer: nn.Module,
+                            *args, **kwargs) -> object:
+    handle = next((h for h in handles.values() if h.module is transformer), None)
+    with handle.real_state_dict() if handle is not None else contextlib.nullcontext():
+        return original(state_dict, transformer, *args, **kwargs)
 
 
 def _checked_save(handles: list[OffloadHandle], original: Callable, pipe: object, *args, **kwargs) -> object:
@@ -269,6 +287,7 @@ def enable_pipeline(
             _place_by_plan(handle, handle.plan, found, transformers, device, config, plans, size, moved)
         handle._route_lora_fusion()
         handle._route_saves()
+        handle._route_norm_loads()
     except BaseException:
         handle.disable()
         while moved:

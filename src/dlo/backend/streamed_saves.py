@@ -27,16 +27,18 @@ rank gives the weights back), with `fp8_compute` (its Linears are not the class'
 disable() converts them back), and with a `state_dict` argument holding stand-ins. After
 disable(restore=False) the module has no weights, and its save is refused too
 (dlo.backend.handle). A pipeline's save checks every streamed component's first
-(dlo.backend.pipeline). Not covered: the save of a module that contains the enabled one (its
+(dlo.backend.pipeline), and so does diffusers' loading of a Flux control LoRA's norm layers,
+which keeps copies of `state_dict()` values to put back on unfuse or unload. Not covered: the save of a module that contains the enabled one (its
 state dict holds the stand-ins; save the enabled module), and any other writer of
 `state_dict()` (`torch.save`, accelerate's `save_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import chain
 
 import torch
@@ -107,10 +109,16 @@ class StreamedSaves:
                 "model returns them); leave state_dict out and dlo saves the real weights"
             )
         self.check(name)
-        # torch marks the hook with an attribute: a partial takes one, a bound method does not
-        hook = sub.register_state_dict_post_hook(functools.partial(self._real_values))
-        try:
+        with self.real_values(sub):
             return method(sub, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def real_values(self, module: nn.Module) -> Iterator[None]:
+        """Within it, `module.state_dict()` holds the streamed blocks' values, not their stand-ins."""
+        # torch marks the hook with an attribute: a partial takes one, a bound method does not
+        hook = module.register_state_dict_post_hook(functools.partial(self._real_values))
+        try:
+            yield
         finally:
             hook.remove()
 
