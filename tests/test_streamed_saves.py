@@ -82,12 +82,16 @@ def test_a_mapped_model_saves_from_views_of_its_files(tmp_path, monkeypatch, tor
     dtype = torch_dtype or torch.float32
     expected = saved(ordinary(directory, "flux", dtype, fuse_qkv=fuse_qkv), tmp_path / "resident")
     model, plan = dlo.load_transformer(directory, torch_dtype=torch_dtype, fuse_qkv=fuse_qkv)
+    checkpoint = plan.peek().checkpoint
     with dlo.enable(model, "cpu", plan=plan):
-        materialized = []
-        materialize = TensorSource.materialize
+        materialized, read = [], []
+        materialize, readable = TensorSource.materialize, TensorSource.readable
         monkeypatch.setattr(TensorSource, "materialize", lambda self, c: materialized.append(self) or materialize(self, c))
+        monkeypatch.setattr(TensorSource, "readable", lambda self, c: read.append(readable(self, c)) or read[-1])
         got = saved(model, tmp_path / "streamed")
         assert bool(materialized) == copies
+        in_the_file = {checkpoint.holds(value) for value in read}  # views of the mapping, or private copies
+        assert in_the_file == ({False} if torch_dtype else {True, False} if fuse_qkv else {True})
     assert_same_files(got, expected)
 
 

@@ -51,7 +51,7 @@ def forwards(model, inputs, iters: int, copies: int, host: torch.Tensor, device_
         return forward_s, 0.0
     copy_s = copy_start.elapsed_time(copy_end) / 1e3
     if copy_s < forward_s * iters:
-        print(f"  (the copies ended {forward_s * iters - copy_s:.3f} s before the forwards: raise CHUNK count)")
+        print(f"  (the copies ended {forward_s * iters - copy_s:.3f} s before the forwards: part of this round ran alone)")
     return forward_s, copies * CHUNK / copy_s / 1e9
 
 
