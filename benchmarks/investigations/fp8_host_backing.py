@@ -13,7 +13,8 @@ Rounds enable every variant once each, in turn, so drift over the run falls on a
 enable: the share of its host buffers backed by huge pages (AnonHugePages over Rss of the
 mappings holding them, /proc/self/smaps), then the median of --iters forwards each from a
 synchronized device, and --iters forwards back to back; outputs compared (torch.equal) with the
-first enable's. Before the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its
+first enable's; as root, where the buffers lie in the guest's physical memory (10th, 50th and
+90th percentile of their sampled pages' addresses, GiB). Before the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its
 share printed: 0 there means the system grants no huge pages, whatever the advice.
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
@@ -25,7 +26,9 @@ from __future__ import annotations
 import argparse
 import copy
 import mmap
+import os
 import sys
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
+from pinned_copy_placement import physical_gib  # noqa: E402
 from slots_back_to_back import timed  # noqa: E402
 
 import dlo  # noqa: E402
@@ -84,6 +88,16 @@ def huge_share(ranges: list[tuple[int, int]]) -> float:
     return huge / rss if rss else 0.0
 
 
+def physical_spread(ranges: list[tuple[int, int]]) -> str:
+    """p10/p50/p90 of the ranges' sampled guest physical addresses in GiB ('-' without root)."""
+    if os.geteuid() != 0:
+        return "-"
+    found = sorted(chain.from_iterable(physical_gib(low, high - low) for low, high in ranges))
+    if not found:
+        return "-"
+    return "/".join(f"{found[int(q * (len(found) - 1))]:.0f}" for q in (0.1, 0.5, 0.9))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
@@ -117,19 +131,20 @@ def main() -> None:
             model = copy.deepcopy(weights)
             with dlo.enable(model, device, dlo.OffloadConfig(stream_dtype="fp8")):
                 share = huge_share(allocations.ranges)
+                physical = physical_spread(allocations.ranges)
                 wall, loop, out = timed(model, inputs, args.iters, device)
             reference = out if reference is None else reference
             same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
-            rows.append((round_, variant, share, wall, loop, same))
+            rows.append((round_, variant, share, physical, wall, loop, same))
             print(rows[-1], flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(f"\n{args.shape}-shaped fp8, 2 slots, ms a forward (median of {args.iters} synchronized; {args.iters} back to back)")
-    print("| round | host buffers | huge-page share | synchronized | back to back | output vs first |")
-    print("|---|---|---|---|---|---|")
-    for round_, variant, share, wall, loop, same in rows:
-        print(f"| {round_} | {variant} | {share:.2f} | {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |")
+    print("| round | host buffers | huge-page share | physical GiB p10/p50/p90 | synchronized | back to back | output vs first |")
+    print("|---|---|---|---|---|---|---|")
+    for round_, variant, share, physical, wall, loop, same in rows:
+        print(f"| {round_} | {variant} | {share:.2f} | {physical} | {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Is a pinned host buffer's copy rate a property of where its pages lie? (issue 31: fp8 enables
+of one configuration stream back to back at 68.2 or 72.3 ms, two levels; huge pages or 4 KiB
+pages made no difference, and the same variant changed level between rounds. One hypothesis:
+this machine is a virtual one, and the host backs ranges of the guest's physical memory from
+different sockets, so a buffer's rate follows the physical addresses it was given.)
+
+Allocates --buffers host buffers of --mib each exactly as dlo does (dlo.host.pinned_buffer:
+torch.empty page-locked by cudaHostRegister), then per buffer: the median host-to-device copy
+rate of --copies copies into one device buffer, measured twice (in allocation order, then in
+reverse, so a drift over time cannot pass for a property of the buffer), and the guest physical
+addresses of a sample of its pages (/proc/self/pagemap; needs root). The table is sorted by
+physical address. Also prints what the guest knows of its topology (NUMA nodes, the GPU's).
+
+  sudo PYTHONPATH=$PWD/src python3 benchmarks/investigations/pinned_copy_placement.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import struct
+import subprocess
+from pathlib import Path
+
+import torch
+
+from dlo.host.pinned_buffer import PAGE, HostBuffer
+
+SAMPLE_EVERY = 64  # pages between pagemap reads
+PFN_MASK = (1 << 55) - 1
+PRESENT = 1 << 63
+
+
+def topology() -> None:
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    print(f"NUMA nodes seen by the guest: {nodes}")
+    for line in subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout.splitlines():
+        print(f"  {line}")
+    bus = subprocess.run(
+        ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip().lower()
+    numa = Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node")
+    print(f"GPU {bus}: numa_node {numa.read_text().strip() if numa.exists() else 'unknown'}")
+
+
+def physical_gib(address: int, nbytes: int) -> list[float]:
+    """Guest physical addresses (GiB) of every SAMPLE_EVERY-th page of the range."""
+    found = []
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for page in range(address // PAGE, (address + nbytes) // PAGE, SAMPLE_EVERY):
+            pagemap.seek(page * 8)
+            (entry,) = struct.unpack("<Q", pagemap.read(8))
+            if entry & PRESENT and entry & PFN_MASK:
+                found.append((entry & PFN_MASK) * PAGE / 2**30)
+    return found
+
+
+def copy_gbps(host: torch.Tensor, device_buffer: torch.Tensor, copies: int) -> float:
+    rates = []
+    for _ in range(copies):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device_buffer.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(host.numel() / (start.elapsed_time(end) / 1e3) / 1e9)
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--buffers", type=int, default=32)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--copies", type=int, default=5)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("pinned_copy_placement.py: reading physical addresses needs root; run it with sudo")
+    topology()
+    nbytes = args.mib << 20
+    buffers = [HostBuffer(nbytes, pin=True) for _ in range(args.buffers)]
+    for buffer in buffers:
+        buffer.tensor.fill_(1)
+    device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    copy_gbps(buffers[0].tensor, device_buffer, 2)  # warm-up
+    first = [copy_gbps(b.tensor, device_buffer, args.copies) for b in buffers]
+    second = [copy_gbps(b.tensor, device_buffer, args.copies) for b in reversed(buffers)][::-1]
+    rows = []
+    for index, buffer in enumerate(buffers):
+        addresses = physical_gib(buffer.tensor.data_ptr(), nbytes)
+        if not addresses:
+            raise SystemExit("pagemap gave no physical addresses (needs root and a kernel that shows PFNs)")
+        rows.append((statistics.median(addresses), min(addresses), max(addresses), index, first[index], second[index]))
+    print(f"\n{args.buffers} pinned host buffers of {args.mib} MiB, H2D GB/s (median of {args.copies} copies)")
+    print("| buffer | physical GiB median | min | max | GB/s pass 1 | GB/s pass 2 |")
+    print("|---|---|---|---|---|---|")
+    for median, low, high, index, rate1, rate2 in sorted(rows):
+        print(f"| {index} | {median:.1f} | {low:.1f} | {high:.1f} | {rate1:.1f} | {rate2:.1f} |")
+    for buffer in buffers:
+        buffer.unpin()
+
+
+if __name__ == "__main__":
+    main()
