@@ -9,13 +9,16 @@ aligned to 2 MiB and advised before its first touch:
   thp      madvise(MADV_HUGEPAGE): huge pages wherever the kernel has them;
   4k       madvise(MADV_NOHUGEPAGE): 4 KiB pages only;
   default  torch.empty, as dlo does (the system's transparent_hugepage setting decides).
-Rounds enable every variant once each, in turn, so drift over the run falls on all alike. Per
-enable: the share of its host buffers backed by huge pages (AnonHugePages over Rss of the
-mappings holding them, /proc/self/smaps), then the median of --iters forwards each from a
-synchronized device, and --iters forwards back to back; outputs compared (torch.equal) with the
-first enable's; as root, where the buffers lie in the guest's physical memory (10th, 50th and
-90th percentile of their sampled pages' addresses, GiB). Before the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its
-share printed: 0 there means the system grants no huge pages, whatever the advice.
+Rounds enable every variant once each, the order rotated by one each round, so drift over the
+run and a place in the round fall on all alike. Per enable: the share of its host buffers backed
+by huge pages (AnonHugePages over Rss of the mappings holding them, /proc/self/smaps), then the
+median of --iters forwards each from a synchronized device, and --iters forwards back to back;
+outputs compared (torch.equal) with the first enable's; the link's rate just before and just
+after the timed forwards (a 256 MiB pinned buffer copied alone, median of 5: does an enable's
+speed follow the link's rate of the moment?); as root, where the buffers lie in the guest's
+physical memory (10th, 50th and 90th percentile of their sampled pages' addresses, GiB). Before
+the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its share printed: 0 there
+means the system grants no huge pages, whatever the advice.
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
@@ -27,6 +30,8 @@ import argparse
 import copy
 import mmap
 import os
+import statistics
+import struct
 import sys
 from itertools import chain
 from pathlib import Path
@@ -36,13 +41,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
-from pinned_copy_placement import physical_gib  # noqa: E402
 from slots_back_to_back import timed  # noqa: E402
 
 import dlo  # noqa: E402
 from dlo.host import pinned_buffer  # noqa: E402
 
 HUGE = 2 << 20
+SAMPLE_EVERY = 64  # pages between pagemap reads
+PFN_MASK = (1 << 55) - 1
+PRESENT = 1 << 63
+PROBE = 256 << 20  # bytes a link probe copies
 ADVICE = {"thp": getattr(mmap, "MADV_HUGEPAGE", None), "4k": getattr(mmap, "MADV_NOHUGEPAGE", None), "default": None}
 
 
@@ -69,6 +77,18 @@ class Allocations:
             tensor = raw[skip : skip + nbytes]
         self.ranges.append((tensor.data_ptr(), tensor.data_ptr() + nbytes))
         return tensor
+
+
+def physical_gib(address: int, nbytes: int) -> list[float]:
+    """Guest physical addresses (GiB) of every SAMPLE_EVERY-th page of the range."""
+    found = []
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for page in range(address // pinned_buffer.PAGE, (address + nbytes) // pinned_buffer.PAGE, SAMPLE_EVERY):
+            pagemap.seek(page * 8)
+            (entry,) = struct.unpack("<Q", pagemap.read(8))
+            if entry & PRESENT and entry & PFN_MASK:
+                found.append((entry & PFN_MASK) * pinned_buffer.PAGE / 2**30)
+    return found
 
 
 def huge_share(ranges: list[tuple[int, int]]) -> float:
@@ -98,6 +118,19 @@ def physical_spread(ranges: list[tuple[int, int]]) -> str:
     return "/".join(f"{found[int(q * (len(found) - 1))]:.0f}" for q in (0.1, 0.5, 0.9))
 
 
+def link_gbps(host: torch.Tensor, device_buffer: torch.Tensor, copies: int = 5) -> float:
+    """The link's rate now, the device otherwise idle: median of `copies` copies of `host`."""
+    rates = []
+    for _ in range(copies):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device_buffer.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(host.numel() / (start.elapsed_time(end) / 1e3) / 1e9)
+    return statistics.median(rates)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
@@ -122,29 +155,42 @@ def main() -> None:
     shape = SHAPES[args.shape]
     weights = build_model(shape, 0, device)
     inputs = to_device(shape.make_inputs(torch.Generator().manual_seed(1)), device)
+    cuda = device.type == "cuda"
+    if cuda:  # one probe buffer for the whole run, allocated before the enables
+        probe_host = torch.empty(PROBE, dtype=torch.uint8, pin_memory=True).fill_(1)
+        probe_device = torch.empty(PROBE, dtype=torch.uint8, device=device)
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
     rows, reference = [], None
     for round_ in range(args.rounds):
-        for variant in args.variants.split(","):
+        variants = args.variants.split(",")
+        for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
             allocations.variant, allocations.ranges = variant, []
             model = copy.deepcopy(weights)
             with dlo.enable(model, device, dlo.OffloadConfig(stream_dtype="fp8")):
                 share = huge_share(allocations.ranges)
                 physical = physical_spread(allocations.ranges)
+                before = link_gbps(probe_host, probe_device) if cuda else 0.0
                 wall, loop, out = timed(model, inputs, args.iters, device)
+                after = link_gbps(probe_host, probe_device) if cuda else 0.0
             reference = out if reference is None else reference
             same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
-            rows.append((round_, variant, share, physical, wall, loop, same))
+            rows.append((round_, variant, share, physical, before, after, wall, loop, same))
             print(rows[-1], flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(f"\n{args.shape}-shaped fp8, 2 slots, ms a forward (median of {args.iters} synchronized; {args.iters} back to back)")
-    print("| round | host buffers | huge-page share | physical GiB p10/p50/p90 | synchronized | back to back | output vs first |")
-    print("|---|---|---|---|---|---|---|")
-    for round_, variant, share, physical, wall, loop, same in rows:
-        print(f"| {round_} | {variant} | {share:.2f} | {physical} | {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |")
+    print(
+        "| round | host buffers | huge-page share | physical GiB p10/p50/p90 | link GB/s before / after "
+        "| synchronized | back to back | output vs first |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for round_, variant, share, physical, before, after, wall, loop, same in rows:
+        print(
+            f"| {round_} | {variant} | {share:.2f} | {physical} | {before:.1f} / {after:.1f} "
+            f"| {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |"
+        )
 
 
 if __name__ == "__main__":

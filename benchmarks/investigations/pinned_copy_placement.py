@@ -5,7 +5,8 @@ this machine is a virtual one, and the host backs ranges of the guest's physical
 different sockets, so a buffer's rate follows the physical addresses it was given.)
 
 Allocates --buffers host buffers of --mib each exactly as dlo does (dlo.host.pinned_buffer:
-torch.empty page-locked by cudaHostRegister), then per buffer: the median host-to-device copy
+torch.empty page-locked by cudaHostRegister; every other one on huge pages instead, advised
+MADV_HUGEPAGE as fp8_host_backing.py's "thp"), then per buffer: the median host-to-device copy
 rate of --copies copies into one device buffer, measured twice (in allocation order, then in
 reverse, so a drift over time cannot pass for a property of the buffer), and the guest physical
 addresses of a sample of its pages (/proc/self/pagemap; needs root). The table is sorted by
@@ -19,17 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from dlo.host.pinned_buffer import PAGE, HostBuffer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_host_backing import Allocations, physical_gib  # noqa: E402
 
-SAMPLE_EVERY = 64  # pages between pagemap reads
-PFN_MASK = (1 << 55) - 1
-PRESENT = 1 << 63
+from dlo.host import pinned_buffer  # noqa: E402
 
 
 def topology() -> None:
@@ -42,18 +42,6 @@ def topology() -> None:
     ).stdout.strip().lower()
     numa = Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node")
     print(f"GPU {bus}: numa_node {numa.read_text().strip() if numa.exists() else 'unknown'}")
-
-
-def physical_gib(address: int, nbytes: int) -> list[float]:
-    """Guest physical addresses (GiB) of every SAMPLE_EVERY-th page of the range."""
-    found = []
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        for page in range(address // PAGE, (address + nbytes) // PAGE, SAMPLE_EVERY):
-            pagemap.seek(page * 8)
-            (entry,) = struct.unpack("<Q", pagemap.read(8))
-            if entry & PRESENT and entry & PFN_MASK:
-                found.append((entry & PFN_MASK) * PAGE / 2**30)
-    return found
 
 
 def copy_gbps(host: torch.Tensor, device_buffer: torch.Tensor, copies: int) -> float:
@@ -78,7 +66,15 @@ def main() -> None:
         raise SystemExit("pinned_copy_placement.py: reading physical addresses needs root; run it with sudo")
     topology()
     nbytes = args.mib << 20
-    buffers = [HostBuffer(nbytes, pin=True) for _ in range(args.buffers)]
+    # Every other buffer on huge pages (MADV_HUGEPAGE before the first touch), the rest as dlo
+    # allocates: is a huge-page buffer's copy slower?
+    allocations = Allocations(pinned_buffer.aligned_empty)
+    pinned_buffer.aligned_empty = allocations
+    buffers, backing = [], []
+    for index in range(args.buffers):
+        allocations.variant = "thp" if index % 2 else "default"
+        buffers.append(pinned_buffer.HostBuffer(nbytes, pin=True))
+        backing.append(allocations.variant)
     for buffer in buffers:
         buffer.tensor.fill_(1)
     device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -90,12 +86,15 @@ def main() -> None:
         addresses = physical_gib(buffer.tensor.data_ptr(), nbytes)
         if not addresses:
             raise SystemExit("pagemap gave no physical addresses (needs root and a kernel that shows PFNs)")
-        rows.append((statistics.median(addresses), min(addresses), max(addresses), index, first[index], second[index]))
+        rows.append((statistics.median(addresses), min(addresses), max(addresses), index, backing[index], first[index], second[index]))
     print(f"\n{args.buffers} pinned host buffers of {args.mib} MiB, H2D GB/s (median of {args.copies} copies)")
-    print("| buffer | physical GiB median | min | max | GB/s pass 1 | GB/s pass 2 |")
-    print("|---|---|---|---|---|---|")
-    for median, low, high, index, rate1, rate2 in sorted(rows):
-        print(f"| {index} | {median:.1f} | {low:.1f} | {high:.1f} | {rate1:.1f} | {rate2:.1f} |")
+    print("| buffer | backing | physical GiB median | min | max | GB/s pass 1 | GB/s pass 2 |")
+    print("|---|---|---|---|---|---|---|")
+    for median, low, high, index, kind, rate1, rate2 in sorted(rows):
+        print(f"| {index} | {kind} | {median:.1f} | {low:.1f} | {high:.1f} | {rate1:.1f} | {rate2:.1f} |")
+    for kind in ("default", "thp"):
+        rates = [rate for row in rows if row[4] == kind for rate in row[5:]]
+        print(f"{kind}: median {statistics.median(rates):.1f} GB/s, min {min(rates):.1f}, max {max(rates):.1f}")
     for buffer in buffers:
         buffer.unpin()
 
