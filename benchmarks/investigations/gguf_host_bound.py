@@ -147,6 +147,18 @@ class DloThreeSlots(Dlo):
     config = dlo.OffloadConfig(num_slots=3)
 
 
+class DloFiveSlots(Dlo):
+    """dlo with five slots: in a model of 6 double blocks (copy slower than compute) and 12
+    single ones (the reverse), four slots leave the double phase waiting for copies, five do not
+    (by a simulation from run 5's per-block times; see RESULTS.md)."""
+
+    config = dlo.OffloadConfig(num_slots=5)
+
+
+class DloSixSlots(Dlo):
+    config = dlo.OffloadConfig(num_slots=6)
+
+
 class DloKernelsSlots(DloKernels):
     """"dlo + kernels" with --slots slots (set by main)."""
 
@@ -211,6 +223,7 @@ class ResidentTimeline(Resident):
 
 VARIANTS = {
     **VARIANTS, "dlo fixed slots": DloFixedSlots, "dlo without probe": DloWithoutProbe, "dlo 4 slots": DloFourSlots, "dlo 3 slots": DloThreeSlots,
+    "dlo 5 slots": DloFiveSlots, "dlo 6 slots": DloSixSlots,
     "dlo 4 fixed slots": DloFourFixedSlots,
     "dlo + kernels --slots": DloKernelsSlots,
     "dlo timeline": DloTimeline, "dlo 4 slots timeline": DloFourSlotsTimeline, "resident timeline": ResidentTimeline,
