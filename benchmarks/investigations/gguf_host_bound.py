@@ -290,7 +290,8 @@ def main() -> None:
                 rows.append((variant, *timed(session.model, inputs, args.iters)))
                 after = torch.cuda.memory_stats()
                 counts = {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_COUNTS}
-                print(f"  {variant}: caching allocator over the timed forwards {counts}", flush=True)
+                print(f"  {variant}: caching allocator over the timed forwards {counts}; back to back "
+                      f"{rows[-1][-1] * 1e3:.1f} ms a forward", flush=True)
                 session.streaming(2 * args.iters)  # a dlo session's close prints its CPU seconds from it
                 if args.cprofile:
                     profile_forwards(variant, session.model, inputs, args.iters)
