@@ -1,10 +1,12 @@
 import copy
 import gc
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import tqdm
 
 from dlo.models.tiny import TINY_MODELS
 
@@ -18,6 +20,15 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+
+# tqdm's default lock is two locks taken one after the other (a multiprocessing RLock, then a
+# thread RLock), in a Python loop: the tests' alarms that raise KeyboardInterrupt at random
+# instants of a pipeline call (diffusers' progress bar) can land between the two, leaving the
+# first held by the main thread. The main thread still takes it (it is recursive); any other
+# thread's progress bar then waits forever (a cache writer thread in tests/test_cache_cli.py hung
+# until pytest's timeout, with tqdm's monitor thread stuck beside it). One thread lock is taken in
+# one C call.
+tqdm.tqdm.set_lock(threading.RLock())
 
 # Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`
 # server, a 211 MB checkpoint) is set up once, not once per worker.
