@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_host_backing import Allocations, physical_gib  # noqa: E402
+from fp8_host_backing import Allocations, link_gbps, physical_gib  # noqa: E402
 
 from dlo.host import pinned_buffer  # noqa: E402
 
@@ -42,18 +42,6 @@ def topology() -> None:
     ).stdout.strip().lower()
     numa = Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node")
     print(f"GPU {bus}: numa_node {numa.read_text().strip() if numa.exists() else 'unknown'}")
-
-
-def copy_gbps(host: torch.Tensor, device_buffer: torch.Tensor, copies: int) -> float:
-    rates = []
-    for _ in range(copies):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        device_buffer.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.append(host.numel() / (start.elapsed_time(end) / 1e3) / 1e9)
-    return statistics.median(rates)
 
 
 def main() -> None:
@@ -78,9 +66,9 @@ def main() -> None:
     for buffer in buffers:
         buffer.tensor.fill_(1)
     device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    copy_gbps(buffers[0].tensor, device_buffer, 2)  # warm-up
-    first = [copy_gbps(b.tensor, device_buffer, args.copies) for b in buffers]
-    second = [copy_gbps(b.tensor, device_buffer, args.copies) for b in reversed(buffers)][::-1]
+    link_gbps(buffers[0].tensor, device_buffer, 2)  # warm-up
+    first = [link_gbps(b.tensor, device_buffer, args.copies) for b in buffers]
+    second = [link_gbps(b.tensor, device_buffer, args.copies) for b in reversed(buffers)][::-1]
     rows = []
     for index, buffer in enumerate(buffers):
         addresses = physical_gib(buffer.tensor.data_ptr(), nbytes)
