@@ -21,13 +21,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
-# tqdm's default lock is two locks taken one after the other (a multiprocessing RLock, then a
-# thread RLock), in a Python loop: the tests' alarms that raise KeyboardInterrupt at random
-# instants of a pipeline call (diffusers' progress bar) can land between the two, leaving the
-# first held by the main thread. The main thread still takes it (it is recursive); any other
-# thread's progress bar then waits forever (a cache writer thread in tests/test_cache_cli.py hung
-# until pytest's timeout, with tqdm's monitor thread stuck beside it). One thread lock is taken in
-# one C call.
+# A KeyboardInterrupt raised by an alarm at a random instant inside tqdm can leave tqdm's class
+# lock held by the main thread: its default lock is two locks taken one after the other in a
+# Python loop, and a bar's refresh() releases the lock without a `finally`. The main thread
+# still takes it (it is recursive); any other thread's progress bar then waits forever (a cache
+# writer thread in tests/test_cache_cli.py hung until pytest's timeout, with tqdm's monitor
+# thread stuck beside it). Here the lock is one thread lock, taken in one C call; the tests that
+# raise such alarms during a pipeline call (diffusers' progress bar) also disable its bar, so no
+# refresh() runs.
 tqdm.tqdm.set_lock(threading.RLock())
 
 # Modules whose tests run on one xdist worker, as one unit: their module fixture (a `dlo serve`

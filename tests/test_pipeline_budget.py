@@ -508,6 +508,7 @@ def test_interrupts_at_random_instants_of_a_pipeline_call_with_released_encoders
     directory = {"flux": tiny_flux_dir, "wan": tiny_wan_dir}[name]
     expected = run(plain_pipeline(directory), name)
     pipe = plain_pipeline(directory)
+    pipe.set_progress_bar_config(disable=True)  # an alarm inside tqdm can leave its lock held: tests/conftest.py
     rng = random.Random(0)
 
     def alarm(sig, frame):

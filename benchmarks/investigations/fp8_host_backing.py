@@ -170,9 +170,9 @@ def main() -> None:
             with dlo.enable(model, device, dlo.OffloadConfig(stream_dtype="fp8")):
                 share = huge_share(allocations.ranges)
                 physical = physical_spread(allocations.ranges)
-                before = link_gbps(probe_host, probe_device) if cuda else 0.0
+                before = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
                 wall, loop, out = timed(model, inputs, args.iters, device)
-                after = link_gbps(probe_host, probe_device) if cuda else 0.0
+                after = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
             reference = out if reference is None else reference
             same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
             rows.append((round_, variant, share, physical, before, after, wall, loop, same))
@@ -188,7 +188,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for round_, variant, share, physical, before, after, wall, loop, same in rows:
         print(
-            f"| {round_} | {variant} | {share:.2f} | {physical} | {before:.1f} / {after:.1f} "
+            f"| {round_} | {variant} | {share:.2f} | {physical} | {before} / {after} "
             f"| {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |"
         )
 

@@ -12,7 +12,7 @@ reverse, so a drift over time cannot pass for a property of the buffer), and the
 addresses of a sample of its pages (/proc/self/pagemap; needs root). The table is sorted by
 physical address. Also prints what the guest knows of its topology (NUMA nodes, the GPU's).
 
-  sudo PYTHONPATH=$PWD/src python3 benchmarks/investigations/pinned_copy_placement.py
+  (as root) PYTHONPATH=$PWD/src python3 benchmarks/investigations/pinned_copy_placement.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_host_backing import Allocations, link_gbps, physical_gib  # noqa: E402
+from fp8_host_backing import Allocations, huge_share, link_gbps, physical_gib  # noqa: E402
 
 from dlo.host import pinned_buffer  # noqa: E402
 
@@ -58,11 +58,12 @@ def main() -> None:
     # allocates: is a huge-page buffer's copy slower?
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
-    buffers, backing = [], []
+    buffers, backing, ranges = [], [], {"default": [], "thp": []}
     for index in range(args.buffers):
         allocations.variant = "thp" if index % 2 else "default"
         buffers.append(pinned_buffer.HostBuffer(nbytes, pin=True))
         backing.append(allocations.variant)
+        ranges[allocations.variant].append(allocations.ranges[-1])
     for buffer in buffers:
         buffer.tensor.fill_(1)
     device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -82,7 +83,10 @@ def main() -> None:
         print(f"| {index} | {kind} | {median:.1f} | {low:.1f} | {high:.1f} | {rate1:.1f} | {rate2:.1f} |")
     for kind in ("default", "thp"):
         rates = [rate for row in rows if row[4] == kind for rate in row[5:]]
-        print(f"{kind}: median {statistics.median(rates):.1f} GB/s, min {min(rates):.1f}, max {max(rates):.1f}")
+        print(
+            f"{kind}: huge-page share {huge_share(ranges[kind]):.2f}, median {statistics.median(rates):.1f} GB/s, "
+            f"min {min(rates):.1f}, max {max(rates):.1f}"
+        )
     for buffer in buffers:
         buffer.unpin()
 
