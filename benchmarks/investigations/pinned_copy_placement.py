@@ -1,6 +1,6 @@
 """Is a pinned host buffer's copy rate a property of where its pages lie? (issue 31: fp8 enables
-of one configuration stream back to back at 68.2 or 72.3 ms, two levels; huge pages or 4 KiB
-pages made no difference, and the same variant changed level between rounds. One hypothesis:
+of one configuration stream back to back at about 68.2 or 72.3 ms; enables whose buffers were
+all 4 KiB pages ran at both levels, the same variant changing level between rounds. One hypothesis:
 this machine is a virtual one, and the host backs ranges of the guest's physical memory from
 different sockets, so a buffer's rate follows the physical addresses it was given.)
 
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=5)
     args = parser.parse_args()
     if os.geteuid() != 0:
-        raise SystemExit("pinned_copy_placement.py: reading physical addresses needs root; run it with sudo")
+        raise SystemExit("pinned_copy_placement.py: reading physical addresses needs root; run it as root")
     topology()
     nbytes = args.mib << 20
     # Every other buffer on huge pages (MADV_HUGEPAGE before the first touch), the rest as dlo
