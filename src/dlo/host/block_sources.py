@@ -125,16 +125,17 @@ class MappedSource:
     def restored(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
         """Private copies (float8 weights dequantized): the mapping is read-only and closes
         with the handle."""
-        return tuple(
-            source if isinstance(source, torch.Tensor) else source.materialize(self.checkpoint)
-            for source in self.sources
-        )
+        return self._read(private=True)
 
     def values(self, layout: BlockLayout, wire: WireLayout) -> tuple[torch.Tensor, ...]:
         """The block's tensors to read while the mapping is open (a save): views of the mapping
         where a tensor is one range of it as saved, private copies of the rest."""
+        return self._read(private=False)
+
+    def _read(self, private: bool) -> tuple[torch.Tensor, ...]:
         return tuple(
-            source if isinstance(source, torch.Tensor) else source.readable(self.checkpoint)
+            source if isinstance(source, torch.Tensor)
+            else (source.materialize if private else source.readable)(self.checkpoint)
             for source in self.sources
         )
 
