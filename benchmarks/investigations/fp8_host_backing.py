@@ -20,6 +20,10 @@ physical memory (10th, 50th and 90th percentile of their sampled pages' addresse
 the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its share printed: 0 there
 means the system grants no huge pages, whatever the advice.
 
+Each enable's copy and dequantization streams are new ones from torch's stream pools, as in dlo;
+their ids are printed per enable. With --streams first, every enable after the first is handed
+the first enable's two streams instead (does an fp8 enable's speed follow its streams?).
+
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
 """
@@ -44,6 +48,7 @@ from bench_streaming import SHAPES, build_model, to_device  # noqa: E402
 from slots_back_to_back import timed  # noqa: E402
 
 import dlo  # noqa: E402
+from dlo.backend import enable as enable_module  # noqa: E402
 from dlo.host import pinned_buffer  # noqa: E402
 
 HUGE = 2 << 20
@@ -77,6 +82,39 @@ class Allocations:
             tensor = raw[skip : skip + nbytes]
         self.ranges.append((tensor.data_ptr(), tensor.data_ptr() + nbytes))
         return tensor
+
+
+class Executors:
+    """Stands in for enable's make_executor: records each enable's executor and, with `reuse`,
+    gives it the first CUDA executor's copy and dequantization streams."""
+
+    def __init__(self, original, reuse: bool) -> None:
+        self.original, self.reuse = original, reuse
+        self.latest = None
+        self.first_streams: tuple | None = None
+
+    def __call__(self, device: torch.device, gathers: bool = False):
+        executor = self.latest = self.original(device, gathers)
+        if device.type != "cuda":
+            return executor
+        allocate = executor.allocate_landings
+
+        def allocate_landings(nbytes: int) -> None:
+            allocate(nbytes)
+            if self.first_streams is None:
+                self.first_streams = (executor.copy_stream, executor._dequant_stream)
+            elif self.reuse:
+                executor.copy_stream, executor._dequant_stream = self.first_streams
+
+        executor.allocate_landings = allocate_landings
+        return executor
+
+    def stream_ids(self) -> str:
+        executor = self.latest
+        if executor is None or not hasattr(executor, "copy_stream"):
+            return "-"
+        dequant = executor._dequant_stream
+        return f"{executor.copy_stream.stream_id}/{dequant.stream_id if dequant is not None else '-'}"
 
 
 def physical_gib(address: int, nbytes: int) -> list[float]:
@@ -138,6 +176,7 @@ def main() -> None:
     parser.add_argument("--variants", default="thp,4k,default")
     parser.add_argument("--shape", default="flux", help="a bench_streaming.py shape (CPU smoke test: tiny)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--streams", choices=("new", "first"), default="new")
     args = parser.parse_args()
     device = torch.device(args.device)
     for name in ("enabled", "defrag"):
@@ -161,6 +200,8 @@ def main() -> None:
         probe_device = torch.empty(PROBE, dtype=torch.uint8, device=device)
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
+    executors = Executors(enable_module.make_executor, reuse=args.streams == "first")
+    enable_module.make_executor = executors
     rows, reference = [], None
     for round_ in range(args.rounds):
         variants = args.variants.split(",")
@@ -169,26 +210,30 @@ def main() -> None:
             model = copy.deepcopy(weights)
             with dlo.enable(model, device, dlo.OffloadConfig(stream_dtype="fp8")):
                 share = huge_share(allocations.ranges)
+                streams = executors.stream_ids()
                 physical = physical_spread(allocations.ranges)
                 before = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
                 wall, loop, out = timed(model, inputs, args.iters, device)
                 after = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
             reference = out if reference is None else reference
             same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
-            rows.append((round_, variant, share, physical, before, after, wall, loop, same))
+            rows.append((round_, variant, streams, share, physical, before, after, wall, loop, same))
             print(rows[-1], flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{args.shape}-shaped fp8, 2 slots, ms a forward (median of {args.iters} synchronized; {args.iters} back to back)")
     print(
-        "| round | host buffers | huge-page share | physical GiB p10/p50/p90 | link GB/s before / after "
+        f"\n{args.shape}-shaped fp8, 2 slots, streams {args.streams}, ms a forward "
+        f"(median of {args.iters} synchronized; {args.iters} back to back)"
+    )
+    print(
+        "| round | host buffers | copy/dequant stream ids | huge-page share | physical GiB p10/p50/p90 | link GB/s before / after "
         "| synchronized | back to back | output vs first |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for round_, variant, share, physical, before, after, wall, loop, same in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for round_, variant, streams, share, physical, before, after, wall, loop, same in rows:
         print(
-            f"| {round_} | {variant} | {share:.2f} | {physical} | {before} / {after} "
+            f"| {round_} | {variant} | {streams} | {share:.2f} | {physical} | {before} / {after} "
             f"| {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |"
         )
 
