@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ordinary_tensors import ordinary_tensors
 from torch import nn
 
 import dlo
@@ -306,9 +307,7 @@ def from_checkpoint(rank: int, world: int, directory: str) -> dict:
     import diffusers
 
     reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
-    with torch.no_grad():
-        for tensor in [*reference.parameters(), *reference.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(reference)
     config = dlo.OffloadConfig(use_allgather=True)
     model, plan = dlo.load_transformer(directory, config)
     checkpoint = plan._weights.checkpoint
@@ -361,9 +360,7 @@ def cache_shards(
     if fake_driver:
         cuda_registration.registration_driver = lambda device: driver
     reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
-    with torch.no_grad():
-        for tensor in [*reference.parameters(), *reference.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(reference)
     base = dlo.OffloadConfig(use_allgather=True, stream_dtype=stream_dtype)
     dlo.quantize_resident(reference, base)
     seeds = [10 * rank + step for step in range(2)]
@@ -763,9 +760,7 @@ def weight_changes(
 
         config = dataclasses.replace(config, host_weight_cache=True, cache_dir=cache_dir)
         reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
-        with torch.no_grad():  # ordinary allocations, as enable() places tensors (mapped views may sit oddly)
-            for tensor in [*reference.parameters(), *reference.buffers()]:
-                tensor.data = tensor.data.clone()
+        ordinary_tensors(reference)
         model, plan = dlo.load_transformer(directory, config)
     else:
         reference = TINY_MODELS["flux"].build(seed=1)
@@ -848,9 +843,7 @@ def disk_shards(
     dtype = torch.float32
     if reference is None:
         resident = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
-        with torch.no_grad():
-            for tensor in [*resident.parameters(), *resident.buffers()]:
-                tensor.data = tensor.data.clone()
+        ordinary_tensors(resident)
     else:
         from fp8_checkpoints import resident_from
 

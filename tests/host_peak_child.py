@@ -24,6 +24,7 @@ import time
 
 import diffusers
 import torch
+from ordinary_tensors import ordinary_tensors
 
 import dlo
 from dlo.models.tiny import TINY_MODELS
@@ -112,9 +113,7 @@ def main() -> None:
         model, plan = dlo.load_transformer(directory)
     else:  # private: every tensor copied out of the file diffusers' loader maps
         model, plan = diffusers.WanTransformer3DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).eval(), None
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                tensor.data = tensor.data.clone()
+        ordinary_tensors(model)
         gc.collect()
     inputs = TINY_MODELS["wan"].inputs(1, torch.bfloat16)
     baseline = rss_anon()

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from ordinary_tensors import ordinary_tensors
 
 
 def reference_rank(rank: int, world: int, rendezvous: str, directory: str, name: str, seed: int, results) -> None:
@@ -20,11 +21,7 @@ def reference_rank(rank: int, world: int, rendezvous: str, directory: str, name:
                                 timeout=timedelta(seconds=120))
         torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only machine
         pipe = diffusers.DiffusionPipeline.from_pretrained(directory)
-        with torch.no_grad():  # ordinary allocations, as in tests/test_generate.py's plain_pipeline
-            for module in pipe.components.values():
-                if isinstance(module, torch.nn.Module):
-                    for tensor in [*module.parameters(), *module.buffers()]:
-                        tensor.data = tensor.data.clone()
+        ordinary_tensors(*pipe.components.values())
         pipe.transformer.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=world))
         with torch.inference_mode():
             result = pipe("a red cube", num_inference_steps=2, generator=torch.Generator().manual_seed(seed),

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from ordinary_tensors import ordinary_tensors
 from safetensors.torch import save_file
 
 import dlo
@@ -28,9 +29,7 @@ def ordinary(directory, name, dtype, fuse_qkv=False):
     model = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory, torch_dtype=dtype).eval()
     if fuse_qkv:
         model.fuse_qkv_projections()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(model)
     return model
 
 

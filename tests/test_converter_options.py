@@ -15,6 +15,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS, TinyModel, _wan_inputs
+from ordinary_tensors import ordinary_tensors
 from single_file_layouts import minimax_h3_original, wan_original
 from test_single_file_mapping import random_model, write
 
@@ -276,6 +277,7 @@ def test_serve_gives_each_replica_the_converter_options(tiny_wan_dir, tmp_path, 
     reference = diffusers.WanTransformer3DModel.from_single_file(
         str(path), config=str(tiny_wan_dir / "transformer"), swap_qk="yes"
     ).eval()
+    ordinary_tensors(reference)
     pipe, handle = _load(replica)
     try:
         config = reference.config

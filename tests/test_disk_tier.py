@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from ordinary_tensors import ordinary_tensors
 from safetensors.torch import save_file
 
 import dlo
@@ -82,9 +83,7 @@ def outputs(model, name, seeds=(1, 2, 3), dtype=torch.float32):
 
 def ordinary(directory, name):
     model = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory).eval()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(model)
     return model
 
 

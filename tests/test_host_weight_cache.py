@@ -9,6 +9,7 @@ import os
 import pytest
 import safetensors.torch
 import torch
+from ordinary_tensors import ordinary_tensors
 from torch import nn
 
 import dlo
@@ -45,9 +46,7 @@ def run(model, name, seeds=(1, 2)):
 def test_streaming_from_the_cache_matches_resident_and_keeps_parameters(tmp_path, name):
     directory = save(tmp_path, name)
     reference = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory).eval()
-    with torch.no_grad():
-        for tensor in [*reference.parameters(), *reference.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(reference)
     expected = run(reference, name)
     model, plan = dlo.load_transformer(directory, cached(tmp_path))
     assert plan is not None and plan.backing == "host_weight_cache"
@@ -201,9 +200,7 @@ def test_a_warm_started_model_takes_load_state_dict_into_some_of_its_blocks(tmp_
     assert warm_started(caplog)
     reference = diffusers.FluxTransformer2DModel.from_pretrained(directory).eval()
     other = {k: v * 1.5 for k, v in TINY_MODELS["flux"].build(seed=3).state_dict().items() if "single" in k}
-    with torch.no_grad():
-        for tensor in [*reference.parameters(), *reference.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(reference)
     reference.load_state_dict(other, strict=False)
     with dlo.enable(model, "cpu", cached(tmp_path), plan=plan):
         run(model, "flux")

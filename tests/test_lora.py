@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from lora_files import float8_weights, requantize_changed
+from ordinary_tensors import ordinary_tensors
 
 import dlo
 from dlo.models.tiny import TINY_MODELS
@@ -37,9 +38,7 @@ def same_state(a, b):
 def ordinary(directory, name, dtype=None):
     """diffusers' loader, every tensor then in an ordinary allocation (as enable() places them)."""
     model = getattr(diffusers, TINY_MODELS[name].class_name).from_pretrained(directory, torch_dtype=dtype).eval()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(model)
     return model
 
 

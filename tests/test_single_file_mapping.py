@@ -13,6 +13,7 @@ import dlo
 from dlo.host.safetensors_file import SafetensorsFile
 from dlo.host.single_file_layout import converted_layout
 from dlo.models.tiny import TINY_MODELS
+from ordinary_tensors import ordinary_tensors
 from single_file_layouts import flux_original, hunyuan_video_original, sd3_original, wan_original
 
 diffusers = pytest.importorskip("diffusers")
@@ -64,9 +65,7 @@ def reference(path, config_dir, cls, dtype):
     tensors copied out of any mapping."""
     source = path if isinstance(path, dict) else str(path)
     model = cls.from_single_file(source, config=str(config_dir), torch_dtype=dtype).eval()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
+    ordinary_tensors(model)
     return model
 
 
@@ -201,13 +200,17 @@ def test_a_file_that_cannot_be_mapped_loads_with_diffusers_and_says_why(tmp_path
     with caplog.at_level(logging.WARNING, logger="dlo"):
         loaded, plan = dlo.load_transformer(path, config, torch_dtype=torch.float32, model_config=config_dir)
     assert plan is None and "checkpoint mmap fallback unsupported_online_quantization" in caplog.text
+    ordinary_tensors(loaded)  # diffusers' loader left them views of the file, as the reference's were
     assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, [entry.inputs(1)])))
     unmapped, plan = dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
-    assert plan is None and all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, [entry.inputs(1)])))
+    assert plan is None
+    ordinary_tensors(unmapped)
+    assert all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, [entry.inputs(1)])))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dlo"):
         sliced, plan = dlo.load_transformer(path, model_config=config_dir, topology=dlo.Topology(tp_size=2))
     assert plan is None and "checkpoint mmap fallback unsupported_tp" in caplog.text
+    ordinary_tensors(sliced)
     assert all(torch.equal(a, b) for a, b in zip(expected, run(sliced, [entry.inputs(1)])))
     flux_config = tmp_path / "flux-config"  # diffusers' own loader, given another model's config, fails: one line
     TINY_MODELS["flux"].build(seed=2).save_config(flux_config)

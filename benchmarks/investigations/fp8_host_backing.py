@@ -23,6 +23,8 @@ means the system grants no huge pages, whatever the advice.
 Each enable's copy and dequantization streams are new ones from torch's stream pools, as in dlo;
 their ids are printed per enable. With --streams first, every enable after the first is handed
 the first enable's two streams instead (does an fp8 enable's speed follow its streams?).
+--pool-skip C,D draws C normal- and D high-priority streams from the pools before the first
+enable, so the enables' streams sit at other places in them.
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--shape", default="flux", help="a bench_streaming.py shape (CPU smoke test: tiny)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--streams", choices=("new", "first"), default="new")
+    parser.add_argument("--pool-skip", default="0,0", help="C,D: pool streams drawn before the first enable")
     args = parser.parse_args()
     device = torch.device(args.device)
     for name in ("enabled", "defrag"):
@@ -198,6 +201,11 @@ def main() -> None:
     if cuda:  # one probe buffer for the whole run, allocated before the enables
         probe_host = torch.empty(PROBE, dtype=torch.uint8, pin_memory=True).fill_(1)
         probe_device = torch.empty(PROBE, dtype=torch.uint8, device=device)
+    copy_skip, dequant_skip = (int(count) for count in args.pool_skip.split(","))
+    if cuda:  # each draw moves the pool's round-robin on by one; pool streams live as long as the process
+        for priority, count in ((0, copy_skip), (-1, dequant_skip)):
+            for _ in range(count):
+                torch.cuda.Stream(device, priority=priority)
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
     executors = Executors(enable_module.make_executor, reuse=args.streams == "first")
@@ -223,7 +231,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(
-        f"\n{args.shape}-shaped fp8, 2 slots, streams {args.streams}, ms a forward "
+        f"\n{args.shape}-shaped fp8, 2 slots, streams {args.streams}, pool skip {args.pool_skip}, ms a forward "
         f"(median of {args.iters} synchronized; {args.iters} back to back)"
     )
     print(
