@@ -15,6 +15,7 @@ from dlo.host.cache.entry_store import CacheUnavailable, Entry, EntryStore
 from dlo.host.cache.identity import digest_of
 from dlo.host.cache.manifest import MANIFEST, Rejection, RejectionKind
 from dlo.models.tiny import TINY_MODELS
+from ordinary_tensors import ordinary_tensors
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -35,7 +36,9 @@ def outputs(model, dtype=torch.float32):
 
 
 def resident(directory):
-    return outputs(diffusers.WanTransformer3DModel.from_pretrained(directory).eval())
+    model = diffusers.WanTransformer3DModel.from_pretrained(directory).eval()
+    ordinary_tensors(model)
+    return outputs(model)
 
 
 def streamed(directory, config):

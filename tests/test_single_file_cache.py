@@ -17,6 +17,7 @@ from dlo.host.cache.entry_store import Entry, EntryStore
 from dlo.host.cache.identity import CONTENT, PACKED, digest_of, without_content
 from dlo.host.cache.source_index import SourceIndex
 from dlo.host.safetensors_file import PAD_PREFIX
+from ordinary_tensors import ordinary_tensors
 from single_file_layouts import minimax_h3_original, wan_original
 from test_converter_options import HEADS, HEAD_DIM, MINIMAX, MiniMax, equal, outputs
 from test_single_file_mapping import random_model, write
@@ -50,9 +51,12 @@ def diffusers_model(path, config_dir, dtype=torch.float32, **options):
     quantized = {}
     if path.suffix == ".gguf":
         quantized = {"quantization_config": diffusers.GGUFQuantizationConfig(compute_dtype=dtype)}
-    return MiniMax.from_single_file(
+    model = MiniMax.from_single_file(
         str(path), config=str(config_dir), torch_dtype=dtype, **INTERLEAVED, **options, **quantized
     ).eval()
+    if not quantized:  # a GGUF model's packed weights are dequantized into fresh tensors as it computes
+        ordinary_tensors(model)
+    return model
 
 
 def cache_config(tmp_path, checkpoint_mmap: bool = False) -> dlo.OffloadConfig:

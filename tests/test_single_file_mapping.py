@@ -195,23 +195,32 @@ def test_a_file_that_cannot_be_mapped_loads_with_diffusers_and_says_why(tmp_path
     entry = TINY_MODELS["wan"]
     model = entry.build(seed=2)
     path, config_dir = write(tmp_path, "wan", model, wan_original)
-    expected = run(reference(path, config_dir, type(model), torch.float32), [entry.inputs(1)])
+    diffusers_model = reference(path, config_dir, type(model), torch.float32)
+    expected = run(diffusers_model, [entry.inputs(1)])
+
+    def assert_computes_as_diffusers(loaded):
+        """The model as loaded holds diffusers' tensors (values, shapes and strides); run on
+        ordinary allocations, as the reference is, it computes what diffusers' model does."""
+        theirs = diffusers_model.state_dict()
+        mine = loaded.state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) and mine[k].stride() == theirs[k].stride() for k in mine)
+        ordinary_tensors(loaded)
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, [entry.inputs(1)])))
+
     config = dlo.OffloadConfig(stream_dtype="fp8", fp8_compute=True)
     with caplog.at_level(logging.WARNING, logger="dlo"):
         loaded, plan = dlo.load_transformer(path, config, torch_dtype=torch.float32, model_config=config_dir)
     assert plan is None and "checkpoint mmap fallback unsupported_online_quantization" in caplog.text
-    ordinary_tensors(loaded)  # diffusers' loader left them views of the file, as the reference's were
-    assert all(torch.equal(a, b) for a, b in zip(expected, run(loaded, [entry.inputs(1)])))
+    assert_computes_as_diffusers(loaded)
     unmapped, plan = dlo.load_transformer(path, dlo.OffloadConfig(checkpoint_mmap=False), model_config=config_dir)
     assert plan is None
-    ordinary_tensors(unmapped)
-    assert all(torch.equal(a, b) for a, b in zip(expected, run(unmapped, [entry.inputs(1)])))
+    assert_computes_as_diffusers(unmapped)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dlo"):
         sliced, plan = dlo.load_transformer(path, model_config=config_dir, topology=dlo.Topology(tp_size=2))
     assert plan is None and "checkpoint mmap fallback unsupported_tp" in caplog.text
-    ordinary_tensors(sliced)
-    assert all(torch.equal(a, b) for a, b in zip(expected, run(sliced, [entry.inputs(1)])))
+    assert_computes_as_diffusers(sliced)
     flux_config = tmp_path / "flux-config"  # diffusers' own loader, given another model's config, fails: one line
     TINY_MODELS["flux"].build(seed=2).save_config(flux_config)
     with pytest.raises(dlo.ConfigError, match="diffusers could not load it as a FluxTransformer2DModel") as refused:

@@ -20,13 +20,14 @@ physical memory (10th, 50th and 90th percentile of their sampled pages' addresse
 the enables, a 64 MiB region advised MADV_HUGEPAGE is touched and its share printed: 0 there
 means the system grants no huge pages, whatever the advice.
 
-Each enable's copy and dequantization streams are drawn from torch's stream pools: --streams
-probe (dlo's way) draws until each runs apart from the others (dlo.hotpath.executors, [Note:
-streams on separate queues]); --streams pool takes the next pool streams, as dlo did before;
---streams first hands every enable the first enable's two streams. Per enable, the stream ids
-and whether each pair runs apart (copy/compute, dequantization/copy, dequantization/compute:
-y or n), probed after the timed forwards. --pool-skip C,D draws C normal- and D high-priority
-streams from the pools before the first enable, so the enables' streams sit at other places.
+Each enable's copy and dequantization streams are the next ones of torch's stream pools, as in
+dlo; their ids are printed per enable. With --streams first, every enable after the first is
+handed the first enable's two streams instead (does an fp8 enable's speed follow its streams?).
+--pool-skip C,D draws C normal- and D high-priority streams from the pools before the first
+enable, so the enables' streams sit at other places in them.
+
+  PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
+  CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from slots_back_to_back import timed  # noqa: E402
 import dlo  # noqa: E402
 from dlo.backend import enable as enable_module  # noqa: E402
 from dlo.host import pinned_buffer  # noqa: E402
-from dlo.hotpath import executors as executors_module  # noqa: E402
 
 HUGE = 2 << 20
 SAMPLE_EVERY = 64  # pages between pagemap reads
@@ -118,16 +118,6 @@ class Executors:
         dequant = executor._dequant_stream
         return f"{executor.copy_stream.stream_id}/{dequant.stream_id if dequant is not None else '-'}"
 
-    def apart(self) -> str:
-        """y/n for copy-compute, dequantization-copy, dequantization-compute."""
-        executor = self.latest
-        if executor is None or getattr(executor, "_dequant_stream", None) is None:
-            return "-"
-        copy, dequant, compute = executor.copy_stream, executor._dequant_stream, executor.compute_stream()
-        gate = torch.cuda.Stream(executor.device)
-        pairs = ((compute, copy), (copy, dequant), (compute, dequant))
-        return "".join("y" if executors_module.runs_apart(held, other, gate) else "n" for held, other in pairs)
-
 
 def physical_gib(address: int, nbytes: int) -> list[float]:
     """Guest physical addresses (GiB) of every SAMPLE_EVERY-th page of the range."""
@@ -188,7 +178,7 @@ def main() -> None:
     parser.add_argument("--variants", default="thp,4k,default")
     parser.add_argument("--shape", default="flux", help="a bench_streaming.py shape (CPU smoke test: tiny)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--streams", choices=("probe", "pool", "first"), default="probe")
+    parser.add_argument("--streams", choices=("new", "first"), default="new")
     parser.add_argument("--pool-skip", default="0,0", help="C,D: pool streams drawn before the first enable")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -218,8 +208,6 @@ def main() -> None:
                 torch.cuda.Stream(device, priority=priority)
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
-    if args.streams != "probe":  # the next pool streams, as dlo took them before it probed
-        executors_module.stream_apart = lambda device, priority, others, role: torch.cuda.Stream(device, priority=priority)
     executors = Executors(enable_module.make_executor, reuse=args.streams == "first")
     enable_module.make_executor = executors
     rows, reference = [], None
@@ -235,10 +223,9 @@ def main() -> None:
                 before = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
                 wall, loop, out = timed(model, inputs, args.iters, device)
                 after = f"{link_gbps(probe_host, probe_device):.1f}" if cuda else "-"
-                apart = executors.apart() if cuda else "-"
             reference = out if reference is None else reference
             same = "bit-identical" if torch.equal(out, reference) else "DIFFERENT"
-            rows.append((round_, variant, streams, apart, share, physical, before, after, wall, loop, same))
+            rows.append((round_, variant, streams, share, physical, before, after, wall, loop, same))
             print(rows[-1], flush=True)
             del model
             if device.type == "cuda":
@@ -248,13 +235,13 @@ def main() -> None:
         f"(median of {args.iters} synchronized; {args.iters} back to back)"
     )
     print(
-        "| round | host buffers | copy/dequant stream ids | apart | huge-page share | physical GiB p10/p50/p90 | link GB/s before / after "
+        "| round | host buffers | copy/dequant stream ids | huge-page share | physical GiB p10/p50/p90 | link GB/s before / after "
         "| synchronized | back to back | output vs first |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for round_, variant, streams, apart, share, physical, before, after, wall, loop, same in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for round_, variant, streams, share, physical, before, after, wall, loop, same in rows:
         print(
-            f"| {round_} | {variant} | {streams} | {apart} | {share:.2f} | {physical} | {before} / {after} "
+            f"| {round_} | {variant} | {streams} | {share:.2f} | {physical} | {before} / {after} "
             f"| {wall * 1e3:.1f} | {loop * 1e3:.1f} | {same} |"
         )
 

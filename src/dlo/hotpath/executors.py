@@ -20,26 +20,11 @@ copy queued behind the dequantization kernels, which queue behind the compute st
 took 0.101 s. The price is two landing buffers of the largest float8 block's wire image
 (about half a bf16 block each); they are freed with the slots when every block is made
 resident (`replace_slots(0, ...)`).
-
-[Note: streams on separate queues]
-The driver runs streams on a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default),
-and work of two streams that share a queue runs in the order it was enqueued: a wait on one
-holds the other. A dequantization stream sharing the copy stream's queue waits behind the
-next block's copy, and the link idles through each dequantization. Which of torch's pool
-streams share a queue is not exposed, and it changes from one draw to the next: on an H100,
-Flux-shaped fp8 enables of one process ran at 71 or 75 ms a forward by the pool streams they
-drew, and every enable given the first enable's streams ran at 75 (benchmarks/RESULTS.md,
-"fp8 enables follow their streams"). So the executor probes: it holds one stream at a wait
-on a short sleep and sees whether an event on the other completes meanwhile. The copy stream
-is drawn until it runs apart from the compute stream, the dequantization and communication
-streams until they run apart from both; after STREAM_DRAWS draws the first is kept, and the
-code `shared_queue` is logged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,53 +36,6 @@ import torch
 from dlo.errors import StreamingError
 from dlo.host.pinned_buffer import aligned_empty
 from dlo.host.tensor_source import CopyTask
-
-logger = logging.getLogger(__name__)
-
-STREAM_DRAWS = 8  # the driver's default number of hardware queues
-PROBE_SLEEP_CYCLES = 20_000_000  # about 10 ms at H100/H200 clocks: far longer than the host's polling
-SHARED_QUEUE = "shared_queue"
-
-
-def first_apart(draw: Callable[[], Any], apart: Callable[[Any], bool], role: str, device: torch.device) -> Any:
-    """The first of up to STREAM_DRAWS drawn streams that `apart` accepts; else the first drawn,
-    with the code `shared_queue` logged. See [Note: streams on separate queues]"""
-    drawn = [draw()]
-    while not apart(drawn[-1]):
-        if len(drawn) == STREAM_DRAWS:
-            logger.warning(
-                "dlo: none of %d %s streams drawn from torch's pool ran apart from the others on %s; its work may "
-                "wait behind theirs (%s)", STREAM_DRAWS, role, device, SHARED_QUEUE,
-            )
-            return drawn[0]
-        drawn.append(draw())
-    return drawn[-1]
-
-
-def runs_apart(held: torch.cuda.Stream, other: torch.cuda.Stream, gate: torch.cuda.Stream) -> bool:
-    """Whether an event recorded on `other` completes while `held` waits for `gate`'s sleep:
-    False when `held` and `other` share a hardware queue (or the host polled too slowly)."""
-    released, passed = torch.cuda.Event(), torch.cuda.Event()
-    with torch.cuda.stream(gate):
-        torch.cuda._sleep(PROBE_SLEEP_CYCLES)
-    released.record(gate)
-    held.wait_event(released)
-    passed.record(other)
-    while not released.query():
-        if passed.query():
-            return True
-    return False
-
-
-def stream_apart(device: torch.device, priority: int, others: Sequence[torch.cuda.Stream], role: str) -> torch.cuda.Stream:
-    """A stream of torch's pool that runs apart from each of `others`."""
-    gate = torch.cuda.Stream(device)
-    return first_apart(
-        lambda: torch.cuda.Stream(device, priority=priority),
-        lambda candidate: all(runs_apart(other, candidate, gate) for other in others),
-        role,
-        device,
-    )
 
 
 @dataclass(frozen=True)
@@ -142,12 +80,11 @@ class CudaExecutor:
         """`gathers`: loads all-gather (a group of two or more), on a stream of their own."""
         self.device = device
         # The copy stream: the H2D of the next block runs here while the current block's
-        # kernels run on the caller's stream. See [Note: streams on separate queues]
-        compute = torch.cuda.current_stream(device)
-        self.copy_stream = stream_apart(device, 0, [compute], "copy")
+        # kernels run on the caller's stream.
+        self.copy_stream = torch.cuda.Stream(device)
         # The communication stream: the all-gather of the next block runs here, after its
         # shard's H2D, while the current block computes and the next shard copies.
-        self.comm_stream = stream_apart(device, 0, [compute, self.copy_stream], "communication") if gathers else None
+        self.comm_stream = torch.cuda.Stream(device) if gathers else None
         self.landings: tuple[torch.Tensor, ...] = ()
         self._dequant_stream: torch.cuda.Stream | None = None
         self._landed: list[torch.cuda.Event] = []
@@ -186,9 +123,7 @@ class CudaExecutor:
             drained.record(self.compute_stream())
         # High priority: its short kernels take SMs as the compute stream's blocks retire,
         # instead of queueing behind a whole GEMM.
-        self._dequant_stream = stream_apart(
-            self.device, -1, [self.compute_stream(), self.copy_stream], "dequantization"
-        )
+        self._dequant_stream = torch.cuda.Stream(self.device, priority=-1)
 
     def drop_landings(self) -> None:
         """Free the landing buffers (a failed enable(), or no slots left); the device must be idle."""
