@@ -25,9 +25,9 @@ dlo; their ids are printed per enable. With --streams first, every enable after 
 handed the first enable's two streams instead (does an fp8 enable's speed follow its streams?).
 --pool-skip C,D draws C normal- and D high-priority streams from the pools before the first
 enable, so the enables' streams sit at other places in them. --resident-first runs the model
-resident, its weights quantized as fp8 streaming does (dlo.quantize_resident: dequantized on the
-compute stream), before the first enable (the one earlier run whose first fp8 enable was fast
-had done that).
+resident before the first enable, its weights quantized and dequantized once as fp8 streaming
+would (dlo.quantize_resident), so its forwards are plain bf16 ones (the two earlier runs whose
+first fp8 enable was fast had run such a model first).
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
