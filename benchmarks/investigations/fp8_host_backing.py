@@ -26,8 +26,8 @@ handed the first enable's two streams instead (does an fp8 enable's speed follow
 --pool-skip C,D draws C normal- and D high-priority streams from the pools before the first
 enable, so the enables' streams sit at other places in them. --resident-first runs the model
 resident before the first enable, its weights quantized and dequantized once as fp8 streaming
-would (dlo.quantize_resident), so its forwards are plain bf16 ones (the two earlier runs whose
-first fp8 enable was fast had run such a model first).
+would (dlo.quantize_resident, on the device here), so its forwards are plain bf16 ones (the two
+earlier runs whose first fp8 enable was fast had run such a model first, quantized on the CPU).
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
