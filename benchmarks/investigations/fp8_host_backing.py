@@ -28,6 +28,10 @@ enable, so the enables' streams sit at other places in them. --resident-first ru
 resident before the first enable, its weights quantized and dequantized once as fp8 streaming
 would (dlo.quantize_resident, on the device here), so its forwards are plain bf16 ones (the two
 earlier runs whose first fp8 enable was fast had run such a model first, quantized on the CPU).
+--plain-copy kernel writes each block's plain region (biases, norms) from the landing buffer
+into its slot with an elementwise kernel (uint8 into an int8 view: the same bytes) instead of
+dlo's device-to-device copy, which the driver may run on a copy engine that the host-to-device
+copies also use (does the dequantization stream's copy engine set the speed?).
 
   PYTHONPATH=$PWD/src python3 benchmarks/investigations/fp8_host_backing.py --rounds 3
   CPU smoke test: ... --shape tiny --device cpu --iters 1 --rounds 1
@@ -55,6 +59,8 @@ from slots_back_to_back import timed  # noqa: E402
 import dlo  # noqa: E402
 from dlo.backend import enable as enable_module  # noqa: E402
 from dlo.host import pinned_buffer  # noqa: E402
+from dlo.host.fp8_codec import dequantize_into  # noqa: E402
+from dlo.hotpath import block_loads  # noqa: E402
 
 HUGE = 2 << 20
 SAMPLE_EVERY = 64  # pages between pagemap reads
@@ -122,6 +128,17 @@ class Executors:
         return f"{executor.copy_stream.stream_id}/{dequant.stream_id if dequant is not None else '-'}"
 
 
+def finish_with_a_kernel(self, index: int, state, k: int) -> None:
+    """BlockLoads._finish with the plain region written by an elementwise kernel."""
+    wire = self.blocks[index].wire
+    views = state.views[index]
+    if wire.plain_bytes:
+        target = state.slot.buffer[: wire.plain_bytes].view(torch.int8)
+        target.copy_(self._executor.landings[k][: wire.plain_bytes])  # uint8 -> int8: a kernel, not a memcpy
+    for q, (data, scale) in zip(wire.quantized, self._landed[k][index]):
+        dequantize_into(views[q.index], data, scale)
+
+
 def physical_gib(address: int, nbytes: int) -> list[float]:
     """Guest physical addresses (GiB) of every SAMPLE_EVERY-th page of the range."""
     found = []
@@ -184,6 +201,7 @@ def main() -> None:
     parser.add_argument("--streams", choices=("new", "first"), default="new")
     parser.add_argument("--pool-skip", default="0,0", help="C,D: pool streams drawn before the first enable")
     parser.add_argument("--resident-first", action="store_true")
+    parser.add_argument("--plain-copy", choices=("memcpy", "kernel"), default="memcpy")
     args = parser.parse_args()
     device = torch.device(args.device)
     for name in ("enabled", "defrag"):
@@ -218,6 +236,8 @@ def main() -> None:
         del resident
         if cuda:
             torch.cuda.empty_cache()
+    if args.plain_copy == "kernel":
+        block_loads.BlockLoads._finish = finish_with_a_kernel
     allocations = Allocations(pinned_buffer.aligned_empty)
     pinned_buffer.aligned_empty = allocations
     executors = Executors(enable_module.make_executor, reuse=args.streams == "first")
@@ -243,7 +263,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print(
-        f"\n{args.shape}-shaped fp8, 2 slots, streams {args.streams}, pool skip {args.pool_skip}, ms a forward "
+        f"\n{args.shape}-shaped fp8, 2 slots, streams {args.streams}, pool skip {args.pool_skip}, plain copy "
+        f"{args.plain_copy}, ms a forward "
         f"(median of {args.iters} synchronized; {args.iters} back to back)"
     )
     print(
