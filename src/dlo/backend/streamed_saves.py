@@ -26,11 +26,12 @@ written: in all-gather mode across ranks (each rank holds 1/N of a block; disabl
 rank gives the weights back), with `fp8_compute` (its Linears are not the class's until
 disable() converts them back), and with a `state_dict` argument holding stand-ins. After
 disable(restore=False) the module has no weights, and its save is refused too
-(dlo.backend.handle). A pipeline's save checks every streamed component's first
-(dlo.backend.pipeline), and so does diffusers' loading of a Flux control LoRA's norm layers,
-which keeps copies of `state_dict()` values to put back on unfuse or unload. Not covered: the save of a module that contains the enabled one (its
-state dict holds the stand-ins; save the enabled module), and any other writer of
-`state_dict()` (`torch.save`, accelerate's `save_model`).
+(dlo.backend.handle). A pipeline's save checks every streamed component's first, and
+diffusers' loading of a Flux control LoRA's norm layers (which keeps copies of `state_dict()`
+values to put back on unfuse or unload) reads the real values (dlo.backend.pipeline). Not
+covered: the save of a module that contains the enabled one (its state dict holds the
+stand-ins; save the enabled module), and any other writer of `state_dict()` (`torch.save`,
+accelerate's `save_model`).
 """
 
 from __future__ import annotations
